@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-test
 
-.PHONY: test lint typecheck pytest soak bench clean
+.PHONY: test lint typecheck pytest soak bench demo clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,8 +31,13 @@ pytest: $(STAMP)
 soak: $(STAMP)
 	$(BIN)/pytest -m soak
 
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/codec.py
+	$(BIN)/python benchmarks/core.py
+	$(BIN)/python benchmarks/execserver.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

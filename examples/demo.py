@@ -1,0 +1,125 @@
+"""The demonstration behind ``make demo``: one execserver daemon, two clients.
+
+It starts the reference daemon (``trio-broker execserver``) with two slots and a
+``resize`` service that runs a real command, then connects two clients:
+
+* a background resync that parks eight jobs at priority -2, and
+* an interactive user who arrives a moment later with two jobs at priority 2.
+
+Watch the interactive jobs take the next free slots although they came last,
+the queue positions the execserver reports, the receipts of real processes, and
+finally a graceful drain on SIGTERM with exit status 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import trio
+from trio_websocket import WebSocketConnection, open_websocket_url
+
+from trio_broker import protocol as p
+
+CONFIG = """\
+listen: 127.0.0.1:0
+name: demo-exec
+slots: 2
+fast_reserve: 0
+unknown_share: 1.0
+services:
+  resize:
+    argv:
+      - "{python}"
+      - "-c"
+      - "import sys, time; time.sleep(0.4); print('resized', sys.argv[1])"
+      - "{{file}}"
+    timeout: 30s
+"""
+
+T0 = time.monotonic()
+
+
+def say(who: str, text: str) -> None:
+    print(f"{time.monotonic() - T0:6.2f}s  {who:<12} {text}", flush=True)
+
+
+async def client(
+    url: str, who: str, priority: int, files: list[str], delay: float, done: trio.Event
+) -> None:
+    await trio.sleep(delay)
+    async with open_websocket_url(url) as ws:
+        hello = p.decode(await ws.get_message())
+        assert isinstance(hello, p.Hello)
+        say(who, f"connected: {hello.name} has {hello.processes} slots, {hello.clients} client(s)")
+        await send(ws, p.Register(backend_id=who, name=who, version="demo"))
+        for name in files:
+            await send(ws, p.Want(job_id=name, service="resize", priority=priority))
+        pending = set(files)
+        while pending:
+            message = p.decode(await ws.get_message(), accept=p.EXEC_TO_CLIENT)
+            if isinstance(message, p.Queued):
+                await send(ws, p.Query(job_id=message.job_id))
+            elif isinstance(message, p.Position):
+                say(who, f"{message.job_id}: queued, {message.ahead} ahead of it, "
+                         f"{message.running} running")  # fmt: skip
+            elif isinstance(message, p.Offer):
+                say(who, f"{message.job_id}: got a slot, starting (priority {priority})")
+                await send(
+                    ws,
+                    p.Job(job_id=message.job_id, token=message.token, service="resize",
+                          subject=message.job_id, job={"params": {"file": message.job_id}}),
+                )  # fmt: skip
+            elif isinstance(message, p.Done):
+                r = message.receipt
+                say(who, f"{message.job_id}: {r.status} in {r.duration_s:.2f}s: "
+                         f"{r.stdout_prefix.strip()!r}")  # fmt: skip
+                pending.discard(message.job_id)
+            elif isinstance(message, p.Ping):
+                await send(ws, p.Pong(nonce=message.nonce))
+    done.set()
+
+
+async def send(ws: WebSocketConnection, message: p.Message) -> None:
+    await ws.send_message(p.encode(message))
+
+
+async def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "demo.yml"
+        config.write_text(CONFIG.format(python=sys.executable))
+        ready = Path(tmp) / "ready"
+        os.mkfifo(ready)
+        daemon = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "trio_broker", "--log-level", "warning", "execserver",
+             "--config", str(config), "--ready-file", str(ready)],
+        )  # fmt: skip
+        host, port = (await trio.to_thread.run_sync(ready.read_text)).split()
+        url = f"ws://{host}:{port}/broker"
+        say("demo", f"execserver daemon pid {daemon.pid} serving {url}")
+        background, interactive = trio.Event(), trio.Event()
+        async with trio.open_nursery() as nursery:
+            files = [f"scan-{n:02d}.tif" for n in range(8)]
+            nursery.start_soon(client, url, "background", -2, files, 0.0, background)
+            nursery.start_soon(
+                client, url, "interactive", 2, ["upload-1.jpg", "upload-2.jpg"], 0.3, interactive
+            )
+        async with httpx.AsyncClient() as http:
+            page = (await http.get(f"http://{host}:{port}/inspect/system/execserver")).json()
+        resize = page["services"]["resize"]
+        say("demo", f"resize: {resize['completed']} runs, mean {resize['mean_runtime_s']:.2f}s, "
+                    f"classified {resize['kind']}")  # fmt: skip
+        daemon.send_signal(signal.SIGTERM)
+        status = await daemon.wait()
+        say("demo", f"SIGTERM: the execserver drained and exited with status {status}")
+        if status != 0:
+            raise SystemExit(status)
+
+
+if __name__ == "__main__":
+    trio.run(main)

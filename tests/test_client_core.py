@@ -1,0 +1,369 @@
+"""The client core against real broker cores, with explicit clocks and a held network."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import pytest
+
+from trio_broker import protocol as p
+from trio_broker.broker import Broker, BrokerConfig, StartJob
+from trio_broker.client_core import (
+    Accepted,
+    ClientConfig,
+    ClientCore,
+    ClientUsageError,
+    Close,
+    Dial,
+    Failed,
+    Finished,
+)
+from trio_broker.pool import PoolConfig
+
+QUIET = 1e6  # liveness is tested on its own; here time jumps far without traffic
+
+
+def broker(name: str, size: int = 1, services: tuple[str, ...] = ("s",)) -> Broker:
+    return Broker(
+        BrokerConfig(
+            instance_id=name,
+            name=name,
+            pool=PoolConfig(size=size, unknown_share=1.0, max_slots=dict.fromkeys(services, 0)),
+            ping_interval=QUIET,
+            ping_timeout=QUIET * 2,
+        ),
+        now=0.0,
+    )
+
+
+class Net:
+    """A client and execserver cores joined by queues this test releases at will.
+
+    Each address maps to a list of brokers: a balancer hands each new
+    connection to the next one in turn.
+    """
+
+    def __init__(self, client_config: ClientConfig, fleets: dict[str, list[Broker]]) -> None:
+        self.now = 0.0
+        self.fleets = fleets
+        self.turn = dict.fromkeys(fleets, 0)
+        self.client = ClientCore(client_config, now=0.0)
+        self.links: dict[int, tuple[Broker, int]] = {}
+        self.to_server: dict[int, deque[p.Message]] = {}
+        self.to_client: dict[int, deque[p.Message]] = {}
+        self.effects: list[Any] = []
+        self.started: list[tuple[str, StartJob]] = []
+        self.pending_dials: list[Dial] = []
+        self.route()
+
+    def route(self) -> None:
+        moved = True
+        while moved:
+            moved = False
+            for conn, message in self.client.frames_to_send():
+                moved = True
+                if conn in self.links:
+                    self.to_server[conn].append(message)
+            for effect in self.client.effects():
+                moved = True
+                if isinstance(effect, Dial):
+                    self.pending_dials.append(effect)
+                elif isinstance(effect, Close):
+                    self.cut(effect.conn)
+                else:
+                    self.effects.append(effect)
+            for server in {b for fleet in self.fleets.values() for b in fleet}:
+                for server_conn, message in server.frames_to_send():
+                    moved = True
+                    for conn, (b, sc) in self.links.items():
+                        if b is server and sc == server_conn:
+                            self.to_client[conn].append(message)
+                for server_effect in server.effects():
+                    moved = True
+                    if isinstance(server_effect, StartJob):
+                        self.started.append((server.config.instance_id, server_effect))
+
+    def dial_all(self) -> None:
+        while self.pending_dials:
+            dial = self.pending_dials.pop(0)
+            fleet = self.fleets[dial.address]
+            server = fleet[self.turn[dial.address] % len(fleet)]
+            self.turn[dial.address] += 1
+            server_conn = server.open_connection("10.0.0.1:7000", now=self.now)
+            self.links[dial.conn] = (server, server_conn)
+            self.to_server[dial.conn] = deque()
+            self.to_client[dial.conn] = deque()
+            self.client.connected(dial.conn, local_addr="10.0.0.2:5000", now=self.now)
+            self.route()
+
+    def cut(self, conn: int) -> None:
+        server, server_conn = self.links.pop(conn)
+        server.close_connection(server_conn, now=self.now)
+        self.to_server.pop(conn)
+        self.to_client.pop(conn)
+
+    def flush(self) -> None:
+        """Deliver everything in flight, both ways, until the network is quiet."""
+        while any(self.to_server.values()) or any(self.to_client.values()):
+            for conn in list(self.links):
+                while conn in self.links and self.to_server[conn]:
+                    server, server_conn = self.links[conn]
+                    server.receive(server_conn, self.to_server[conn].popleft(), now=self.now)
+                    self.route()
+                while conn in self.links and self.to_client[conn]:
+                    self.client.receive(conn, self.to_client[conn].popleft(), now=self.now)
+                    self.route()
+
+    def deliver_to_client(self, conn: int) -> p.Message:
+        message = self.to_client[conn].popleft()
+        self.client.receive(conn, message, now=self.now)
+        self.route()
+        return message
+
+    def deliver_to_server(self, conn: int) -> p.Message:
+        message = self.to_server[conn].popleft()
+        server, server_conn = self.links[conn]
+        server.receive(server_conn, message, now=self.now)
+        self.route()
+        return message
+
+    def at(self, when: float) -> None:
+        self.now = when
+        self.client.tick(now=when)
+        for server in {b for fleet in self.fleets.values() for b in fleet}:
+            server.tick(now=when)
+        self.route()
+
+    def submit(self, job_id: str, service: str = "s", priority: int = 0) -> None:
+        self.client.submit(job_id, service, {"n": 1}, priority=priority, now=self.now)
+        self.route()
+
+    def end(self, index: int = 0) -> None:
+        instance, start = self.started.pop(index)
+        server = next(
+            b for f in self.fleets.values() for b in f if b.config.instance_id == instance
+        )
+        server.job_ended(
+            start.run_id,
+            p.Receipt(status="ok", exit_code=0, stdout_prefix="", stdout_bytes=0, stdin_bytes=0,
+                      started_at=0.0, duration_s=0.1, instance_id=""),
+            now=self.now,
+        )  # fmt: skip
+        self.route()
+
+    def of(self, kind: type) -> list[Any]:
+        return [e for e in self.effects if isinstance(e, kind)]
+
+
+def config(*addresses: str, **overrides: Any) -> ClientConfig:
+    settings: dict[str, Any] = {"ping_interval": QUIET, "ping_timeout": QUIET * 2, **overrides}
+    return ClientConfig(
+        backend_id="me", name="client", version="1", addresses=addresses, **settings
+    )
+
+
+def test_register_first_then_park_on_every_connection_offering_the_service() -> None:
+    a, b, c = broker("a"), broker("b"), broker("c", services=("other",))
+    net = Net(config("A", "B", "C"), {"A": [a], "B": [b], "C": [c]})
+    net.dial_all()
+    first = [net.to_server[conn][0] for conn in net.links]
+    assert all(isinstance(m, p.Register) for m in first)
+    net.flush()
+    net.submit("j")
+    parked = {conn for conn, queue in net.to_server.items() if queue}
+    assert net.client.parked_on("j") == frozenset(parked)
+    assert len(parked) == 2  # not on C, which does not offer "s"
+
+
+def test_first_offer_wins_surplus_is_declined_and_others_unwanted() -> None:
+    a, b = broker("a"), broker("b")
+    net = Net(config("A", "B"), {"A": [a], "B": [b]})
+    net.dial_all()
+    net.flush()
+    net.submit("j")
+    conn_a, conn_b = sorted(net.links)
+    net.deliver_to_server(conn_a)
+    net.deliver_to_server(conn_b)  # both execservers offer
+    assert isinstance(net.deliver_to_client(conn_b), p.Offer)  # B's offer arrives first
+    assert net.of(Accepted) == [Accepted(job_id="j", conn=conn_b)]
+    assert [m.TYPE for m in net.to_server[conn_a]] == ["UNWANT"]
+    assert isinstance(net.deliver_to_client(conn_a), p.Offer)  # A's crossed our UNWANT
+    assert [m.TYPE for m in net.to_server[conn_a]] == ["UNWANT", "DECLINE"]
+    net.flush()
+    assert a.pool.busy == 0
+    assert b.pool.busy == 1
+    net.end()
+    net.flush()
+    (finished,) = net.of(Finished)
+    assert finished.job_id == "j"
+    assert finished.receipt.instance_id == "b"
+
+
+def test_expired_offer_is_parked_again() -> None:
+    a = broker("a")
+    net = Net(config("A"), {"A": [a]})
+    net.dial_all()
+    net.flush()
+    net.submit("j")
+    (conn,) = net.links
+    net.deliver_to_server(conn)  # WANT -> OFFER, which stays in flight
+    net.at(10.0)  # the offer expires at the execserver
+    net.deliver_to_client(conn)  # the late OFFER: accepted, JOB sent
+    net.flush()  # JOB -> unknown_token; offer_expired; the client re-parks
+    assert net.client.parked_on("j") or net.started
+    net.flush()
+    assert len(net.started) == 1
+
+
+def test_connect_timeout_unwants_everywhere_and_fails() -> None:
+    a, b = broker("a"), broker("b")
+    net = Net(config("A", "B", connect_timeout=30.0, pool_max=1), {"A": [a], "B": [b]})
+    net.dial_all()
+    net.flush()
+    net.submit("busy-1")
+    net.flush()
+    net.submit("busy-2")
+    net.flush()
+    net.submit("starved")
+    net.flush()
+    assert len(a.book) + len(b.book) == 2
+    net.at(30.0)
+    net.flush()
+    assert net.of(Failed) == [
+        Failed(job_id="starved", reason="no_slot", detail="no slot within connect_timeout (30s)")
+    ]
+    assert len(a.book) + len(b.book) == 0
+
+
+def test_no_execserver_fails_at_once() -> None:
+    net = Net(config("A"), {"A": [broker("a")]})
+    net.submit("j")
+    assert net.of(Failed) == [
+        Failed(job_id="j", reason="no_execserver", detail="no execserver is connected")
+    ]
+
+
+def test_wants_are_parked_again_after_reconnect() -> None:
+    a = broker("a")
+    net = Net(config("A", reconnect_min=0.5), {"A": [a]})
+    net.dial_all()
+    net.flush()
+    net.submit("hold")
+    net.flush()
+    net.submit("waiting")
+    net.flush()
+    (conn,) = net.links
+    net.cut(conn)
+    net.client.connection_closed(conn, now=net.now)
+    net.route()
+    assert net.of(Failed) == [
+        Failed(
+            job_id="hold",
+            reason="lost",
+            detail="the connection to A closed while the job held its slot",
+        )
+    ]
+    net.at(0.5)
+    net.dial_all()
+    net.flush()
+    assert [start.job_id for _, start in net.started] == ["hold"]
+    net.end(0)  # the execserver stopped the orphaned run: its slot frees
+    net.flush()
+    assert [start.job_id for _, start in net.started] == ["waiting"]
+
+
+def test_pool_grows_through_the_balancer_until_it_meets_a_known_replica() -> None:
+    replicas = [broker("r1"), broker("r2")]
+    net = Net(
+        config("LB", retry_tick=1.0, pool_grow_interval=2.0, pool_reprobe_interval=60.0),
+        {"LB": replicas},
+    )
+    net.dial_all()
+    net.flush()
+    net.submit("busy")
+    net.flush()
+    net.submit("waiting")
+    net.flush()
+    assert len(net.client.pool("LB")) == 1
+    net.at(1.0)  # a whole retry tick without an offer: one more connection
+    assert len(net.pending_dials) == 1
+    net.dial_all()
+    net.flush()
+    assert len(net.started) == 2  # the second replica took the waiting job
+    net.submit("third")
+    net.flush()
+    net.at(3.0)
+    net.dial_all()  # lands on r1 again: a duplicate instance
+    net.flush()
+    assert net.client.covered("LB")
+    assert len(net.client.pool("LB")) == 2
+    net.at(10.0)
+    assert not net.pending_dials  # covered: no growth
+    net.at(63.0)  # re-probe clears the mark
+    assert not net.client.covered("LB")
+
+
+def test_growth_is_capped_by_pool_max() -> None:
+    replicas = [broker(f"r{i}") for i in range(5)]
+    net = Net(config("LB", pool_max=3, pool_grow_interval=1.0), {"LB": replicas})
+    net.dial_all()
+    net.flush()
+    for i in range(10):
+        net.submit(f"j{i}")
+        net.flush()
+    for second in range(1, 20):
+        net.at(float(second))
+        net.dial_all()
+        net.flush()
+    assert len(net.client.pool("LB")) == 3
+
+
+def test_cancel_waiting_and_running() -> None:
+    a = broker("a")
+    net = Net(config("A"), {"A": [a]})
+    net.dial_all()
+    net.flush()
+    net.submit("running")
+    net.flush()
+    net.submit("waiting")
+    net.flush()
+    net.client.cancel("waiting", now=net.now)
+    net.route()
+    net.flush()
+    assert len(a.book) == 0
+    assert Failed(job_id="waiting", reason="cancelled", detail="cancelled by the caller") in (
+        net.effects
+    )
+    net.client.cancel("running", now=net.now)
+    net.route()
+    net.flush()
+    (conn,) = net.links
+    assert not net.to_server[conn]
+
+
+def test_draining_execserver_releases_the_wants_parked_there() -> None:
+    a, b = broker("a"), broker("b")
+    net = Net(config("A", "B"), {"A": [a], "B": [b]})
+    net.dial_all()
+    net.flush()
+    net.submit("x")
+    net.flush()
+    net.submit("y")
+    net.flush()
+    net.submit("z")
+    net.flush()
+    a.drain(now=net.now)
+    net.route()
+    net.flush()
+    conn_a = next(c for c, (s, _) in net.links.items() if s is a)
+    assert conn_a not in net.client.parked_on("z")
+
+
+def test_duplicate_submit_is_a_usage_error() -> None:
+    net = Net(config("A"), {"A": [broker("a")]})
+    net.dial_all()
+    net.flush()
+    net.submit("j")
+    with pytest.raises(ClientUsageError):
+        net.client.submit("j", "s", {}, now=net.now)

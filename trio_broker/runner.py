@@ -1,0 +1,848 @@
+"""Runners: what an execserver calls to run a granted job, and the supervised reference.
+
+The execserver grants a slot, creates a :class:`JobControl` for the job and awaits
+``runner.run(request, control)``; the runner returns a
+:class:`~trio_broker.protocol.Receipt`, whatever happened to the job. A
+:class:`CommandRunner` runs each service as a configured argv template (never a
+shell) in its own process group and work directory, samples the group every
+``sample_interval`` for :mod:`trio_broker.watchdog`, and kills the whole group at
+the end. Linux only: it reads ``/proc`` (:mod:`trio_broker.procgroup`).
+
+Ending a job:
+
+* The leader exits on its own: the rest of the group gets ``SIGKILL`` (no stray
+  helper survives), the leader is reaped, the receipt tells its exit status.
+* A verdict (timeout, stall, memory) or :meth:`JobControl.abort`: ``SIGTERM`` to
+  the group, up to ``kill_grace`` seconds for the leader to exit, then ``SIGKILL``
+  to the group; the receipt keeps the leader's real exit status.
+* The task running :meth:`CommandRunner.run` is cancelled (daemon shutdown):
+  ``SIGKILL`` to the group at once, reap, clean up (shielded, bounded), and the
+  cancellation propagates.
+
+The leader is waited for through a pidfd, which becomes readable when it exits
+but does not reap it: the group is signalled while the exited leader is still a
+zombie holding its pid, so the group id cannot have been reused by then.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping
+from functools import partial
+from typing import Any, Final, Literal, Protocol, TypeAlias
+
+import attrs
+import trio
+
+from trio_broker import procgroup
+from trio_broker.protocol import Receipt, Status
+from trio_broker.watchdog import MemoryBudget, Verdict, Watchdog, budget_verdict
+
+__all__ = [
+    "AbortStatus",
+    "CommandRunner",
+    "CommandSpec",
+    "JobControl",
+    "JobRequest",
+    "ParameterError",
+    "Runner",
+    "RunnerStatistics",
+    "RunningJob",
+    "fill_argv",
+]
+
+logger = logging.getLogger(__name__)
+
+AbortStatus: TypeAlias = Literal["cancelled", "stopped"]
+"""The receipt statuses of an aborted job: ``CANCEL`` from the client, or an
+operational interruption (shutdown, broken stream)."""
+
+STDOUT_PREFIX_BYTES: Final = 4000
+"""How much of stdout a receipt carries."""
+STDERR_LINE_CHARS: Final = 1000
+"""The longest ``stderr_line`` a receipt carries (its last characters)."""
+SUPERVISED_ENV: Final = ("FYLR_EXEC_SUPERVISED", "FYLR_CONVERT_THREADS")
+"""Variables the runner always sets itself."""
+
+_READ_CHUNK = 65536
+_STDERR_TAIL_BYTES = 4 * STDERR_LINE_CHARS + 4  # enough bytes for 1000 characters
+_CLEANUP_TIMEOUT = 5.0  # shielded cleanup after a cancellation
+_GROUP_GONE_TIMEOUT = 3.0  # for SIGKILLed members to die
+_GROUP_GONE_POLL = 0.02
+_OUTPUT_DRAIN_TIMEOUT = 2.0  # for the pipes to reach EOF once the group is dead
+
+
+# -- the interface ----------------------------------------------------------------
+
+
+class ParameterError(ValueError):
+    """A job's parameters cannot fill an argv template; the text is the receipt's error."""
+
+
+_TEMPLATE_TOKEN = re.compile(r"\{\{|\}\}|\{([^{}]*)\}|[{}]")
+
+
+def _parse_template(element: str) -> tuple[str | tuple[str], ...]:
+    """Split an argv element into literal strings and ``(name,)`` placeholders.
+
+    Raises:
+        ValueError: a single ``{`` or ``}``, or an empty ``{}``.
+    """
+    parts: list[str | tuple[str]] = []
+    position = 0
+    for match in _TEMPLATE_TOKEN.finditer(element):
+        parts.append(element[position : match.start()])
+        token = match.group()
+        if token in ("{{", "}}"):
+            parts.append(token[0])
+        elif match.group(1):
+            parts.append((match.group(1),))
+        elif token == "{}":
+            raise ValueError(f"argv element {element!r} has an empty placeholder '{{}}'")
+        else:
+            raise ValueError(
+                f"argv element {element!r} has a single {token!r}; write {token * 2!r} "
+                "for a literal brace"
+            )
+        position = match.end()
+    parts.append(element[position:])
+    return tuple(part for part in parts if part != "")
+
+
+def _format_parameter(name: str, value: object) -> str:
+    if isinstance(value, str):
+        text = value
+    elif value is True or value is False:
+        text = "true" if value else "false"
+    elif isinstance(value, int | float) and math.isfinite(value):
+        text = json.dumps(value)
+    else:
+        raise ParameterError(f"parameter {name!r} must be a string, number or boolean")
+    if "\0" in text:
+        raise ParameterError(f"parameter {name!r} must not contain a NUL character")
+    return text
+
+
+def fill_argv(argv: tuple[str, ...], params: Mapping[str, Any]) -> tuple[str, ...]:
+    """Fill the ``{name}`` placeholders of an argv template from a job's parameters.
+
+    Strings go in as they are, numbers as JSON prints them, booleans as ``true``
+    or ``false``; ``{{`` and ``}}`` are literal braces. Each element stays one
+    argument whatever the values hold: there is no shell.
+
+    Raises:
+        ParameterError: a placeholder's parameter is missing or not a scalar.
+        ValueError: the template itself is malformed (a caller's mistake).
+    """
+    filled = []
+    for element in argv:
+        pieces = []
+        for part in _parse_template(element):
+            if isinstance(part, str):
+                pieces.append(part)
+                continue
+            (name,) = part
+            if name not in params:
+                raise ParameterError(f"missing parameter {name!r}")
+            pieces.append(_format_parameter(name, params[name]))
+        filled.append("".join(pieces))
+    return tuple(filled)
+
+
+def _check_argv(spec: CommandSpec, _: attrs.Attribute[Any], argv: tuple[str, ...] | None) -> None:
+    if argv is None:
+        return
+    if not isinstance(argv, tuple) or not argv or not all(isinstance(a, str) for a in argv):
+        raise ValueError(f"argv must be a non-empty tuple of strings, got {argv!r}")
+    if any("\0" in element for element in argv):
+        raise ValueError("argv must not contain NUL characters")
+    for element in argv:
+        _parse_template(element)
+
+
+def _positive_or_none(spec: CommandSpec, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{attribute.name} must be positive or None, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class CommandSpec:
+    """How one service runs.
+
+    Attributes:
+        argv: the command as an argv template: elements may hold ``{name}``
+            placeholders filled from the job's ``params``; ``{{``/``}}`` are
+            literal braces.
+        builtin: instead of a command, ``"noop"`` (ends at once) or ``"sleep"``
+            (holds the slot for ``params.seconds``). Exactly one of ``argv`` and
+            ``builtin`` is set.
+        threads: the resolved thread count, given to the command as
+            ``FYLR_CONVERT_THREADS``.
+        timeout: the wall-clock ceiling in seconds, ``None`` for none.
+        stall_timeout: seconds without progress before the job is stalled,
+            ``None`` for no stall supervision.
+        memory_limit: this job's own RSS ceiling in bytes, ``None`` for none.
+        env: extra environment variables for the command.
+
+    Raises:
+        ValueError: both or neither of ``argv``/``builtin``; a malformed
+            template; a non-positive limit or thread count.
+    """
+
+    argv: tuple[str, ...] | None = attrs.field(default=None, validator=_check_argv)
+    builtin: Literal["noop", "sleep"] | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.in_(("noop", "sleep")))
+    )
+    threads: int = attrs.field(default=1)
+    timeout: float | None = attrs.field(default=None, validator=_positive_or_none)
+    stall_timeout: float | None = attrs.field(default=600.0, validator=_positive_or_none)
+    memory_limit: int | None = attrs.field(default=None, validator=_positive_or_none)
+    env: Mapping[str, str] = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        if (self.argv is None) == (self.builtin is None):
+            raise ValueError("a CommandSpec needs exactly one of argv and builtin")
+        if type(self.threads) is not int or self.threads < 1:
+            raise ValueError(f"threads must be an integer >= 1, got {self.threads!r}")
+
+
+@attrs.frozen(kw_only=True)
+class JobRequest:
+    """A job to run: the redeemed ``JOB`` message.
+
+    Attributes:
+        job_id: the client's job id.
+        service: the service to run it with.
+        subject: what the job is about (for logs), if the client said.
+        job: the ``JOB`` message's object; parameters are in ``job["params"]``.
+    """
+
+    job_id: str
+    service: str
+    subject: str | None = None
+    job: Mapping[str, Any] = attrs.field(factory=dict)
+
+
+class JobControl:
+    """The execserver's handle on one running job: it can ask the runner to end it.
+
+    Created by the execserver per job and passed to :meth:`Runner.run`. Use it
+    from the trio thread only.
+    """
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+        self._status: AbortStatus | None = None
+        self._reason: str | None = None
+
+    def abort(self, status: AbortStatus, reason: str) -> None:
+        """Ask the runner to end the job now; the first call wins, later ones are ignored.
+
+        Args:
+            status: the receipt status, ``"cancelled"`` (the client's ``CANCEL``)
+                or ``"stopped"`` (shutdown, broken stream).
+            reason: the receipt's error sentence.
+
+        Raises:
+            ValueError: ``status`` is neither of the two.
+        """
+        if status not in ("cancelled", "stopped"):
+            raise ValueError(f"an abort status is 'cancelled' or 'stopped', not {status!r}")
+        if self._status is None:
+            self._status = status
+            self._reason = reason
+            self._event.set()
+
+    @property
+    def aborted(self) -> bool:
+        """Whether :meth:`abort` was called."""
+        return self._status is not None
+
+    @property
+    def status(self) -> AbortStatus | None:
+        """The first abort's status, ``None`` before any."""
+        return self._status
+
+    @property
+    def reason(self) -> str | None:
+        """The first abort's reason, ``None`` before any."""
+        return self._reason
+
+    async def wait_aborted(self) -> None:
+        """Return once :meth:`abort` has been called."""
+        await self._event.wait()
+
+
+class Runner(Protocol):
+    """Runs granted jobs for an execserver."""
+
+    async def run(self, request: JobRequest, control: JobControl) -> Receipt:
+        """Run one job to its end and describe how it ended.
+
+        Never raises for job-level problems (unknown service, bad parameters,
+        a command that fails or cannot start): those are receipts. If the calling
+        task is cancelled, the job is killed and the cancellation propagates.
+        """
+        ...
+
+
+@attrs.frozen(kw_only=True)
+class RunningJob:
+    """One running job in :meth:`CommandRunner.statistics`."""
+
+    job_id: str
+    service: str
+    started_at: float
+    pid: int | None
+    """The leader's pid; ``None`` for builtins."""
+    pgid: int | None
+    """The process group (equal to ``pid``); ``None`` for builtins."""
+    rss: int | None
+    """The latest sampled RSS of the group."""
+    peak_memory: int | None
+
+
+@attrs.frozen(kw_only=True)
+class RunnerStatistics:
+    """A snapshot of a :class:`CommandRunner`."""
+
+    running: tuple[RunningJob, ...]
+    memory_used: int
+    """The latest sampled RSS of every running job, summed."""
+    memory_budget: int | None
+
+
+# -- the reference runner -----------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class _Ending:
+    """Why the runner ended a job (a verdict or an abort)."""
+
+    status: Status
+    error: str
+
+
+@attrs.frozen(kw_only=True)
+class _Start:
+    """When a job started, and the receipts that tell how it ended."""
+
+    started: float
+    """On the trio clock (monotonic)."""
+    started_at: float
+    """On the wall clock."""
+    instance_id: str
+
+    def receipt(
+        self,
+        status: Status,
+        error: str | None = None,
+        *,
+        exit_code: int | None = None,
+        stderr_line: str | None = None,
+        stdout_prefix: str = "",
+        stdout_bytes: int = 0,
+        peak_memory: int | None = None,
+    ) -> Receipt:
+        return Receipt(
+            status=status,
+            exit_code=exit_code,
+            error=error,
+            stderr_line=stderr_line,
+            stdout_prefix=stdout_prefix,
+            stdout_bytes=stdout_bytes,
+            stdin_bytes=0,
+            started_at=self.started_at,
+            duration_s=trio.current_time() - self.started,
+            peak_memory=peak_memory,
+            instance_id=self.instance_id,
+        )
+
+
+def _only_cancelled(group: BaseExceptionGroup[BaseException]) -> trio.Cancelled | None:
+    """The first Cancelled of a group that holds nothing else, else ``None``."""
+    cancelled, rest = group.split(trio.Cancelled)
+    if cancelled is None or rest is not None:
+        return None
+    leaf: BaseException = cancelled
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    assert isinstance(leaf, trio.Cancelled)
+    return leaf
+
+
+def _cut_utf8(data: bytes, limit: int) -> bytes:
+    """The first ``limit`` bytes at most, without a character cut in two."""
+    if len(data) <= limit:
+        return data
+    cut = limit
+    while cut > limit - 3 and cut > 0 and data[cut] & 0xC0 == 0x80:
+        cut -= 1
+    return data[:cut] if data[cut] & 0xC0 != 0x80 else data[:limit]
+
+
+class _LastLine:
+    """Keeps the last non-empty line of a byte stream (``\\n`` or ``\\r`` ends a line)."""
+
+    _BREAK = re.compile(rb"[\r\n]")
+
+    def __init__(self) -> None:
+        self._last: bytes | None = None
+        self._partial = b""
+
+    def feed(self, chunk: bytes | bytearray) -> None:
+        *lines, partial = self._BREAK.split(self._partial + chunk)
+        for line in reversed(lines):
+            if line.strip():
+                self._last = line[-_STDERR_TAIL_BYTES:]
+                break
+        self._partial = partial[-_STDERR_TAIL_BYTES:]
+
+    def result(self) -> str | None:
+        line = self._partial if self._partial.strip() else self._last
+        if line is None:
+            return None
+        if len(line) == _STDERR_TAIL_BYTES:  # possibly cut inside a character
+            line = line.lstrip(bytes(range(0x80, 0xC0)))
+        return line.decode("utf-8", "replace").strip()[-STDERR_LINE_CHARS:]
+
+
+class _CommandJob:
+    """The state of one command while it runs (one per :meth:`CommandRunner.run`)."""
+
+    def __init__(
+        self,
+        runner: CommandRunner,
+        entry: _Entry,
+        spec: CommandSpec,
+        process: trio.Process,
+        workdir: str,
+        start: _Start,
+    ) -> None:
+        self.runner = runner
+        self.request = entry.request
+        self.process = process
+        self.pgid = process.pid
+        self.workdir = workdir
+        self.key = entry.key
+        self.watchdog = Watchdog(
+            started=start.started,
+            timeout=spec.timeout,
+            stall_timeout=spec.stall_timeout,
+            memory_limit=spec.memory_limit,
+        )
+        self.pidfd = procgroup.open_pidfd(process.pid)
+        self.reaped = False
+        self.rss: int | None = None
+        self.stdout_head = bytearray()
+        self.stdout_bytes = 0
+        self.stderr_bytes = 0
+        self.stderr_line = _LastLine()
+        self.stdout_done = trio.Event()
+        self.stderr_done = trio.Event()
+
+    # -- output
+
+    async def pump_stdout(self) -> None:
+        assert self.process.stdout is not None
+        try:
+            while chunk := await self.process.stdout.receive_some(_READ_CHUNK):
+                self.stdout_bytes += len(chunk)
+                room = STDOUT_PREFIX_BYTES + 1 - len(self.stdout_head)  # +1: see _cut_utf8
+                if room > 0:
+                    self.stdout_head += chunk[:room]
+        finally:
+            self.stdout_done.set()
+
+    async def pump_stderr(self) -> None:
+        assert self.process.stderr is not None
+        try:
+            while chunk := await self.process.stderr.receive_some(_READ_CHUNK):
+                self.stderr_bytes += len(chunk)
+                self.stderr_line.feed(chunk)
+        finally:
+            self.stderr_done.set()
+
+    # -- supervision
+
+    async def sample(self) -> Verdict | None:
+        """Sample the group and its work dir once; the verdict if the job must end."""
+        reading, dir_bytes = await trio.to_thread.run_sync(self._read, abandon_on_cancel=True)
+        verdict = self.watchdog.sample(
+            trio.current_time(),
+            rss=reading.rss,
+            cpu_seconds=reading.cpu_seconds,
+            io_bytes=self.stdout_bytes + self.stderr_bytes,
+            dir_bytes=dir_bytes,
+        )
+        self.rss = reading.rss
+        budget = self.runner._budget
+        if budget is not None:
+            budget.report(self.key, reading.rss)
+            if verdict is None and budget.over_budget() == self.key:
+                verdict = budget_verdict(rss=reading.rss, used=budget.used(), total=budget.total)
+        return verdict
+
+    def _read(self) -> tuple[procgroup.GroupSample, int]:
+        return procgroup.sample_group(self.pgid), procgroup.directory_bytes(self.workdir)
+
+    async def supervise(self, control: JobControl) -> _Ending | None:
+        """Wait for the first of: the leader exits (``None``), a verdict, an abort."""
+        verdict = await self.sample()  # at least one sample: peak_memory is known
+        if verdict is not None:
+            return _Ending(status=verdict.status, error=verdict.error)
+        endings: list[_Ending | None] = []
+
+        def decide(ending: _Ending | None) -> None:
+            if not endings:
+                endings.append(ending)
+                nursery.cancel_scope.cancel()
+
+        async def leader_exited() -> None:
+            await self.wait_leader_exited()
+            decide(None)
+
+        async def aborted() -> None:
+            await control.wait_aborted()
+            assert control.status is not None
+            assert control.reason is not None
+            decide(_Ending(status=control.status, error=control.reason))
+
+        async def sampler() -> None:
+            interval = self.runner._sample_interval
+            while True:
+                deadline = trio.current_time() + interval
+                limit = self.watchdog.next_deadline()
+                await trio.sleep_until(deadline if limit is None else min(deadline, limit))
+                verdict = await self.sample()
+                if verdict is not None:
+                    decide(_Ending(status=verdict.status, error=verdict.error))
+                    return
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(leader_exited)
+            nursery.start_soon(aborted)
+            nursery.start_soon(sampler)
+        return endings[0]
+
+    # -- ending
+
+    async def wait_leader_exited(self) -> None:
+        """Return once the leader has exited; reaps it only if no pidfd is available."""
+        if self.reaped:
+            return
+        if self.pidfd is not None:
+            await trio.lowlevel.wait_readable(self.pidfd)
+        else:
+            await self.process.wait()
+            self.reaped = True
+
+    def kill(self, sig: signal.Signals) -> None:
+        procgroup.signal_group(self.pgid, sig)
+
+    async def terminate(self, grace: float) -> None:
+        """SIGTERM to the group, then up to ``grace`` seconds for the leader to exit."""
+        self.kill(signal.SIGTERM)
+        with trio.move_on_after(grace):
+            await self.wait_leader_exited()
+
+    async def kill_and_reap(self) -> None:
+        """SIGKILL to the group, reap the leader, wait (bounded) for the members to die."""
+        self.kill(signal.SIGKILL)
+        await self.process.wait()
+        self.reaped = True
+        with trio.move_on_after(_GROUP_GONE_TIMEOUT) as scope:
+            await self._wait_group_gone()
+        if scope.cancelled_caught:
+            logger.warning(
+                "job %s: process group %d survived SIGKILL for %ss",
+                self.request.job_id,
+                self.pgid,
+                _GROUP_GONE_TIMEOUT,
+            )
+
+    async def _wait_group_gone(self) -> None:
+        """Return once no member of the group is alive (zombies do not count).
+
+        Event-driven: a pidfd becomes readable when its process exits, even for
+        a process that is not our child.
+        """
+        while True:
+            reading = await trio.to_thread.run_sync(procgroup.sample_group, self.pgid)
+            if not reading.live_pids:
+                return
+            pidfds = [procgroup.open_pidfd(pid) for pid in reading.live_pids]
+            opened = [fd for fd in pidfds if fd is not None]
+            try:
+                async with trio.open_nursery() as nursery:
+                    for fd in opened:
+                        nursery.start_soon(trio.lowlevel.wait_readable, fd)
+            finally:
+                for fd in opened:
+                    trio.lowlevel.notify_closing(fd)
+                    os.close(fd)
+            if len(opened) < len(pidfds):  # gone already, or no pidfds here: look again soon
+                await trio.sleep(_GROUP_GONE_POLL)
+
+    async def close(self) -> None:
+        """Release everything; after a cancellation, first kill the group (shielded)."""
+        with trio.CancelScope(shield=True), trio.move_on_after(_CLEANUP_TIMEOUT):
+            if not self.reaped:
+                await self.kill_and_reap()
+        if not self.reaped:
+            logger.warning("job %s: leader %d not reaped", self.request.job_id, self.pgid)
+        if self.pidfd is not None:
+            trio.lowlevel.notify_closing(self.pidfd)
+            os.close(self.pidfd)
+            self.pidfd = None
+        for stream in (self.process.stdout, self.process.stderr):
+            if stream is not None:
+                with trio.CancelScope(shield=True):
+                    await stream.aclose()
+
+    # -- the receipt
+
+    def stdout_prefix(self) -> str:
+        return _cut_utf8(bytes(self.stdout_head), STDOUT_PREFIX_BYTES).decode("utf-8", "replace")
+
+
+@attrs.define(kw_only=True, eq=False)
+class _Entry:
+    """A job in :meth:`CommandRunner.statistics`, from the start of ``run`` to its end."""
+
+    request: JobRequest
+    key: int
+    started_at: float
+    job: _CommandJob | None = None
+    """Set once the command's process exists."""
+
+    def snapshot(self) -> RunningJob:
+        job = self.job
+        return RunningJob(
+            job_id=self.request.job_id,
+            service=self.request.service,
+            started_at=self.started_at,
+            pid=None if job is None else job.pgid,
+            pgid=None if job is None else job.pgid,
+            rss=None if job is None else job.rss,
+            peak_memory=None if job is None else job.watchdog.peak_memory,
+        )
+
+
+class CommandRunner:
+    """The reference runner: each service is a supervised command (or a builtin).
+
+    Args:
+        services: how each service runs, by name.
+        env: environment variables for every command (under each service's own).
+        temp_dir: where the per-job work directories are made (default: the
+            system's temporary directory).
+        memory_budget: bytes that all running jobs together may use; when they
+            exceed it, the job with the largest RSS ends ``out_of_memory``.
+        instance_id: copied into every receipt.
+        sample_interval: seconds between samples of a running job.
+        kill_grace: seconds between SIGTERM and SIGKILL when the runner ends a job.
+    """
+
+    def __init__(
+        self,
+        services: Mapping[str, CommandSpec],
+        *,
+        env: Mapping[str, str] = {},
+        temp_dir: str | None = None,
+        memory_budget: int | None = None,
+        instance_id: str = "",
+        sample_interval: float = 1.0,
+        kill_grace: float = 2.0,
+    ) -> None:
+        if not (math.isfinite(sample_interval) and sample_interval > 0):
+            raise ValueError(f"sample_interval must be positive, got {sample_interval!r}")
+        if not (math.isfinite(kill_grace) and kill_grace >= 0):
+            raise ValueError(f"kill_grace must be non-negative, got {kill_grace!r}")
+        self._services = dict(services)
+        self._env = dict(env)
+        self._temp_dir = temp_dir
+        self._budget: MemoryBudget[int] | None = (
+            None if memory_budget is None else MemoryBudget(memory_budget)
+        )
+        self._instance_id = instance_id
+        self._sample_interval = sample_interval
+        self._kill_grace = kill_grace
+        self._keys = itertools.count()
+        self._running: dict[int, _Entry] = {}
+        for where, mapping in [("runner env", self._env)] + [
+            (f"service {name!r} env", spec.env) for name, spec in self._services.items()
+        ]:
+            overridden = sorted(set(mapping) & set(SUPERVISED_ENV))
+            if overridden:
+                logger.warning(
+                    "%s sets %s, which the runner always sets itself; ignored",
+                    where,
+                    ", ".join(overridden),
+                )
+
+    def statistics(self) -> RunnerStatistics:
+        """A snapshot of the running jobs and the memory they use."""
+        running = tuple(entry.snapshot() for entry in self._running.values())
+        budget = self._budget
+        return RunnerStatistics(
+            running=running,
+            memory_used=sum(job.rss or 0 for job in running),
+            memory_budget=None if budget is None else budget.total,
+        )
+
+    async def run(self, request: JobRequest, control: JobControl) -> Receipt:
+        """Run one job to its end and describe how it ended (see :class:`Runner`)."""
+        start = _Start(
+            started=trio.current_time(), started_at=time.time(), instance_id=self._instance_id
+        )
+        spec = self._services.get(request.service)
+        if spec is None:
+            return start.receipt("error", f"unknown service {request.service!r}")
+        entry = _Entry(request=request, key=next(self._keys), started_at=start.started_at)
+        self._running[entry.key] = entry
+        try:
+            return await self._run_job(entry, spec, control, start)
+        finally:
+            del self._running[entry.key]
+
+    async def _run_job(
+        self, entry: _Entry, spec: CommandSpec, control: JobControl, start: _Start
+    ) -> Receipt:
+        request = entry.request
+        receipt = start.receipt
+        if control.aborted:
+            assert control.status is not None
+            return receipt(control.status, control.reason)
+        params = request.job.get("params", {})
+        if not isinstance(params, Mapping):
+            return receipt("error", "params must be an object")
+        if spec.builtin is not None:
+            return await self._run_builtin(spec.builtin, params, control, start)
+        assert spec.argv is not None
+        try:
+            argv = fill_argv(spec.argv, params)
+        except ParameterError as exc:
+            return receipt("error", str(exc))
+        try:
+            workdir = tempfile.mkdtemp(prefix="trio-broker-job-", dir=self._temp_dir)
+        except OSError as exc:
+            return receipt("error", f"cannot create a work directory: {exc}")
+        try:
+            return await self._run_command(entry, spec, argv, workdir, control, start)
+        except BaseExceptionGroup as group:
+            # Our nurseries wrap the cancellation of the calling task in groups of
+            # Cancelled; callers expect the plain Cancelled that trio.run_process raises.
+            cancelled = _only_cancelled(group)
+            if cancelled is None:
+                raise
+            raise cancelled from None
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(_CLEANUP_TIMEOUT):
+                await trio.to_thread.run_sync(
+                    partial(shutil.rmtree, workdir, ignore_errors=True), abandon_on_cancel=True
+                )
+
+    async def _run_builtin(
+        self,
+        builtin: Literal["noop", "sleep"],
+        params: Mapping[str, Any],
+        control: JobControl,
+        start: _Start,
+    ) -> Receipt:
+        receipt = start.receipt
+        if builtin == "noop":
+            return receipt("ok")
+        if "seconds" not in params:
+            return receipt("error", "missing parameter 'seconds'")
+        seconds = params["seconds"]
+        if (
+            not isinstance(seconds, int | float)
+            or isinstance(seconds, bool)
+            or not math.isfinite(seconds)
+            or seconds < 0
+        ):
+            return receipt("error", "parameter 'seconds' must be a non-negative number")
+        with trio.move_on_after(seconds):
+            await control.wait_aborted()
+        if control.status is not None:
+            return receipt(control.status, control.reason)
+        return receipt("ok")
+
+    def _environment(self, spec: CommandSpec) -> dict[str, str]:
+        env = {**os.environ, **self._env, **spec.env}
+        env["FYLR_EXEC_SUPERVISED"] = "1"
+        env["FYLR_CONVERT_THREADS"] = str(spec.threads)
+        return env
+
+    async def _run_command(
+        self,
+        entry: _Entry,
+        spec: CommandSpec,
+        argv: tuple[str, ...],
+        workdir: str,
+        control: JobControl,
+        start: _Start,
+    ) -> Receipt:
+        receipt = start.receipt
+        try:
+            process = await trio.lowlevel.open_process(
+                argv,
+                start_new_session=True,
+                cwd=workdir,
+                env=self._environment(spec),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            return receipt("error", f"cannot run {argv[0]!r}: {reason}")
+        except ValueError as exc:  # e.g. a NUL in the configured env
+            return receipt("error", f"cannot run {argv[0]!r}: {exc}")
+        job = entry.job = _CommandJob(self, entry, spec, process, workdir, start)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(job.pump_stdout)
+                nursery.start_soon(job.pump_stderr)
+                ending = await job.supervise(control)
+                if ending is not None:
+                    await job.terminate(self._kill_grace)
+                await job.kill_and_reap()
+                with trio.move_on_after(_OUTPUT_DRAIN_TIMEOUT):
+                    await job.stdout_done.wait()
+                    await job.stderr_done.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            await job.close()
+            if self._budget is not None:
+                self._budget.forget(job.key)
+        exit_code = process.returncode
+        assert exit_code is not None
+        if ending is not None:
+            status, error = ending.status, ending.error
+        elif exit_code == 0:
+            status, error = "ok", None
+        elif exit_code > 0:
+            status, error = "failed", f"exit status {exit_code}"
+        else:
+            status, error = "failed", f"killed by signal {-exit_code}"
+        return receipt(
+            status,
+            error,
+            exit_code=exit_code,
+            stderr_line=job.stderr_line.result(),
+            stdout_prefix=job.stdout_prefix(),
+            stdout_bytes=job.stdout_bytes,
+            peak_memory=job.watchdog.peak_memory,
+        )

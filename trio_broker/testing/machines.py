@@ -1,0 +1,625 @@
+"""Hypothesis state machines that model-check the broker core.
+
+Use them against your own pool configuration::
+
+    from trio_broker.pool import PoolConfig
+    from trio_broker.testing.machines import broker_machine, round_robin_machine
+
+    TestMyPool = broker_machine(
+        PoolConfig(size=8, fast_reserve=2, max_slots={"ffmpeg": 2, "exiftool": 0}),
+    ).TestCase
+    TestMyFairness = round_robin_machine(size=3, connections=4).TestCase
+
+:func:`broker_machine` drives a real :class:`~trio_broker.broker.Broker` and the
+naive :class:`~trio_broker.testing.reference.ReferenceBroker` with the same random
+inputs — connections opening and closing, wants, redemptions (right, stale,
+mismatched and foreign tokens), declines, unwants, cancels, queries, job ends with
+runtimes and memory peaks that reclassify services, time passing, malformed
+frames, draining — and after every step checks that:
+
+1. busy slots (offers + running jobs) stay within the pool, each service's
+   ``max_slots``, ``unknown_share`` for unmeasured services, and that no heavy
+   service is granted one of the last ``fast_reserve`` slots;
+2. the broker is work-conserving: no free slot coexists with a fitting want;
+3. no offer goes to a want while a fitting want of higher priority is parked;
+4. round-robin follows the rotation of the protocol (the reference keeps it);
+5. wants of one connection, priority and service are offered in arrival order;
+6. every token is redeemed at most once, and expiry, DECLINE, UNWANT, CANCEL and
+   close never leak or double-count a slot;
+7. a closed connection leaves no want, offer or token behind;
+
+and that both implementations sent exactly the same frames and effects (ignoring
+``HELLO``, ``PING`` and ``PONG`` timing and ``ERROR`` wording).
+
+:func:`round_robin_machine` checks the fairness promise itself on a trace:
+among connections continuously backlogged at one priority, grant counts over any
+window differ by at most one.
+"""
+
+from __future__ import annotations
+
+import itertools
+from bisect import bisect_left
+from typing import Any, ClassVar
+
+import attrs
+from hypothesis import note
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from trio_broker import protocol as p
+from trio_broker.broker import (
+    AbortJob,
+    Broker,
+    BrokerConfig,
+    Effect,
+    StartJob,
+)
+from trio_broker.pool import PoolConfig
+from trio_broker.testing.reference import ReferenceBroker
+
+__all__ = ["BrokerMachine", "RoundRobinMachine", "broker_machine", "round_robin_machine"]
+
+_NEVER = 1e12  # liveness is out of scope here; it has explicit-clock tests of its own
+
+_BAD_FRAMES = (
+    b"binary",
+    "not json",
+    "[]",
+    '{"no":"type"}',
+    '{"type":"OFFER","job_id":"a","token":"t"}',
+    '{"type":"WANT","job_id":"a","service":"s"}',
+    '{"type":"WANT","job_id":"","service":"s","priority":1}',
+    '{"type":"CANCEL","job_id":7}',
+)
+
+_STATUSES: tuple[p.Status, ...] = (
+    "ok",
+    "failed",
+    "timed_out",
+    "stalled",
+    "out_of_memory",
+    "cancelled",
+    "stopped",
+    "error",
+)
+
+
+def _receipt(status: p.Status, duration: float, peak: int | None) -> p.Receipt:
+    return p.Receipt(
+        status=status,
+        exit_code=0 if status == "ok" else 1,
+        error=None if status == "ok" else status,
+        stdout_prefix="",
+        stdout_bytes=0,
+        stdin_bytes=0,
+        started_at=0.0,
+        duration_s=duration,
+        peak_memory=peak,
+        instance_id="",
+    )
+
+
+def _comparable(
+    frames: list[tuple[int, p.Message]], effects: list[Effect]
+) -> tuple[list[Any], list[Any]]:
+    """Frames and effects with timing-only frames and free-text wording removed."""
+    kept: list[Any] = []
+    for conn, message in frames:
+        if isinstance(message, p.Hello | p.Ping):
+            continue
+        if isinstance(message, p.Error):
+            kept.append((conn, "ERROR", message.code, message.job_id))
+        else:
+            kept.append((conn, message))
+    normal: list[Any] = []
+    for effect in effects:
+        if isinstance(effect, AbortJob):
+            normal.append(("abort", effect.run_id, effect.status))
+        else:
+            normal.append(effect)
+    return kept, normal
+
+
+class BrokerMachine(RuleBasedStateMachine):
+    """The differential model check; subclass via :func:`broker_machine`."""
+
+    pool_config: ClassVar[PoolConfig] = PoolConfig(
+        size=3, fast_reserve=1, heavy_threshold=10.0, max_slots={"light": 0, "heavy": 2}
+    )
+    priorities: ClassVar[tuple[int, ...]] = (-1, 0, 2)
+    job_ids: ClassVar[tuple[str, ...]] = ("a", "b", "c", "d")
+    offer_ttl: ClassVar[float] = 5.0
+    drain_timeout: ClassVar[float] = 20.0
+    durations: ClassVar[tuple[float, ...]] = (0.5, 30.0)
+    peaks: ClassVar[tuple[int | None, ...]] = (None, 100, 600)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        tokens = itertools.count()
+        self.ref = ReferenceBroker(
+            pool=self.pool_config, offer_ttl=self.offer_ttl, drain_timeout=self.drain_timeout
+        )
+        self.real = Broker(
+            BrokerConfig(
+                instance_id="reference",
+                name="model",
+                pool=self.pool_config,
+                offer_ttl=self.offer_ttl,
+                ping_interval=_NEVER,
+                ping_timeout=_NEVER,
+                drain_timeout=self.drain_timeout,
+                token_factory=lambda: self.ref.token(next(tokens)),
+            ),
+            now=self.now,
+        )
+        self.open: list[int] = []
+        # what the machine knows from the real broker's outputs
+        self.offers: dict[str, tuple[int, str, str]] = {}  # token -> conn, job_id, service
+        self.used_tokens: set[str] = set()
+        self.runs: dict[int, tuple[int, str]] = {}  # run_id -> conn, job_id
+        self.parked: dict[tuple[int, str], tuple[str, int]] = {}  # (conn, job) -> service, prio
+        self.arrivals = itertools.count()
+        self.arrival: dict[tuple[int, str], int] = {}
+        self.services = (*self.pool_config.max_slots, "unoffered")
+
+    # -- plumbing -----------------------------------------------------------------
+
+    def step(self, real: Any, ref: Any) -> None:
+        """Apply one input to both, then compare and check what came out."""
+        real()
+        ref()
+        frames, effects = self.real.frames_to_send(), self.real.effects()
+        ref_frames, self.ref.frames = self.ref.frames, []
+        ref_effects, self.ref.effects = self.ref.effects, []
+        got = _comparable(frames, effects)
+        expected = _comparable(ref_frames, ref_effects)
+        note(f"frames {got[0]} effects {got[1]}")
+        assert got == expected, f"real {got} != reference {expected}"
+        self.observe(frames, effects)
+
+    def observe(
+        self,
+        frames: list[tuple[int, p.Message]],
+        effects: list[Effect],
+    ) -> None:
+        for conn, message in frames:
+            if isinstance(message, p.Offer):
+                key = (conn, message.job_id)
+                service, priority = self.parked.pop(key)
+                # (3) and (5), checked on what the real broker did: among wants of
+                # the same service (which fit or not together), none of higher
+                # priority and none older on this connection and priority waits.
+                for (other_conn, job_id), (svc, prio) in self.parked.items():
+                    if svc != service:
+                        continue
+                    assert prio <= priority, f"{key} offered over higher priority {job_id}"
+                    if other_conn == conn and prio == priority:
+                        assert self.arrival[(other_conn, job_id)] > self.arrival[key], (
+                            f"FIFO broken: {key} offered before {job_id}"
+                        )
+                assert message.token not in self.offers
+                assert message.token not in self.used_tokens, "token issued twice"
+                self.offers[message.token] = (conn, message.job_id, service)
+            elif isinstance(message, p.Error) and message.code == "offer_expired":
+                self.offers = {
+                    t: o for t, o in self.offers.items() if o[:2] != (conn, message.job_id)
+                }
+            elif isinstance(message, p.Hello) and message.draining:
+                self.parked.clear()
+                self.offers.clear()
+        for effect in effects:
+            if isinstance(effect, StartJob):
+                self.runs[effect.run_id] = (effect.conn, effect.job_id)
+                # (6) the redeemed token is spent: redeeming it again must fail
+                spent = [t for t, o in self.offers.items() if o[:2] == (effect.conn, effect.job_id)]
+                assert len(spent) == 1, f"StartJob without exactly one offer: {spent}"
+                del self.offers[spent[0]]
+                self.used_tokens.add(spent[0])
+
+    def pick(self, data: st.DataObject, items: list[Any]) -> Any:
+        return data.draw(st.sampled_from(items))
+
+    # -- helpers shared by the rules ----------------------------------------------------
+
+    def _receive(self, conn: int, message: p.Message) -> None:
+        self.step(
+            lambda: self.real.receive(conn, message, now=self.now),
+            lambda: self.ref.receive(conn, message, self.now),
+        )
+
+    def _open(self, *, register: bool, callback: bool) -> int:
+        holder: list[int] = []
+        self.step(
+            lambda: holder.append(self.real.open_connection("127.0.0.1:7000", now=self.now)),
+            lambda: holder.append(self.ref.open_connection(self.now)),
+        )
+        assert holder[0] == holder[1]
+        conn = holder[0]
+        self.open.append(conn)
+        if register:
+            url = "http://127.0.0.1:1" if callback else None
+            self._receive(
+                conn,
+                p.Register(backend_id=f"b{conn}", name="client", version="1", callback_url=url),
+            )
+        return conn
+
+    def _want(self, conn: int, job_id: str, service: str, priority: int) -> None:
+        key = (conn, job_id)
+        tentative = key not in self.parked
+        if tentative:
+            # parked before the step so that an immediate OFFER finds it
+            self.parked[key] = (service, priority)
+            self.arrival[key] = next(self.arrivals)
+        self._receive(conn, p.Want(job_id=job_id, service=service, priority=priority))
+        if tentative and key in self.parked and self.real.book.get(conn, job_id) is None:
+            del self.parked[key]  # refused: duplicate, unknown service, draining...
+
+    def _forget(self, conn: int, job_id: str) -> None:
+        key = (conn, job_id)
+        self.parked.pop(key, None)
+        self.offers = {t: o for t, o in self.offers.items() if o[:2] != key}
+
+    def _end(self, run_id: int, status: p.Status, duration: float, peak: int | None) -> None:
+        receipt = _receipt(status, duration, peak)
+        del self.runs[run_id]
+        self.step(
+            lambda: self.real.job_ended(run_id, receipt, now=self.now),
+            lambda: self.ref.job_ended(run_id, receipt, self.now),
+        )
+
+    # -- rules ------------------------------------------------------------------------
+
+    @initialize(
+        data=st.data(),
+        history=st.lists(st.sampled_from(["light", "heavy", "none"]), min_size=4, max_size=4),
+    )
+    def start(self, data: st.DataObject, history: list[str]) -> None:
+        """One registered connection, and services classified by a first run or not."""
+        self.real.frames_to_send()
+        self.real.effects()
+        conn = self._open(register=True, callback=False)
+        threshold = self.pool_config.heavy_threshold
+        for service, kind in zip(self.pool_config.max_slots, history, strict=False):
+            if kind == "none":
+                continue
+            self._want(conn, "warmup", service, 0)
+            token = next((t for t, o in self.offers.items() if o[:2] == (conn, "warmup")), None)
+            if token is None:
+                self._receive(conn, p.Unwant(job_id="warmup"))
+                self._forget(conn, "warmup")
+                continue
+            self._receive(
+                conn, p.Job(job_id="warmup", token=token, service=service, subject=None, job={})
+            )
+            run_id = max(self.runs)
+            duration = threshold * 3 if kind == "heavy" else threshold / 10
+            self._end(run_id, "ok", duration, data.draw(st.sampled_from(self.peaks)))
+
+    @rule(register=st.integers(0, 5), callback=st.booleans())
+    def open_connection(self, register: int, callback: bool) -> None:
+        self._open(register=register > 0, callback=callback)
+
+    @precondition(lambda self: self.open)
+    @rule(data=st.data())
+    def close_connection(self, data: st.DataObject) -> None:
+        conn = self.pick(data, self.open)
+        self.open.remove(conn)
+        # its wants and offers are gone before anything else happens
+        self.parked = {k: v for k, v in self.parked.items() if k[0] != conn}
+        self.offers = {t: o for t, o in self.offers.items() if o[0] != conn}
+        self.step(
+            lambda: self.real.close_connection(conn, now=self.now),
+            lambda: self.ref.close_connection(conn, self.now),
+        )
+        # (7) nothing of it remains
+        assert conn not in self.real.connections()
+        assert not any(w.conn == conn for w in self.real.book.wants())
+        assert not any(o[0] == conn for o in self.offers.values())
+
+    @precondition(lambda self: self.open)
+    @rule(data=st.data(), count=st.integers(1, 4))
+    def want(self, data: st.DataObject, count: int) -> None:
+        """A few WANTs from random connections (duplicates and unknown services too)."""
+        for _ in range(count):
+            self._want(
+                self.pick(data, self.open),
+                self.pick(data, list(self.job_ids)),
+                self.pick(data, list(self.services)),
+                self.pick(data, list(self.priorities)),
+            )
+
+    @precondition(lambda self: self.open)
+    @rule(data=st.data(), kind=st.sampled_from(["UNWANT", "CANCEL", "QUERY", "PING", "REGISTER"]))
+    def send(self, data: st.DataObject, kind: str) -> None:
+        """Any other client frame from one open connection."""
+        conn = self.pick(data, self.open)
+        job_id = self.pick(data, list(self.job_ids))
+        message: p.Message
+        if kind == "UNWANT":
+            message = p.Unwant(job_id=job_id)
+        elif kind == "CANCEL":
+            message = p.Cancel(job_id=job_id)
+        elif kind == "QUERY":
+            message = p.Query(job_id=job_id)
+        elif kind == "PING":
+            message = p.Ping(nonce=job_id)
+        else:
+            message = p.Register(backend_id="again", name="n", version="1")
+        self._receive(conn, message)
+        if isinstance(message, p.Unwant | p.Cancel):
+            self._forget(conn, job_id)
+
+    @precondition(lambda self: self.parked)
+    @rule(data=st.data())
+    def query_parked(self, data: st.DataObject) -> None:
+        """QUERY a parked want: its position must match the model's replay."""
+        conn, job_id = self.pick(data, sorted(self.parked))
+        self._receive(conn, p.Query(job_id=job_id))
+
+    @precondition(lambda self: self.offers)
+    @rule(data=st.data(), every=st.booleans())
+    def redeem(self, data: st.DataObject, every: bool) -> None:
+        """JOB with outstanding tokens, as the client should."""
+        tokens = sorted(self.offers) if every else [self.pick(data, sorted(self.offers))]
+        for token in tokens:
+            if token in self.offers:
+                conn, job_id, service = self.offers[token]
+                self._receive(
+                    conn, p.Job(job_id=job_id, token=token, service=service, subject="s", job={})
+                )
+
+    @precondition(lambda self: self.open and (self.offers or self.used_tokens))
+    @rule(data=st.data(), how=st.sampled_from(["stale", "mismatch", "service", "foreign"]))
+    def misredeem(self, data: st.DataObject, how: str) -> None:
+        """JOB with a spent token, another job's token, or another connection's."""
+        if how == "stale" or not self.offers:
+            if not self.used_tokens:
+                return
+            token = self.pick(data, sorted(self.used_tokens))
+            conn, job_id, service = self.pick(data, self.open), "a", self.services[0]
+        else:
+            token = self.pick(data, sorted(self.offers))
+            conn, job_id, service = self.offers[token]
+            if how == "mismatch":
+                job_id += "x"
+            elif how == "service":
+                service = self.pick(data, list(self.services))
+            else:
+                conn = self.pick(data, self.open)
+        self._receive(
+            conn, p.Job(job_id=job_id, token=token, service=service, subject=None, job={})
+        )
+
+    @precondition(lambda self: self.open and self.offers)
+    @rule(data=st.data(), own=st.booleans())
+    def decline(self, data: st.DataObject, own: bool) -> None:
+        token = self.pick(data, sorted(self.offers))
+        conn = self.offers[token][0] if own else self.pick(data, self.open)
+        self._receive(conn, p.Decline(token=token))
+        if self.offers[token][0] == conn:
+            del self.offers[token]
+
+    @precondition(lambda self: self.runs)
+    @rule(
+        data=st.data(),
+        every=st.booleans(),
+        status=st.sampled_from(_STATUSES),
+        heavy=st.booleans(),
+    )
+    def end_jobs(self, data: st.DataObject, every: bool, status: p.Status, heavy: bool) -> None:
+        runs = sorted(self.runs) if every else [self.pick(data, sorted(self.runs))]
+        duration = self.durations[-1] if heavy else self.durations[0]
+        for run_id in runs:
+            self._end(run_id, status, duration, data.draw(st.sampled_from(self.peaks)))
+
+    @rule(dt=st.sampled_from([0.0, 0.5, 1.0, 3.0, 6.0]))
+    def advance(self, dt: float) -> None:
+        self.now += dt
+        self.step(lambda: self.real.tick(now=self.now), lambda: self.ref.tick(self.now))
+
+    @precondition(lambda self: self.open)
+    @rule(data=st.data(), text=st.sampled_from(_BAD_FRAMES))
+    def bad_frame(self, data: st.DataObject, text: str | bytes) -> None:
+        conn = self.pick(data, self.open)
+        self.step(
+            lambda: self.real.receive_text(conn, text, now=self.now),
+            lambda: self.ref.receive_text(conn, text, self.now),
+        )
+
+    @precondition(lambda self: not self.real.draining)
+    @rule(weight=st.integers(0, 19))
+    def drain(self, weight: int) -> None:
+        if weight:  # rare: draining ends most of the interesting behaviour
+            return
+        self.step(lambda: self.real.drain(now=self.now), lambda: self.ref.drain(self.now))
+
+    @precondition(lambda self: self.real.draining)
+    @rule()
+    def stop(self) -> None:
+        self.step(lambda: self.real.stop(now=self.now), lambda: self.ref.stop(self.now))
+
+    # -- invariants ----------------------------------------------------------------------
+
+    @invariant()
+    def consistent(self) -> None:
+        self.real.check_invariants()
+        self.ref.check()
+        assert self.real.pool.busy == len(self.ref.held)
+        assert len(self.real.book) == len(self.ref.book)
+
+
+def broker_machine(
+    pool: PoolConfig,
+    *,
+    priorities: tuple[int, ...] = (-1, 0, 2),
+    job_ids: tuple[str, ...] = ("a", "b", "c", "d"),
+    offer_ttl: float = 5.0,
+    durations: tuple[float, ...] | None = None,
+    peaks: tuple[int | None, ...] | None = None,
+) -> type[BrokerMachine]:
+    """A :class:`BrokerMachine` for this pool configuration.
+
+    Args:
+        pool: the pool to check (services are its ``max_slots`` keys).
+        priorities: the priorities wants are drawn from.
+        job_ids: the job ids wants are drawn from (few, so duplicates happen).
+        offer_ttl: offer lifetime in model seconds (time advances 0 to 6 s a step).
+        durations: job runtimes to draw from; by default one light and one heavy.
+        peaks: memory peaks to draw from; by default None and two sizes around
+            the memory budget when one is set.
+
+    Returns:
+        A state machine class; run it with ``.TestCase`` under pytest/unittest.
+    """
+    threshold = pool.heavy_threshold
+    budget = pool.memory_budget
+    attributes: dict[str, Any] = {
+        "pool_config": pool,
+        "priorities": priorities,
+        "job_ids": job_ids,
+        "offer_ttl": offer_ttl,
+        "durations": durations or (threshold / 10, threshold * 3),
+        "peaks": peaks or ((None, budget // 3, budget // 2 + 1) if budget else (None, 100)),
+    }
+    return type("ConfiguredBrokerMachine", (BrokerMachine,), attributes)
+
+
+# -- round-robin fairness on a trace ----------------------------------------------------
+
+
+@attrs.define
+class _Streak:
+    """A connection's current stretch of continuous backlog at one priority."""
+
+    start: int  # index of the first grant of the window
+
+
+class RoundRobinMachine(RuleBasedStateMachine):
+    """Fairness as the protocol promises it, observed on grants only.
+
+    One light service and no other limit, so every parked want fits whenever a
+    slot is free. Connections park wants at random priorities, unwant some, and
+    jobs end at random; every grant is recorded. For each pair of connections
+    continuously backlogged at a priority, their grant counts over the common
+    stretch may differ by at most one.
+    """
+
+    size: ClassVar[int] = 2
+    connection_count: ClassVar[int] = 3
+    priorities: ClassVar[tuple[int, ...]] = (0, 1)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        pool = PoolConfig(size=self.size, fast_reserve=0, unknown_share=1.0, max_slots={"s": 0})
+        self.broker = Broker(
+            BrokerConfig(
+                instance_id="rr",
+                name="rr",
+                pool=pool,
+                offer_ttl=_NEVER,
+                ping_interval=_NEVER,
+                ping_timeout=_NEVER,
+            ),
+            now=0.0,
+        )
+        self.conns = [
+            self.broker.open_connection("127.0.0.1:1", now=0.0)
+            for _ in range(self.connection_count)
+        ]
+        for conn in self.conns:
+            self.broker.receive(conn, p.Register(backend_id="b", name="n", version="1"), now=0.0)
+        self.broker.frames_to_send()
+        self.job_counter = itertools.count()
+        self.parked: dict[tuple[int, int], int] = {}  # (conn, priority) -> parked count
+        self.wants: dict[tuple[int, str], int] = {}  # (conn, job) -> priority
+        self.offers: list[tuple[int, str, str]] = []
+        self.grants: dict[int, list[tuple[int, int]]] = {}  # priority -> (index, conn)
+        self.grant_count = 0
+        self.streaks: dict[tuple[int, int], _Streak] = {}
+
+    def _drain_frames(self) -> None:
+        for conn, message in self.broker.frames_to_send():
+            if isinstance(message, p.Offer):
+                priority = self.wants.pop((conn, message.job_id))
+                self.parked[(conn, priority)] -= 1
+                index = self.grant_count
+                self.grant_count += 1
+                self.grants.setdefault(priority, []).append((index, conn))
+                self.offers.append((conn, message.job_id, message.token))
+                self._check(priority)
+                if self.parked[(conn, priority)] == 0:
+                    self.streaks.pop((conn, priority), None)
+
+    def _check(self, priority: int) -> None:
+        grants = self.grants[priority]
+        members = [(c, s) for (c, prio), s in self.streaks.items() if prio == priority]
+        for (a, sa), (b, sb) in itertools.combinations(members, 2):
+            start = max(sa.start, sb.start)
+            window = grants[bisect_left(grants, (start, -1)) :]
+            count_a = sum(1 for _, c in window if c == a)
+            count_b = sum(1 for _, c in window if c == b)
+            assert abs(count_a - count_b) <= 1, (
+                f"priority {priority}: connection {a} got {count_a}, {b} got {count_b} "
+                f"while both were backlogged"
+            )
+
+    @rule(data=st.data(), count=st.integers(1, 4))
+    def want(self, data: st.DataObject, count: int) -> None:
+        conn = data.draw(st.sampled_from(self.conns))
+        priority = data.draw(st.sampled_from(self.priorities))
+        for _ in range(count):
+            job_id = f"j{next(self.job_counter)}"
+            self.wants[(conn, job_id)] = priority
+            key = (conn, priority)
+            if self.parked.get(key, 0) == 0:
+                self.streaks[key] = _Streak(start=self.grant_count)
+            self.parked[key] = self.parked.get(key, 0) + 1
+            self.broker.receive(
+                conn, p.Want(job_id=job_id, service="s", priority=priority), now=self.now
+            )
+            self._drain_frames()
+
+    @precondition(lambda self: self.wants)
+    @rule(data=st.data())
+    def unwant(self, data: st.DataObject) -> None:
+        conn, job_id = data.draw(st.sampled_from(sorted(self.wants)))
+        priority = self.wants.pop((conn, job_id))
+        self.parked[(conn, priority)] -= 1
+        if self.parked[(conn, priority)] == 0:
+            self.streaks.pop((conn, priority), None)
+        self.broker.receive(conn, p.Unwant(job_id=job_id), now=self.now)
+        self._drain_frames()
+
+    @precondition(lambda self: self.offers)
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        """An offer is declined (the slot frees at once) — a job ending is the same."""
+        conn, _job_id, token = data.draw(st.sampled_from(self.offers))
+        self.offers.remove((conn, _job_id, token))
+        self.broker.receive(conn, p.Decline(token=token), now=self.now)
+        self._drain_frames()
+
+    @invariant()
+    def consistent(self) -> None:
+        self.broker.check_invariants()
+
+
+def round_robin_machine(
+    *, size: int = 2, connections: int = 3, priorities: tuple[int, ...] = (0, 1)
+) -> type[RoundRobinMachine]:
+    """A :class:`RoundRobinMachine` with this many slots, connections and priorities."""
+    return type(
+        "ConfiguredRoundRobinMachine",
+        (RoundRobinMachine,),
+        {"size": size, "connection_count": connections, "priorities": priorities},
+    )

@@ -1,0 +1,347 @@
+"""The supervision rules of a running job: pure decisions, no trio, no clock, no I/O.
+
+The runner samples a job's process group every second or so and feeds the numbers
+to a :class:`Watchdog`; the watchdog answers with a :class:`Verdict` when the job
+must end, or ``None``. A :class:`MemoryBudget` shared by every running job says
+which job to end when all of them together use more memory than the host allows.
+Time is an argument everywhere, so tests drive these objects with plain numbers.
+
+Theory of operation
+-------------------
+
+**Progress.** A job makes progress between two consecutive samples when any of
+these holds:
+
+* ``io_bytes`` grew: bytes moved on the job's pipes (stdout, stderr, stdin);
+* ``dir_bytes`` grew: the files of its work directory got bigger (a converter
+  writing its output file without printing anything);
+* its process group used at least ``cpu_share`` of one core since the previous
+  sample: ``delta cpu_seconds >= cpu_share * delta time`` (and more than zero, so
+  two samples at the same instant prove nothing).
+
+A decrease is never progress: it is treated as no change (CPU time of a process
+that exits and is not reaped inside the group leaves the sum; files get deleted).
+The first sample compares against an empty job at ``started`` (no CPU, no bytes).
+
+**Verdicts.** At each sample, in this order, the first rule that holds wins:
+
+1. ``timed_out``: ``now >= started + timeout`` (the wall-clock ceiling).
+2. ``stalled``: ``now >= last_progress + stall_timeout``, where ``last_progress``
+   is the time of the latest sample that showed progress (``started`` before any).
+3. ``out_of_memory``: the sampled group RSS exceeds ``memory_limit``.
+
+Why this order: the deadline-based verdicts were already true at an earlier
+instant (the deadline), while a memory excess is only known at the sample that
+shows it, so the verdict that held first is the one reported. Between the two
+deadlines, the wall-clock ceiling is the client's own, exact, configured limit,
+whereas a stall is a heuristic reading of the samples: when both hold, the exact
+one explains the ending better ("give it a longer timeout"). The shared budget
+(:class:`MemoryBudget`) is consulted by the runner only when the job's own
+watchdog has no verdict: a job's own limits explain its ending better than the
+behaviour of its neighbours.
+
+A verdict is final: later samples return the same verdict. Deadlines compare
+with the same sums that :meth:`Watchdog.next_deadline` returns, so a caller that
+sleeps until the next deadline and samples then always gets the verdict (no
+spinning on float rounding).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from typing import Generic, Literal, TypeAlias, TypeVar
+
+import attrs
+
+__all__ = [
+    "MemoryBudget",
+    "Verdict",
+    "VerdictStatus",
+    "Watchdog",
+    "budget_verdict",
+    "format_bytes",
+    "format_duration",
+]
+
+VerdictStatus: TypeAlias = Literal["timed_out", "stalled", "out_of_memory"]
+"""The receipt statuses a watchdog can decide."""
+
+
+@attrs.frozen(kw_only=True)
+class Verdict:
+    """Why a job must end now: its receipt status and error sentence."""
+
+    status: VerdictStatus
+    error: str
+
+
+# -- human-readable numbers -------------------------------------------------------
+
+
+def format_duration(seconds: float) -> str:
+    """A duration as in the configuration files: ``"0.5s"``, ``"2s"``, ``"10m"``, ``"1h30m"``.
+
+    Under a minute, fractions of a second are kept (two decimals at most);
+    from a minute on, whole seconds only.
+
+    Raises:
+        ValueError: ``seconds`` is negative or not finite.
+    """
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"a duration must be a finite, non-negative number, got {seconds!r}")
+    if seconds < 59.995:
+        text = f"{seconds:.2f}".rstrip("0").rstrip(".")
+        if text == "0" and seconds > 0:
+            return f"{seconds * 1000:.2g}ms"
+        return f"{text}s"
+    hours, rest = divmod(round(seconds), 3600)
+    minutes, secs = divmod(rest, 60)
+    parts = ((hours, "h"), (minutes, "m"), (secs, "s"))
+    return "".join(f"{value}{unit}" for value, unit in parts if value)
+
+
+_BYTE_UNITS = ("B", "kB", "MB", "GB", "TB", "PB", "EB")
+
+
+def format_bytes(count: int) -> str:
+    """A byte count in decimal units: ``"512 B"``, ``"1.2 GB"``, ``"310 MB"``.
+
+    One decimal below 10 of a unit, whole units above (1 MB = 1,000,000 bytes).
+
+    Raises:
+        ValueError: ``count`` is negative.
+    """
+    if count < 0:
+        raise ValueError(f"a byte count must be non-negative, got {count}")
+    if count < 1000:
+        return f"{count} B"
+    for power, unit in enumerate(_BYTE_UNITS[1:], start=1):
+        scaled = count / 1000**power
+        if scaled < 999.5 or power == len(_BYTE_UNITS) - 1:
+            return f"{scaled:.1f} {unit}" if scaled < 9.95 else f"{scaled:.0f} {unit}"
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def budget_verdict(*, rss: int, used: int, total: int) -> Verdict:
+    """The verdict for the job a :class:`MemoryBudget` chose to end.
+
+    Args:
+        rss: the chosen job's sampled group RSS.
+        used: what all jobs together use (:meth:`MemoryBudget.used`).
+        total: the budget.
+    """
+    return Verdict(
+        status="out_of_memory",
+        error=(
+            f"out of memory: {format_bytes(used)} in use exceeds the shared budget of "
+            f"{format_bytes(total)}, and this job holds the most ({format_bytes(rss)})"
+        ),
+    )
+
+
+# -- the watchdog -----------------------------------------------------------------
+
+
+def _check_limit(name: str, value: float | None) -> None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive number or None, got {value!r}")
+
+
+class Watchdog:
+    """Decides from samples whether a job timed out, stalled or ran out of memory.
+
+    See the module docstring for the rules and their order.
+
+    Args:
+        started: when the job started, on the caller's monotonic clock.
+        timeout: the wall-clock ceiling in seconds, or ``None`` for none.
+        stall_timeout: how long without progress makes a job stalled, or ``None``
+            for no stall supervision.
+        memory_limit: the job's own RSS ceiling in bytes, or ``None``.
+        cpu_share: the share of one core that counts as progress.
+
+    Raises:
+        ValueError: a limit is zero, negative or not finite; ``cpu_share`` is
+            outside ``(0, 1]``.
+    """
+
+    def __init__(
+        self,
+        *,
+        started: float,
+        timeout: float | None,
+        stall_timeout: float | None,
+        memory_limit: int | None,
+        cpu_share: float = 0.05,
+    ) -> None:
+        _check_limit("timeout", timeout)
+        _check_limit("stall_timeout", stall_timeout)
+        _check_limit("memory_limit", memory_limit)
+        if not 0 < cpu_share <= 1:
+            raise ValueError(f"cpu_share must be in (0, 1], got {cpu_share!r}")
+        self._started = started
+        self._timeout = timeout
+        self._stall_timeout = stall_timeout
+        self._memory_limit = memory_limit
+        self._cpu_share = cpu_share
+        self._last_progress = started
+        self._previous_time = started
+        self._previous_cpu = 0.0
+        self._previous_io = 0
+        self._previous_dir = 0
+        self._peak: int | None = None
+        self._verdict: Verdict | None = None
+
+    @property
+    def peak_memory(self) -> int | None:
+        """The highest RSS sampled so far, ``None`` before the first sample."""
+        return self._peak
+
+    @property
+    def last_progress(self) -> float:
+        """The time of the latest sample that showed progress (``started`` before any)."""
+        return self._last_progress
+
+    @property
+    def verdict(self) -> Verdict | None:
+        """The verdict once given, else ``None``."""
+        return self._verdict
+
+    def next_deadline(self) -> float | None:
+        """The earliest time at which a sample could give a time-based verdict.
+
+        ``None`` when there is no time limit or a verdict was already given.
+        Sample at (or after) this time; sampling more often only matters for
+        memory and progress.
+        """
+        if self._verdict is not None:
+            return None
+        deadlines = []
+        if self._timeout is not None:
+            deadlines.append(self._started + self._timeout)
+        if self._stall_timeout is not None:
+            deadlines.append(self._last_progress + self._stall_timeout)
+        return min(deadlines, default=None)
+
+    def sample(
+        self, now: float, *, rss: int, cpu_seconds: float, io_bytes: int, dir_bytes: int
+    ) -> Verdict | None:
+        """Feed one sample of the job; returns the verdict if the job must end.
+
+        Args:
+            now: the sample's time, never earlier than the previous one.
+            rss: the process group's resident memory in bytes.
+            cpu_seconds: the group's total CPU time (user + system) so far.
+            io_bytes: bytes moved on the job's pipes so far.
+            dir_bytes: the total size of the files in the job's work directory.
+
+        Returns:
+            ``None`` while the job may go on; otherwise the :class:`Verdict`
+            (the same one for every later sample).
+
+        Raises:
+            ValueError: ``now`` is earlier than the previous sample or the start.
+        """
+        if now < self._previous_time:
+            raise ValueError(f"time went backwards: {now!r} < {self._previous_time!r}")
+        if self._peak is None or rss > self._peak:
+            self._peak = rss
+        if self._verdict is not None:
+            return self._verdict
+        elapsed = now - self._previous_time
+        cpu_used = cpu_seconds - self._previous_cpu
+        progress = (
+            io_bytes > self._previous_io
+            or dir_bytes > self._previous_dir
+            or (cpu_used > 0 and cpu_used >= self._cpu_share * elapsed)
+        )
+        if progress:
+            self._last_progress = now
+        self._previous_time = now
+        self._previous_cpu = cpu_seconds
+        self._previous_io = io_bytes
+        self._previous_dir = dir_bytes
+        self._verdict = self._decide(now, rss)
+        return self._verdict
+
+    def _decide(self, now: float, rss: int) -> Verdict | None:
+        if self._timeout is not None and now >= self._started + self._timeout:
+            return Verdict(
+                status="timed_out", error=f"timed out after {format_duration(self._timeout)}"
+            )
+        if self._stall_timeout is not None and now >= self._last_progress + self._stall_timeout:
+            return Verdict(
+                status="stalled",
+                error=f"stalled: no progress for {format_duration(self._stall_timeout)}",
+            )
+        if self._memory_limit is not None and rss > self._memory_limit:
+            return Verdict(
+                status="out_of_memory",
+                error=(
+                    f"out of memory: {format_bytes(rss)} exceeds the job's ceiling of "
+                    f"{format_bytes(self._memory_limit)}"
+                ),
+            )
+        return None
+
+
+# -- the shared memory budget -------------------------------------------------------
+
+K = TypeVar("K", bound=Hashable)
+
+
+class MemoryBudget(Generic[K]):
+    """The memory every running job shares; names the job to end when they overrun it.
+
+    Each job reports its latest sampled RSS under its own key and is forgotten
+    when it ends. When the sum exceeds the total, the job with the largest RSS is
+    the one to end (on a tie, the one reported first): ending it frees the most.
+
+    Args:
+        total: the budget in bytes.
+
+    Raises:
+        ValueError: ``total`` is not positive.
+    """
+
+    def __init__(self, total: int) -> None:
+        if total <= 0:
+            raise ValueError(f"a memory budget must be positive, got {total}")
+        self._total = total
+        self._rss: dict[K, int] = {}
+        self._used = 0
+
+    @property
+    def total(self) -> int:
+        """The budget in bytes."""
+        return self._total
+
+    def report(self, key: K, rss: int) -> None:
+        """Record a job's latest RSS (replacing its previous report).
+
+        Raises:
+            ValueError: ``rss`` is negative.
+        """
+        if rss < 0:
+            raise ValueError(f"rss must be non-negative, got {rss}")
+        self._used += rss - self._rss.get(key, 0)
+        self._rss[key] = rss
+
+    def forget(self, key: K) -> None:
+        """Drop an ended job; unknown keys are ignored."""
+        self._used -= self._rss.pop(key, 0)
+
+    def rss(self, key: K) -> int | None:
+        """The RSS last reported for ``key``, ``None`` if it is not known."""
+        return self._rss.get(key)
+
+    def used(self) -> int:
+        """The sum of every job's latest report."""
+        return self._used
+
+    def over_budget(self) -> K | None:
+        """The job to end when the reports exceed the total, else ``None``."""
+        if self._used <= self._total:
+            return None
+        return max(self._rss, key=self._rss.__getitem__)
