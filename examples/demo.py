@@ -13,18 +13,16 @@ finally a graceful drain on SIGTERM with exit status 0.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import trio
 from trio_websocket import WebSocketConnection, open_websocket_url
 
 from trio_broker import protocol as p
+from trio_broker.testing.processes import open_execserver_process
 
 CONFIG = """\
 listen: 127.0.0.1:0
@@ -49,9 +47,7 @@ def say(who: str, text: str) -> None:
     print(f"{time.monotonic() - T0:6.2f}s  {who:<12} {text}", flush=True)
 
 
-async def client(
-    url: str, who: str, priority: int, files: list[str], delay: float, done: trio.Event
-) -> None:
+async def client(url: str, who: str, priority: int, files: list[str], delay: float) -> None:
     await trio.sleep(delay)
     async with open_websocket_url(url) as ws:
         hello = p.decode(await ws.get_message())
@@ -82,7 +78,6 @@ async def client(
                 pending.discard(message.job_id)
             elif isinstance(message, p.Ping):
                 await send(ws, p.Pong(nonce=message.nonce))
-    done.set()
 
 
 async def send(ws: WebSocketConnection, message: p.Message) -> None:
@@ -90,35 +85,24 @@ async def send(ws: WebSocketConnection, message: p.Message) -> None:
 
 
 async def main() -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "demo.yml"
-        config.write_text(CONFIG.format(python=sys.executable))
-        ready = Path(tmp) / "ready"
-        os.mkfifo(ready)
-        daemon = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "trio_broker", "--log-level", "warning", "execserver",
-             "--config", str(config), "--ready-file", str(ready)],
-        )  # fmt: skip
-        host, port = (await trio.to_thread.run_sync(ready.read_text)).split()
-        url = f"ws://{host}:{port}/broker"
-        say("demo", f"execserver daemon pid {daemon.pid} serving {url}")
-        background, interactive = trio.Event(), trio.Event()
+    config = CONFIG.format(python=sys.executable)
+    async with open_execserver_process(config) as daemon:
+        say("demo", f"execserver daemon pid {daemon.process.pid} serving {daemon.url}")
         async with trio.open_nursery() as nursery:
             files = [f"scan-{n:02d}.tif" for n in range(8)]
-            nursery.start_soon(client, url, "background", -2, files, 0.0, background)
-            nursery.start_soon(
-                client, url, "interactive", 2, ["upload-1.jpg", "upload-2.jpg"], 0.3, interactive
-            )
+            nursery.start_soon(client, daemon.url, "background", -2, files, 0.0)
+            uploads = ["upload-1.jpg", "upload-2.jpg"]
+            nursery.start_soon(client, daemon.url, "interactive", 2, uploads, 0.3)
         async with httpx.AsyncClient() as http:
-            page = (await http.get(f"http://{host}:{port}/inspect/system/execserver")).json()
+            page = (await http.get(f"{daemon.http_url}/inspect/system/execserver")).json()
         resize = page["services"]["resize"]
         say("demo", f"resize: {resize['completed']} runs, mean {resize['mean_runtime_s']:.2f}s, "
                     f"classified {resize['kind']}")  # fmt: skip
-        daemon.send_signal(signal.SIGTERM)
-        status = await daemon.wait()
+        daemon.process.send_signal(signal.SIGTERM)
+        status = await daemon.process.wait()
         say("demo", f"SIGTERM: the execserver drained and exited with status {status}")
-        if status != 0:
-            raise SystemExit(status)
+    if status != 0:
+        raise SystemExit(status)
 
 
 if __name__ == "__main__":

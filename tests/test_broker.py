@@ -22,6 +22,7 @@ from trio_broker.broker import (
     StartJob,
 )
 from trio_broker.pool import PoolConfig, SlotPool
+from trio_broker.testing.values import receipt as make_receipt
 
 
 def make_broker(
@@ -44,17 +45,7 @@ def make_broker(
 
 
 def receipt(status: p.Status = "ok", duration: float = 1.0, peak: int | None = None) -> p.Receipt:
-    return p.Receipt(
-        status=status,
-        exit_code=0,
-        stdout_prefix="",
-        stdout_bytes=0,
-        stdin_bytes=0,
-        started_at=0.0,
-        duration_s=duration,
-        peak_memory=peak,
-        instance_id="",
-    )
+    return make_receipt(status, duration=duration, peak_memory=peak)
 
 
 class Harness:
@@ -483,19 +474,21 @@ def test_book_no_head_of_line_blocking_within_a_connection() -> None:
     assert picked.job_id == "light-second"
 
 
-def test_book_stale_heap_entries_are_compacted() -> None:
-    """Moving connections around does not let the heaps grow without bound."""
+def test_book_rotation_stamps_are_renumbered() -> None:
+    """A connection passed over for ever does not let the bitsets grow without bound."""
     book: WantBook[int] = WantBook()
+    book.add(99, "never-fits", "heavy", 0)
     for conn in range(10):
         book.add(conn, "blocked", "heavy", 0)
         for n in range(200):
             book.add(conn, f"l{n}", "light", 0)
-    for _ in range(1500):
+    for _ in range(5000):
         picked = book.pick({"light"})
         assert picked is not None
         book.add(picked.conn, f"again-{picked.job_id}-{_}", "light", 0)
     level = book._levels[0]
-    assert all(len(heap) <= 2 * 10 + 64 for heap in level.heaps.values())
+    assert all(bits.bit_length() <= 4 * 11 + 1024 + 1 for bits in level.bits.values())
+    assert book.rotation(0)[0] == 99  # passed over all along: it kept the head
     book.check_invariants()
 
 

@@ -20,6 +20,7 @@ from trio_broker.client_core import (
     Finished,
 )
 from trio_broker.pool import PoolConfig
+from trio_broker.testing.values import receipt
 
 QUIET = 1e6  # liveness is tested on its own; here time jumps far without traffic
 
@@ -144,12 +145,7 @@ class Net:
         server = next(
             b for f in self.fleets.values() for b in f if b.config.instance_id == instance
         )
-        server.job_ended(
-            start.run_id,
-            p.Receipt(status="ok", exit_code=0, stdout_prefix="", stdout_bytes=0, stdin_bytes=0,
-                      started_at=0.0, duration_s=0.1, instance_id=""),
-            now=self.now,
-        )  # fmt: skip
+        server.job_ended(start.run_id, receipt(duration=0.1), now=self.now)
         self.route()
 
     def of(self, kind: type) -> list[Any]:

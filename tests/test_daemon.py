@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from trio_websocket import ConnectionClosed, open_websocket_url
 
 from tests.wire import WAIT, Peer
 from trio_broker import protocol as p
+from trio_broker.testing.processes import open_execserver_process
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -61,27 +61,14 @@ def test_missing_config_file_exits_2(tmp_path: Path) -> None:
 
 
 @asynccontextmanager
-async def daemon(tmp_path: Path, extra: str = "") -> AsyncIterator[tuple[trio.Process, str]]:
-    config = tmp_path / "exec.yml"
-    config.write_text(
+async def daemon(extra: str = "") -> AsyncIterator[tuple[trio.Process, str]]:
+    config = (
         "listen: 127.0.0.1:0\nslots: 2\nunknown_share: 1.0\nfast_reserve: 0\n"
         + extra
         + "services:\n  hold: {builtin: sleep}\n"
     )
-    ready = tmp_path / "ready"
-    os.mkfifo(ready)
-    process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "trio_broker", "execserver", "--config", str(config),
-         "--ready-file", str(ready)],
-    )  # fmt: skip
-    try:
-        with trio.fail_after(WAIT):
-            host, port = (await trio.to_thread.run_sync(ready.read_text)).split()
-        yield process, f"ws://{host}:{port}/broker"
-    finally:
-        if process.returncode is None:
-            process.kill()
-        await process.wait()
+    async with open_execserver_process(config, log_level="info", ready_within=WAIT) as running:
+        yield running.process, running.url
 
 
 async def _start_hold(peer: Peer, job_id: str, seconds: float) -> None:
@@ -93,9 +80,9 @@ async def _start_hold(peer: Peer, job_id: str, seconds: float) -> None:
     assert position.ahead == 0  # running (or about to)
 
 
-async def test_sigterm_drains_and_exits_0(tmp_path: Path) -> None:
+async def test_sigterm_drains_and_exits_0() -> None:
     """SIGTERM: HELLO draining at once, the running job finishes, 1001, exit 0."""
-    async with daemon(tmp_path) as (process, url), open_websocket_url(url) as ws:
+    async with daemon() as (process, url), open_websocket_url(url) as ws:
         peer = Peer(ws)
         await peer.recv(skip_hello=False)
         await peer.register()
@@ -115,10 +102,10 @@ async def test_sigterm_drains_and_exits_0(tmp_path: Path) -> None:
         await ws._stream.aclose()  # see tests/wire.py: the server closed first
 
 
-async def test_second_signal_stops_at_once(tmp_path: Path) -> None:
+async def test_second_signal_stops_at_once() -> None:
     """A second signal ends running jobs with receipts 'stopped', then exit 0."""
     async with (
-        daemon(tmp_path, "drain_timeout: 10m\n") as (process, url),
+        daemon("drain_timeout: 10m\n") as (process, url),
         open_websocket_url(url) as ws,
     ):
         peer = Peer(ws)

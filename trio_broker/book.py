@@ -22,44 +22,52 @@ about pools):
 Cost
 ----
 
-A grant must not cost more as the book grows. The structures below make a grant
-cost O(S log n) where S is the number of services that fit (small: a pool offers a
-handful of services) and n the number of entries of one heap:
+A grant must not cost more as the book grows. Every step below is O(1) or O(S),
+where S is the number of services that fit, except for operations on bitsets
+whose length is bounded by the number of *connections* at a priority, never by
+the number of wants:
 
-* per service, a max-heap of the priorities at which it has parked wants, so the
-  highest fitting priority is the best of S heap tops;
-* per priority, the rotation is kept as a *stamp* per connection (a counter value
-  taken when the connection joined or last moved to the tail: smaller stamp =
-  earlier in the rotation) and, per service, a min-heap of ``(stamp, connection)``
-  for the connections holding wants of that service at that priority. The first
-  connection of the rotation with a fitting want is the smallest valid stamp among
-  the S heap tops;
-* per connection, priority and service, an insertion-ordered dict of wants, so the
-  connection's oldest fitting want is the earliest of S dict heads.
-
-Heap entries are never searched for: an entry whose stamp is no longer the
-connection's current one, or whose connection no longer has wants of that service,
-is stale and dropped when it reaches the top. A heap holding many stale entries is
-rebuilt from the live ones, which keeps memory proportional to the book.
+* **Priority.** The highest priority with any want is tracked (a lazy max-heap
+  finds the next one when it empties). Usually a want there fits; otherwise each
+  fitting service's lazy max-heap of the priorities where it has wants gives the
+  answer in S heap tops.
+* **Rotation.** Each connection at a priority holds a *stamp*, a counter value
+  taken when it joined or last moved to the tail: a smaller stamp is earlier in
+  the rotation. Per service, a bitset (a Python ``int``) has bit ``stamp - base``
+  set for each connection holding wants of that service there. The first
+  connection with a fitting want is the lowest bit of the OR of the S fitting
+  services' bitsets. Moving a connection to the tail clears one bit and sets
+  another in each of its services' bitsets. When the stamps spread too far apart
+  (a connection passed over for a long time keeps its old stamp) the level
+  renumbers its connections in order: O(n) once per O(n) grants.
+* **FIFO.** Each connection keeps, per priority, a deque of its wants in arrival
+  order and one per service. Removal is lazy (a removed want is marked and skipped
+  when it reaches the front), so taking the head is O(1) amortized; a queue whose
+  dead entries outnumber the live ones is compacted. Usually the connection's
+  oldest want fits; otherwise the oldest fitting one is the earliest of at most S
+  service heads. (A ``dict`` used as a queue would not do: popping from its front
+  leaves holes that every later look at the front scans again.)
 
 Invariants (checked by :meth:`WantBook.check_invariants`)
 --------------------------------------------------------
 
 * every parked want is reachable from its connection, its level and its service;
-* a connection is in a priority's rotation exactly when it has wants parked there;
-* the counts per level, per service and per (service, priority) match the wants.
+* a connection is in a priority's rotation exactly when it has wants parked there,
+  and its bits are set exactly for the services it has wants of;
+* the counts per level, per connection and per (service, priority) match the wants.
 """
 
 from __future__ import annotations
 
 import heapq
-import itertools
+from collections import deque
 from collections.abc import Collection, Hashable, Iterator
 from typing import Final, Generic, TypeVar
 
 __all__ = ["ParkedWant", "WantBook"]
 
-_REBUILD_SLACK: Final = 64
+_RENUMBER_SLACK: Final = 1024
+_COMPACT_SLACK: Final = 16
 
 C = TypeVar("C", bound=Hashable)
 
@@ -67,7 +75,7 @@ C = TypeVar("C", bound=Hashable)
 class ParkedWant(Generic[C]):
     """One parked want. ``seq`` orders wants by arrival (FIFO)."""
 
-    __slots__ = ("conn", "job_id", "priority", "seq", "service")
+    __slots__ = ("conn", "job_id", "live", "priority", "seq", "service")
 
     def __init__(self, conn: C, job_id: str, service: str, priority: int, seq: int):
         self.conn = conn
@@ -75,6 +83,7 @@ class ParkedWant(Generic[C]):
         self.service = service
         self.priority = priority
         self.seq = seq
+        self.live = True
 
     def __repr__(self) -> str:
         return (
@@ -83,24 +92,85 @@ class ParkedWant(Generic[C]):
         )
 
 
-class _Level(Generic[C]):
-    """The wants parked at one priority: its rotation and per-service heaps."""
+class _Queue(Generic[C]):
+    """One connection's wants at one priority, in arrival order (lazy removal).
 
-    __slots__ = ("count", "heaps", "next_stamp", "stamps", "svc_conns")
+    A removed want is marked dead. It leaves a deque at once when it is at the
+    front, otherwise when it reaches the front; a deque holding more than twice
+    as many entries as live wants (plus a little) is rebuilt. So every deque stays
+    proportional to the wants it holds, and looking at a front is O(1) amortized.
+    """
+
+    __slots__ = ("all", "by_service", "counts", "live")
+
+    def __init__(self) -> None:
+        self.all: deque[ParkedWant[C]] = deque()
+        self.by_service: dict[str, deque[ParkedWant[C]]] = {}
+        # live wants per service; a service is a key only while it has some
+        self.counts: dict[str, int] = {}
+        self.live = 0
+
+    def head(self) -> ParkedWant[C]:
+        """The oldest live want (there is one: empty queues are dropped)."""
+        wants = self.all
+        while not wants[0].live:
+            wants.popleft()
+        return wants[0]
+
+    def service_head(self, service: str) -> ParkedWant[C]:
+        wants = self.by_service[service]
+        while not wants[0].live:
+            wants.popleft()
+        return wants[0]
+
+    def forget(self, want: ParkedWant[C]) -> None:
+        """Account for a want that was just marked dead."""
+        self.live -= 1
+        wants = self.all
+        if wants[0] is want:
+            wants.popleft()
+        elif len(wants) > 2 * self.live + _COMPACT_SLACK:
+            self.all = deque(w for w in wants if w.live)
+        service = want.service
+        held = self.counts[service] - 1
+        if not held:
+            del self.counts[service]
+            del self.by_service[service]
+            return
+        self.counts[service] = held
+        of_service = self.by_service[service]
+        if of_service[0] is want:
+            of_service.popleft()
+        elif len(of_service) > 2 * held + _COMPACT_SLACK:
+            self.by_service[service] = deque(w for w in of_service if w.live)
+
+    def wants(self) -> list[ParkedWant[C]]:
+        return [w for w in self.all if w.live]
+
+
+class _Level(Generic[C]):
+    """The wants parked at one priority: the rotation as stamps and bitsets."""
+
+    __slots__ = ("base", "bits", "conn_at", "count", "next_stamp", "stamps")
 
     def __init__(self) -> None:
         self.count = 0
-        # connection -> its current place in the rotation (smaller = earlier)
+        # connection -> its place in the rotation (smaller = earlier), and back
         self.stamps: dict[C, int] = {}
+        self.conn_at: dict[int, C] = {}
         self.next_stamp = 0
-        # service -> lazy min-heap of (stamp, tiebreak, connection)
-        self.heaps: dict[str, list[tuple[int, int, C]]] = {}
-        # service -> connections holding wants of it here -> how many
-        self.svc_conns: dict[str, dict[C, int]] = {}
+        self.base = 0
+        # service -> bitset: bit (stamp - base) set when that connection holds
+        # wants of the service at this priority
+        self.bits: dict[str, int] = {}
 
-    def stamp(self) -> int:
-        self.next_stamp += 1
-        return self.next_stamp
+    def join(self, conn: C) -> int:
+        """Put a connection at the tail of the rotation; returns its bit index."""
+        stamp = self.next_stamp
+        self.next_stamp = stamp + 1
+        self.stamps[conn] = stamp
+        self.conn_at[stamp] = conn
+        return stamp - self.base
 
 
 class WantBook(Generic[C]):
@@ -115,14 +185,17 @@ class WantBook(Generic[C]):
 
     def _reset(self) -> None:
         self._seq = 0
-        self._tiebreak = itertools.count()
         self._levels: dict[int, _Level[C]] = {}
-        # conn -> priority -> service -> job_id -> want (insertion ordered = FIFO)
-        self._conns: dict[C, dict[int, dict[str, dict[str, ParkedWant[C]]]]] = {}
+        # conn -> priority -> its queue there
+        self._conns: dict[C, dict[int, _Queue[C]]] = {}
         self._index: dict[tuple[C, str], ParkedWant[C]] = {}
         # service -> priority -> parked count; service -> lazy max-heap of -priority
         self._svc_prio_count: dict[str, dict[int, int]] = {}
         self._svc_prio_heap: dict[str, list[int]] = {}
+        # the highest priority with any want (meaningful while the book is not
+        # empty), and a lazy max-heap of level priorities to find the next one
+        self._highest = 0
+        self._level_heap: list[int] = []
 
     # -- queries ---------------------------------------------------------------
 
@@ -147,12 +220,7 @@ class WantBook(Generic[C]):
     def connection_wants(self, conn: C) -> list[ParkedWant[C]]:
         """This connection's parked wants, by priority (high first), then FIFO."""
         levels = self._conns.get(conn, {})
-        result = []
-        for priority in sorted(levels, reverse=True):
-            wants = [w for queue in levels[priority].values() for w in queue.values()]
-            wants.sort(key=lambda w: w.seq)
-            result.extend(wants)
-        return result
+        return [w for priority in sorted(levels, reverse=True) for w in levels[priority].wants()]
 
     # -- changes ---------------------------------------------------------------
 
@@ -171,23 +239,31 @@ class WantBook(Generic[C]):
 
         level = self._levels.get(priority)
         if level is None:
-            level = self._levels[priority] = _Level[C]()
-        if conn not in level.stamps:
-            level.stamps[conn] = level.stamp()
+            level = self._new_level(priority)
+        stamp = level.stamps.get(conn)
+        index = level.join(conn) if stamp is None else stamp - level.base
         level.count += 1
-        svc_conns = level.svc_conns.setdefault(service, {})
-        held = svc_conns.get(conn, 0)
-        svc_conns[conn] = held + 1
+
+        by_prio = self._conns.get(conn)
+        if by_prio is None:
+            by_prio = self._conns[conn] = {}
+        queue = by_prio.get(priority)
+        if queue is None:
+            queue = by_prio[priority] = _Queue()
+        queue.all.append(want)
+        queue.live += 1
+        held = queue.counts.get(service, 0)
+        queue.counts[service] = held + 1
+        per_service = queue.by_service.get(service)
+        if per_service is None:
+            per_service = queue.by_service[service] = deque()
+        per_service.append(want)
         if held == 0:
-            heap = level.heaps.setdefault(service, [])
-            heapq.heappush(heap, (level.stamps[conn], next(self._tiebreak), conn))
-            if len(heap) > 2 * len(svc_conns) + _REBUILD_SLACK:
-                self._rebuild_heap(level, service)
+            level.bits[service] = level.bits.get(service, 0) | (1 << index)
 
-        by_prio = self._conns.setdefault(conn, {})
-        by_prio.setdefault(priority, {}).setdefault(service, {})[job_id] = want
-
-        counts = self._svc_prio_count.setdefault(service, {})
+        counts = self._svc_prio_count.get(service)
+        if counts is None:
+            counts = self._svc_prio_count[service] = {}
         before = counts.get(priority, 0)
         counts[priority] = before + 1
         if before == 0:
@@ -211,6 +287,8 @@ class WantBook(Generic[C]):
     def clear(self) -> list[ParkedWant[C]]:
         """Empty the book (draining); returns what was parked."""
         wants = list(self._index.values())
+        for want in wants:
+            want.live = False
         self._reset()
         return wants
 
@@ -220,32 +298,42 @@ class WantBook(Generic[C]):
         The picked want leaves the book and its connection moves to the tail of
         the rotation (or leaves it). Returns None when no fitting want is parked.
         """
-        best: int | None = None
-        for service in fitting:
-            top = self._top_priority(service)
-            if top is not None and (best is None or top > best):
-                best = top
-        if best is None:
+        levels = self._levels
+        if not levels:
             return None
-        level = self._levels[best]
-
-        first: tuple[int, int, C] | None = None
+        # Usually the highest priority of all has a fitting want.
+        best = self._highest
+        level = levels[best]
+        bits = level.bits
+        union = 0
         for service in fitting:
-            entry = self._top_conn(level, service)
-            if entry is not None and (first is None or entry[0] < first[0]):
-                first = entry
-        assert first is not None, "a level without a rotation entry"
-        conn = first[2]
+            union |= bits.get(service, 0)
+        if not union:
+            found = self._best_fitting_priority(fitting)
+            if found is None:
+                return None
+            best = found
+            level = levels[best]
+            bits = level.bits
+            for service in fitting:
+                union |= bits.get(service, 0)
+        conn = level.conn_at[(union & -union).bit_length() - 1 + level.base]
 
-        queues = self._conns[conn][best]
-        chosen: ParkedWant[C] | None = None
-        for service in fitting:
-            queue = queues.get(service)
-            if queue:
-                head = next(iter(queue.values()))
-                if chosen is None or head.seq < chosen.seq:
-                    chosen = head
-        assert chosen is not None, "rotation entry without a fitting want"
+        # FIFO among the connection's fitting wants: usually its oldest one fits.
+        queue = self._conns[conn][best]
+        chosen = queue.head()
+        if chosen.service not in fitting:
+            # its oldest want does not fit: the oldest among the fitting services' heads
+            by_service = queue.by_service
+            first_seq = -1
+            for service in fitting:
+                wants = by_service.get(service)
+                if wants is not None:
+                    head = wants[0]
+                    if not head.live:
+                        head = queue.service_head(service)
+                    if first_seq < 0 or head.seq < first_seq:
+                        chosen, first_seq = head, head.seq
         self._unlink(chosen, granted=True)
         return chosen
 
@@ -263,13 +351,13 @@ class WantBook(Generic[C]):
                 ahead += level.count
         level = self._levels[want.priority]
         mine = self._conns[want.conn][want.priority]
-        rank = sum(1 for queue in mine.values() for w in queue.values() if w.seq < want.seq)
+        rank = sum(1 for w in mine.all if w.live and w.seq < want.seq)
         my_stamp = level.stamps[want.conn]
         ahead += rank
         for conn, stamp in level.stamps.items():
             if conn == want.conn:
                 continue
-            held = sum(len(q) for q in self._conns[conn][want.priority].values())
+            held = self._conns[conn][want.priority].live
             ahead += min(held, rank + 1) if stamp < my_stamp else min(held, rank)
         return ahead
 
@@ -278,7 +366,7 @@ class WantBook(Generic[C]):
         level = self._levels.get(priority)
         if level is None:
             return []
-        return [conn for conn, _ in sorted(level.stamps.items(), key=lambda kv: kv[1])]
+        return sorted(level.stamps, key=level.stamps.__getitem__)
 
     def priorities(self) -> list[int]:
         """The priorities with parked wants, highest first."""
@@ -286,75 +374,90 @@ class WantBook(Generic[C]):
 
     # -- internals -----------------------------------------------------------------
 
-    def _top_priority(self, service: str) -> int | None:
-        heap = self._svc_prio_heap.get(service)
-        if not heap:
-            return None
-        counts = self._svc_prio_count[service]
-        while heap and counts.get(-heap[0], 0) == 0:
-            heapq.heappop(heap)
-        return -heap[0] if heap else None
+    def _new_level(self, priority: int) -> _Level[C]:
+        if not self._levels or priority > self._highest:
+            self._highest = priority
+        heap = self._level_heap
+        heapq.heappush(heap, -priority)
+        if len(heap) > 2 * len(self._levels) + 64:
+            heap[:] = [-prio for prio in self._levels]
+            heap.append(-priority)
+            heapq.heapify(heap)
+        level = self._levels[priority] = _Level()
+        return level
 
-    def _top_conn(self, level: _Level[C], service: str) -> tuple[int, int, C] | None:
-        heap = level.heaps.get(service)
-        if not heap:
-            return None
-        holders = level.svc_conns.get(service, {})
-        stamps = level.stamps
-        while heap:
-            stamp, _, conn = heap[0]
-            if stamps.get(conn) == stamp and holders.get(conn, 0) > 0:
-                return heap[0]
-            heapq.heappop(heap)
-        return None
-
-    def _rebuild_heap(self, level: _Level[C], service: str) -> None:
-        holders = level.svc_conns.get(service, {})
-        heap = [(level.stamps[conn], next(self._tiebreak), conn) for conn in holders]
-        heapq.heapify(heap)
-        level.heaps[service] = heap
+    def _best_fitting_priority(self, fitting: Collection[str]) -> int | None:
+        """The highest priority with a want of a fitting service (heap tops)."""
+        best: int | None = None
+        for service in fitting:
+            heap = self._svc_prio_heap.get(service)
+            if not heap:
+                continue
+            counts = self._svc_prio_count[service]
+            while heap and counts.get(-heap[0], 0) == 0:
+                heapq.heappop(heap)
+            if heap and (best is None or -heap[0] > best):
+                best = -heap[0]
+        return best
 
     def _unlink(self, want: ParkedWant[C], *, granted: bool = False) -> None:
         conn, service, priority = want.conn, want.service, want.priority
         del self._index[(conn, want.job_id)]
-
-        by_prio = self._conns[conn]
-        queues = by_prio[priority]
-        queue = queues[service]
-        del queue[want.job_id]
-        if not queue:
-            del queues[service]
+        want.live = False
 
         level = self._levels[priority]
         level.count -= 1
-        holders = level.svc_conns[service]
-        holders[conn] -= 1
-        if holders[conn] == 0:
-            del holders[conn]
-            if not holders:
-                del level.svc_conns[service]
-                level.heaps.pop(service, None)
-
-        if not queues:
+        by_prio = self._conns[conn]
+        queue = by_prio[priority]
+        queue.forget(want)
+        stamp = level.stamps[conn]
+        if service not in queue.counts:
+            level.bits[service] ^= 1 << (stamp - level.base)
+        if not queue.live:
             del by_prio[priority]
             if not by_prio:
                 del self._conns[conn]
             del level.stamps[conn]
+            del level.conn_at[stamp]
         elif granted:
             # Move the served connection to the tail of the rotation.
-            stamp = level.stamps[conn] = level.stamp()
-            for other in queues:
-                heap = level.heaps[other]
-                heapq.heappush(heap, (stamp, next(self._tiebreak), conn))
-                if len(heap) > 2 * len(level.svc_conns[other]) + _REBUILD_SLACK:
-                    self._rebuild_heap(level, other)
+            del level.conn_at[stamp]
+            flip = (1 << (stamp - level.base)) | (1 << level.join(conn))
+            bits = level.bits
+            for other in queue.counts:
+                bits[other] ^= flip
+            if level.next_stamp - level.base > 4 * len(level.stamps) + _RENUMBER_SLACK:
+                self._renumber(level, priority)
         if level.count == 0:
             del self._levels[priority]
+            if priority == self._highest and self._levels:
+                heap = self._level_heap
+                while -heap[0] not in self._levels:
+                    heapq.heappop(heap)
+                self._highest = -heap[0]
 
         counts = self._svc_prio_count[service]
         counts[priority] -= 1
         if counts[priority] == 0:
             del counts[priority]
+
+    def _renumber(self, level: _Level[C], priority: int) -> None:
+        """Give the level's connections stamps base..base+n-1, keeping their order."""
+        order = sorted(level.stamps, key=level.stamps.__getitem__)
+        level.base = level.next_stamp
+        level.stamps.clear()
+        level.conn_at.clear()
+        size = len(order) // 8 + 1
+        masks: dict[str, bytearray] = {}
+        for conn in order:
+            index = level.join(conn)
+            byte, bit = index >> 3, 1 << (index & 7)
+            for service in self._conns[conn][priority].counts:
+                mask = masks.get(service)
+                if mask is None:
+                    mask = masks[service] = bytearray(size)
+                mask[byte] |= bit
+        level.bits = {service: int.from_bytes(mask, "little") for service, mask in masks.items()}
 
     # -- checks ----------------------------------------------------------------------
 
@@ -363,28 +466,45 @@ class WantBook(Generic[C]):
         total = 0
         for conn, by_prio in self._conns.items():
             assert by_prio, f"empty entry for {conn!r}"
-            for priority, queues in by_prio.items():
-                assert queues, f"empty level {priority} for {conn!r}"
+            for priority, queue in by_prio.items():
                 level = self._levels[priority]
                 assert conn in level.stamps, f"{conn!r} missing from rotation {priority}"
-                for service, queue in queues.items():
-                    assert queue, f"empty queue {service!r}"
-                    assert level.svc_conns[service][conn] == len(queue)
-                    seqs = [w.seq for w in queue.values()]
-                    assert seqs == sorted(seqs), "FIFO order broken"
-                    for job_id, want in queue.items():
-                        assert self._index[(conn, job_id)] is want
-                        assert (want.service, want.priority) == (service, priority)
-                        total += 1
+                live = queue.wants()
+                assert live, f"empty queue at {priority} for {conn!r}"
+                assert len(live) == queue.live
+                assert len(queue.all) <= 2 * queue.live + _COMPACT_SLACK + 1
+                seqs = [w.seq for w in live]
+                assert seqs == sorted(seqs), "FIFO order broken"
+                bit = 1 << (level.stamps[conn] - level.base)
+                services = {w.service for w in live}
+                assert set(queue.counts) == services == set(queue.by_service)
+                for service in services:
+                    of_service = [w for w in live if w.service == service]
+                    assert queue.counts[service] == len(of_service)
+                    assert [w for w in queue.by_service[service] if w.live] == of_service
+                    assert len(queue.by_service[service]) <= 2 * len(of_service) + 17
+                    assert level.bits[service] & bit, f"bit of {conn!r} missing for {service!r}"
+                for want in live:
+                    assert self._index[(conn, want.job_id)] is want
+                    assert (want.conn, want.priority) == (conn, priority)
+                total += len(live)
         assert total == len(self._index)
         for priority, level in self._levels.items():
-            expected = sum(len(q) for c in level.stamps for q in self._conns[c][priority].values())
+            expected = sum(self._conns[c][priority].live for c in level.stamps)
             assert level.count == expected > 0
-            for conn in level.stamps:
+            for conn, stamp in level.stamps.items():
                 assert priority in self._conns.get(conn, {}), "rotation holds an idle conn"
+                assert level.conn_at[stamp] == conn
+            assert len(level.conn_at) == len(level.stamps)
+            for service, bits in level.bits.items():
+                holders = [c for c in level.stamps if service in self._conns[c][priority].counts]
+                expected_bits = sum(1 << (level.stamps[c] - level.base) for c in holders)
+                assert bits == expected_bits, f"bitset of {service!r} at {priority} is stale"
+        assert not self._levels or self._highest == max(self._levels)
         for service, counts in self._svc_prio_count.items():
             for priority, count in counts.items():
                 assert count == sum(
-                    len(by_prio.get(priority, {}).get(service, {}))
+                    by_prio[priority].counts.get(service, 0)
                     for by_prio in self._conns.values()
+                    if priority in by_prio
                 )

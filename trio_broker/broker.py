@@ -69,6 +69,7 @@ import attrs
 
 from trio_broker import protocol as p
 from trio_broker.book import WantBook
+from trio_broker.liveness import Liveness
 from trio_broker.pool import PoolConfig, SlotPool
 
 __all__ = [
@@ -336,6 +337,7 @@ class Broker:
     def __init__(self, config: BrokerConfig, *, now: float) -> None:
         self.config = config
         self.pool = SlotPool(config.pool)
+        self._liveness = Liveness(config.ping_interval, config.ping_timeout)
         self.book: WantBook[ConnId] = WantBook()
         self._now = now
         self._conns: dict[ConnId, _Conn] = {}
@@ -452,8 +454,9 @@ class Broker:
     def job_ended(self, run_id: RunId, receipt: p.Receipt, *, now: float) -> None:
         """The runner finished a job started by :class:`StartJob`.
 
-        Frees its slot, updates the service's statistics, sends ``DONE`` when the
-        connection is still open, and grants the slot. Drain frames and effects.
+        Frees its slot, updates the service's statistics, offers the slot to the
+        next want, then sends ``DONE`` when the connection is still open (in that
+        order, so a waiting client can redeem at once). Drain frames and effects.
 
         Raises:
             BrokerUsageError: the run id is not running.
@@ -468,10 +471,15 @@ class Broker:
         self.counters["jobs_ended"] += 1
         conn = self._conns.get(run.conn)
         delivered = conn is not None and conn.runs.get(run.job_id) is run
-        backend_id = None
         if delivered:
             assert conn is not None
             del conn.runs[run.job_id]
+        # The freed slot is offered before DONE goes out: the next job's client
+        # can answer with JOB without first reading the receipt.
+        self._grant()
+        backend_id = None
+        if delivered:
+            assert conn is not None
             self._send(conn, p.Done(job_id=run.job_id, receipt=receipt))
             backend_id = conn.register.backend_id if conn.register else None
         self._recent.append(
@@ -854,26 +862,23 @@ class Broker:
         elif kind == "ping":
             conn = self._conns.get(key)
             if conn is not None:
-                due = conn.last_sent + config.ping_interval
-                if due <= now:
+                send, due = self._liveness.ping(conn.last_sent, now)
+                if send:
                     self._send(conn, p.Ping(nonce=str(next(self._nonces))))
-                    due = now + config.ping_interval
                 self._push_timer(due, "ping", key)
         elif kind == "dead":
             conn = self._conns.get(key)
             if conn is not None:
-                due = conn.last_recv + config.ping_timeout
-                if due <= now:
+                later = self._liveness.dead(conn.last_recv, now)
+                if later is None:
                     self._effects.append(
                         CloseConnection(
-                            conn=conn.id,
-                            code=CLOSE_GOING_AWAY,
-                            reason=f"nothing received for {config.ping_timeout:g}s",
+                            conn=conn.id, code=CLOSE_GOING_AWAY, reason=self._liveness.reason
                         )
                     )
                     self._drop_connection(conn.id)
                 else:
-                    self._push_timer(due, "dead", key)
+                    self._push_timer(later, "dead", key)
         elif kind == "hello":
             conn = self._conns.get(key)
             if conn is not None:

@@ -57,6 +57,7 @@ from typing import Any, Final, Literal, TypeAlias
 import attrs
 
 from trio_broker import protocol as p
+from trio_broker.liveness import Liveness
 
 __all__ = [
     "Accepted",
@@ -277,6 +278,7 @@ class ClientCore:
 
     def __init__(self, config: ClientConfig, *, now: float) -> None:
         self.config = config
+        self._liveness = Liveness(config.ping_interval, config.ping_timeout)
         self._now = now
         self._conn_ids = itertools.count(1)
         self._nonces = itertools.count(1)
@@ -686,26 +688,21 @@ class ClientCore:
         elif kind == "ping":
             conn = self._conns.get(key)
             if conn is not None:
-                due = conn.last_sent + config.ping_interval
-                if due <= now:
+                send, due = self._liveness.ping(conn.last_sent, now)
+                if send:
                     self._send(conn, p.Ping(nonce=str(next(self._nonces))))
-                    due = now + config.ping_interval
                 self._push(due, "ping", key)
         elif kind == "dead":
             conn = self._conns.get(key)
             if conn is not None:
-                due = conn.last_recv + config.ping_timeout
-                if due <= now:
+                later = self._liveness.dead(conn.last_recv, now)
+                if later is None:
                     self._effects.append(
-                        Close(
-                            conn=conn.id,
-                            code=CLOSE_GOING_AWAY,
-                            reason=f"nothing received for {config.ping_timeout:g}s",
-                        )
+                        Close(conn=conn.id, code=CLOSE_GOING_AWAY, reason=self._liveness.reason)
                     )
                     self._lose(conn.id, redial=True)
                 else:
-                    self._push(due, "dead", key)
+                    self._push(later, "dead", key)
 
     def _consider_growth(self) -> None:
         """Open one more connection per address while jobs see no offer at all."""

@@ -43,6 +43,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
+from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from trio_broker import protocol as p
@@ -189,8 +190,11 @@ class ExecserverHandle:
 
     async def wait_until(self, predicate: Callable[[], bool]) -> None:
         """Wait until ``predicate()`` holds; it is re-checked after every core input."""
+        service = self._service
         while not predicate():
-            await self._service.changed.wait()
+            if service.changed is None:
+                service.changed = trio.Event()
+            await service.changed.wait()
 
     async def wait_closed(self) -> None:
         """Wait until draining finished and every connection was closed."""
@@ -219,7 +223,7 @@ class _Service:
         self.nursery: trio.Nursery | None = None
         self.wake = trio.Event()
         self.armed: float | None = None
-        self.changed = trio.Event()
+        self.changed: trio.Event | None = None  # created only when someone waits
         self.drained = trio.Event()
         self.all_closed = trio.Event()
         self.closed = trio.Event()
@@ -260,8 +264,9 @@ class _Service:
         deadline = core.next_deadline()
         if deadline is not None and (self.armed is None or deadline < self.armed):
             self.wake.set()
-        changed, self.changed = self.changed, trio.Event()
-        changed.set()
+        if self.changed is not None:
+            self.changed.set()
+            self.changed = None
 
     def _enqueue(self, conn: _Connection, item: str | _Close) -> None:
         try:
@@ -353,30 +358,47 @@ class _Service:
         expected = f"Bearer {self.broker_token}"
         return hmac.compare_digest(given.encode(), expected.encode())
 
-    async def broker_endpoint(self, websocket: WebSocket) -> None:
-        if not self.authorized(websocket.headers):
-            await websocket.send_denial_response(
-                PlainTextResponse(
-                    "a broker token is required\n",
-                    status_code=401,
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
+    async def broker_endpoint(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ``/broker`` websocket, as a plain ASGI application.
+
+        It talks ASGI directly rather than through starlette's ``WebSocket``: every
+        frame of every connection goes through here, and the wrappers cost more
+        than the broker core itself.
+        """
+        if (await receive())["type"] != "websocket.connect":
+            return
+        headers = {
+            name.decode("latin-1").lower(): value.decode("latin-1")
+            for name, value in scope["headers"]
+        }
+        if not self.authorized(headers):
+            await send(
+                {
+                    "type": "websocket.http.response.start",
+                    "status": 401,
+                    "headers": [
+                        (b"content-type", b"text/plain; charset=utf-8"),
+                        (b"www-authenticate", b"Bearer"),
+                    ],
+                }
+            )
+            await send(
+                {"type": "websocket.http.response.body", "body": b"a broker token is required\n"}
             )
             return
-        await websocket.accept()
-        server = websocket.scope.get("server") or ("", 0)
-        host, port = server[0], server[1]
+        await send({"type": "websocket.accept"})
+        host, port = scope.get("server") or ("", 0)
         addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         conn_id = self.core.open_connection(addr, now=trio.current_time())
         outbox, inbox = trio.open_memory_channel[str | _Close](SEND_QUEUE_FRAMES)
-        with trio.CancelScope() as scope:
-            conn = _Connection(conn_id, outbox, scope)
+        with trio.CancelScope() as cancel_scope:
+            conn = _Connection(conn_id, outbox, cancel_scope)
             self.conns[conn_id] = conn
             try:
                 self.flush()
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._writer, websocket, inbox, nursery.cancel_scope)
-                    await self._reader(websocket, conn)
+                    nursery.start_soon(self._writer, send, inbox, nursery.cancel_scope)
+                    await self._reader(receive, send, conn)
                     nursery.cancel_scope.cancel()
             finally:
                 del self.conns[conn_id]
@@ -385,44 +407,44 @@ class _Service:
                 outbox.close()
                 self.core.close_connection(conn_id, now=trio.current_time())
                 self.flush()
-        if scope.cancelled_caught:
+        if cancel_scope.cancelled_caught:
             with trio.move_on_after(1) as cleanup:
                 cleanup.shield = True
-                await _close_quietly(websocket, CLOSE_POLICY, "frames are not being read")
+                await _close_quietly(send, CLOSE_POLICY, "frames are not being read")
 
-    async def _reader(self, websocket: WebSocket, conn: _Connection) -> None:
+    async def _reader(self, receive: Receive, send: Send, conn: _Connection) -> None:
         limit = self.max_frame_bytes
         core = self.core
         while True:
-            message = await websocket.receive()
-            if message["type"] == "websocket.disconnect":
-                return
+            message = await receive()
+            if message["type"] != "websocket.receive":
+                return  # websocket.disconnect
             data: str | bytes | None = message.get("text")
             if data is None:
                 data = message.get("bytes") or b""
             size = len(data) if isinstance(data, bytes) else _utf8_size(data, limit)
             if size > limit:
                 log.info("connection %d sent a %d-byte frame: closing (1009)", conn.conn_id, size)
-                await _close_quietly(websocket, CLOSE_TOO_BIG, "frame too big")
+                await _close_quietly(send, CLOSE_TOO_BIG, "frame too big")
                 return
             core.receive_text(conn.conn_id, data, now=trio.current_time())
             self.flush()
 
     async def _writer(
         self,
-        websocket: WebSocket,
+        send: Send,
         inbox: trio.MemoryReceiveChannel[str | _Close],
         reader_scope: trio.CancelScope,
     ) -> None:
         async with inbox:
             async for item in inbox:
                 if isinstance(item, _Close):
-                    await _close_quietly(websocket, item.code, item.reason)
+                    await _close_quietly(send, item.code, item.reason)
                     reader_scope.cancel()
                     return
                 try:
-                    await websocket.send_text(item)
-                except (RuntimeError, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    await send({"type": "websocket.send", "text": item})
+                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
                     reader_scope.cancel()  # the peer is gone; the reader ends the connection
                     return
 
@@ -446,12 +468,10 @@ def _utf8_size(text: str, limit: int) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
 
 
-async def _close_quietly(websocket: WebSocket, code: int, reason: str) -> None:
+async def _close_quietly(send: Send, code: int, reason: str) -> None:
     # the peer may already be gone, or the socket already closing
-    with contextlib.suppress(
-        RuntimeError, OSError, trio.BrokenResourceError, trio.ClosedResourceError
-    ):
-        await websocket.close(code=code, reason=reason)
+    with contextlib.suppress(OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+        await send({"type": "websocket.close", "code": code, "reason": reason})
 
 
 def _inspection(stats: BrokerStatistics, runner: RunnerStatistics | None) -> dict[str, Any]:
@@ -578,7 +598,7 @@ class _Collector:
         return metrics
 
 
-def _make_app(service: _Service) -> Starlette:
+def _make_app(service: _Service) -> ASGIApp:
     async def healthz(request: Request) -> Response:
         if service.core.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
@@ -593,15 +613,22 @@ def _make_app(service: _Service) -> Starlette:
     async def not_found(websocket: WebSocket) -> None:
         await websocket.send_denial_response(PlainTextResponse("not found\n", status_code=404))
 
-    return Starlette(
+    pages = Starlette(
         routes=[
-            WebSocketRoute("/broker", service.broker_endpoint),
             Route("/healthz", healthz),
             Route("/inspect/system/execserver", inspect),
             Route("/metrics", metrics),
             WebSocketRoute("/{path:path}", not_found),
         ]
     )
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket" and scope["path"] == "/broker":
+            await service.broker_endpoint(scope, receive, send)
+        else:
+            await pages(scope, receive, send)
+
+    return app
 
 
 async def serve_execserver(
@@ -632,6 +659,7 @@ async def serve_execserver(
     hyper.bind = [config.listen]
     hyper.websocket_max_message_size = config.max_frame_bytes
     hyper.accesslog = None
+    hyper.errorlog = logging.getLogger("trio_broker.http")  # our handlers, our level
     hyper.graceful_timeout = 1.0
     hyper.keep_alive_timeout = 75.0
     if config.tls is not None:

@@ -93,42 +93,51 @@ class PoolConfig:
 
 
 class ServiceStats:
-    """What the pool knows about one service: its recent runs and its load."""
+    """What the pool knows about one service: its limits, recent runs and load.
 
-    __slots__ = ("_peaks", "_runtimes", "_sum", "busy", "completed", "peak_memory")
+    ``kind``, ``mean_runtime`` and ``footprint`` are kept up to date by
+    :meth:`record`, so reading them on the grant path costs nothing.
+    """
 
-    def __init__(self, window: int) -> None:
+    __slots__ = (
+        "_heavy_threshold",
+        "_peaks",
+        "_runtimes",
+        "busy",
+        "cap",
+        "completed",
+        "footprint",
+        "kind",
+        "mean_runtime",
+        "peak_memory",
+    )
+
+    def __init__(self, window: int, cap: int, heavy_threshold: float) -> None:
         self._runtimes: deque[float] = deque(maxlen=window)
         self._peaks: deque[int] = deque(maxlen=window)
-        self._sum = 0.0
+        self._heavy_threshold = heavy_threshold
+        self.cap = cap
         self.busy = 0
         self.completed = 0
         self.peak_memory: int | None = None
+        self.mean_runtime: float | None = None
+        """Rolling mean runtime in seconds; None until a run was measured."""
+        self.footprint: int | None = None
+        """The highest memory peak among the recent runs; None until measured."""
+        self.kind: Kind = "unknown"
 
     def record(self, duration: float, peak_memory: int | None) -> None:
         runtimes = self._runtimes
-        if len(runtimes) == runtimes.maxlen:
-            self._sum -= runtimes[0]
         runtimes.append(duration)
-        self._sum += duration
         self.completed += 1
+        # recomputed from the window, so rounding errors never accumulate
+        self.mean_runtime = max(0.0, math.fsum(runtimes) / len(runtimes))
+        self.kind = "heavy" if self.mean_runtime >= self._heavy_threshold else "light"
         if peak_memory is not None:
             self._peaks.append(peak_memory)
+            self.footprint = max(self._peaks)
             if self.peak_memory is None or peak_memory > self.peak_memory:
                 self.peak_memory = peak_memory
-
-    @property
-    def mean_runtime(self) -> float | None:
-        """Rolling mean runtime in seconds; None until a run was measured."""
-        if not self._runtimes:
-            return None
-        # Recompute now and then would avoid drift; a window of 20 floats is exact enough.
-        return max(0.0, self._sum / len(self._runtimes))
-
-    @property
-    def footprint(self) -> int | None:
-        """The highest memory peak among the recent runs; None until measured."""
-        return max(self._peaks) if self._peaks else None
 
 
 class SlotPool:
@@ -141,20 +150,24 @@ class SlotPool:
         self._unknown_busy = 0
         self._kinds: tuple[tuple[str, Kind], ...] | None = None
         self.services: dict[str, ServiceStats] = {
-            name: ServiceStats(config.window) for name in config.max_slots
+            name: ServiceStats(config.window, cap, config.heavy_threshold)
+            for name, cap in config.max_slots.items()
         }
-        self._heavy_threshold = config.heavy_threshold
+        self._size = config.size
+        self._heavy_limit = config.size - config.fast_reserve
+        self._unknown_cap = config.unknown_cap
+        self._budget = config.memory_budget
 
     # -- queries -------------------------------------------------------------------
 
     @property
     def size(self) -> int:
-        return self.config.size
+        return self._size
 
     @property
     def free(self) -> int:
         """Slots neither running nor holding an offer."""
-        return self.config.size - self.busy
+        return self._size - self.busy
 
     def offers(self, service: str) -> bool:
         """Whether this pool offers the service at all."""
@@ -162,10 +175,7 @@ class SlotPool:
 
     def kind(self, service: str) -> Kind:
         """``light``, ``heavy`` or ``unknown`` (not measured yet)."""
-        mean = self.services[service].mean_runtime
-        if mean is None:
-            return "unknown"
-        return "heavy" if mean >= self._heavy_threshold else "light"
+        return self.services[service].kind
 
     def unknown_busy(self) -> int:
         """Busy slots held by services that are unmeasured now."""
@@ -173,20 +183,21 @@ class SlotPool:
 
     def fits(self, service: str) -> bool:
         """Whether one more slot of this service respects every limit right now."""
-        config = self.config
-        if self.busy >= config.size:
+        if self.busy >= self._size:
             return False
-        stats = self.services[service]
-        cap = config.max_slots[service]
+        return self._fits(self.services[service])
+
+    def _fits(self, stats: ServiceStats) -> bool:
+        cap = stats.cap
         if cap and stats.busy >= cap:
             return False
-        mean = stats.mean_runtime
-        if mean is None:
-            if self._unknown_busy >= config.unknown_cap:
+        kind = stats.kind
+        if kind == "unknown":
+            if self._unknown_busy >= self._unknown_cap:
                 return False
-        elif mean >= self._heavy_threshold and self.busy + 1 > config.size - config.fast_reserve:
+        elif kind == "heavy" and self.busy + 1 > self._heavy_limit:
             return False
-        budget = config.memory_budget
+        budget = self._budget
         if budget is not None and self.memory_reserved:
             footprint = stats.footprint
             if footprint is not None and self.memory_reserved + footprint > budget:
@@ -195,9 +206,10 @@ class SlotPool:
 
     def fitting(self) -> list[str]:
         """Every offered service that fits right now."""
-        if self.busy >= self.config.size:
+        if self.busy >= self._size:
             return []
-        return [name for name in self.services if self.fits(name)]
+        fits = self._fits
+        return [name for name, stats in self.services.items() if fits(stats)]
 
     def capacity(self, service: str) -> int:
         """The most slots this service may hold under the pool's static limits."""
@@ -219,7 +231,7 @@ class SlotPool:
     def kinds(self) -> tuple[tuple[str, Kind], ...]:
         """Every service with its kind, in configuration order."""
         if self._kinds is None:
-            self._kinds = tuple((name, self.kind(name)) for name in self.services)
+            self._kinds = tuple((name, stats.kind) for name, stats in self.services.items())
         return self._kinds
 
     # -- changes -------------------------------------------------------------------
@@ -230,12 +242,12 @@ class SlotPool:
         Raises:
             RuntimeError: the service does not fit (the caller checks first).
         """
-        if not self.fits(service):
-            raise RuntimeError(f"service {service!r} does not fit the pool now")
         stats = self.services[service]
+        if self.busy >= self._size or not self._fits(stats):
+            raise RuntimeError(f"service {service!r} does not fit the pool now")
         self.busy += 1
         stats.busy += 1
-        if stats.mean_runtime is None:
+        if stats.kind == "unknown":
             self._unknown_busy += 1
         reserved = stats.footprint or 0
         self.memory_reserved += reserved
@@ -248,7 +260,7 @@ class SlotPool:
             raise RuntimeError(f"release of {service!r} without a busy slot")
         stats.busy -= 1
         self.busy -= 1
-        if stats.mean_runtime is None:
+        if stats.kind == "unknown":
             self._unknown_busy -= 1
         self.memory_reserved -= reserved
 
@@ -257,24 +269,31 @@ class SlotPool:
         if receipt.status not in MEASURED_STATUSES:
             return False
         stats = self.services[service]
-        before = self.kind(service)
-        if stats.mean_runtime is None:
+        before = stats.kind
+        if before == "unknown":
             self._unknown_busy -= stats.busy
         stats.record(receipt.duration_s, receipt.peak_memory)
         self._kinds = None
-        return self.kind(service) != before
+        return stats.kind != before
 
     def check_invariants(self) -> None:
         """Raise AssertionError when the counters disagree or a limit is broken."""
         config = self.config
         assert self.busy == sum(s.busy for s in self.services.values())
         assert self._unknown_busy == sum(
-            s.busy for s in self.services.values() if s.mean_runtime is None
+            s.busy for s in self.services.values() if s.kind == "unknown"
         )
         assert self._unknown_busy <= config.unknown_cap
         assert 0 <= self.busy <= config.size
         assert self.memory_reserved >= 0
         for name, stats in self.services.items():
             assert stats.busy >= 0
+            assert stats.kind == (
+                "unknown"
+                if stats.mean_runtime is None
+                else "heavy"
+                if stats.mean_runtime >= config.heavy_threshold
+                else "light"
+            )
             cap = config.max_slots[name]
             assert not cap or stats.busy <= cap, f"{name} holds {stats.busy} > max_slots {cap}"

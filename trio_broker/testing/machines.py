@@ -63,6 +63,7 @@ from trio_broker.broker import (
 )
 from trio_broker.pool import PoolConfig
 from trio_broker.testing.reference import ReferenceBroker
+from trio_broker.testing.values import receipt as make_receipt
 
 __all__ = ["BrokerMachine", "RoundRobinMachine", "broker_machine", "round_robin_machine"]
 
@@ -89,21 +90,6 @@ _STATUSES: tuple[p.Status, ...] = (
     "stopped",
     "error",
 )
-
-
-def _receipt(status: p.Status, duration: float, peak: int | None) -> p.Receipt:
-    return p.Receipt(
-        status=status,
-        exit_code=0 if status == "ok" else 1,
-        error=None if status == "ok" else status,
-        stdout_prefix="",
-        stdout_bytes=0,
-        stdin_bytes=0,
-        started_at=0.0,
-        duration_s=duration,
-        peak_memory=peak,
-        instance_id="",
-    )
 
 
 def _comparable(
@@ -269,7 +255,7 @@ class BrokerMachine(RuleBasedStateMachine):
         self.offers = {t: o for t, o in self.offers.items() if o[:2] != key}
 
     def _end(self, run_id: int, status: p.Status, duration: float, peak: int | None) -> None:
-        receipt = _receipt(status, duration, peak)
+        receipt = make_receipt(status, duration=duration, peak_memory=peak)
         del self.runs[run_id]
         self.step(
             lambda: self.real.job_ended(run_id, receipt, now=self.now),

@@ -50,6 +50,7 @@ from trio_broker.client_core import (
     Finished,
 )
 from trio_broker.pool import PoolConfig
+from trio_broker.testing.values import receipt
 
 __all__ = ["RaceMachine", "race_machine"]
 
@@ -250,19 +251,7 @@ class RaceMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def end_job(self, data: st.DataObject) -> None:
         server, run_id = data.draw(st.sampled_from(sorted(self.runs)))
-        del self.runs[(server, run_id)]
-        receipt = p.Receipt(
-            status="ok",
-            exit_code=0,
-            stdout_prefix="",
-            stdout_bytes=0,
-            stdin_bytes=0,
-            started_at=self.now,
-            duration_s=0.5,
-            instance_id="",
-        )
-        self.brokers[server].job_ended(run_id, receipt, now=self.now)
-        self.route()
+        self.end_job_now(server, run_id)
 
     @rule(dt=st.sampled_from([0.5, 1.0, 2.5, 4.0]))
     def advance(self, dt: float) -> None:
@@ -345,17 +334,7 @@ class RaceMachine(RuleBasedStateMachine):
 
     def end_job_now(self, server: int, run_id: int) -> None:
         del self.runs[(server, run_id)]
-        receipt = p.Receipt(
-            status="ok",
-            exit_code=0,
-            stdout_prefix="",
-            stdout_bytes=0,
-            stdin_bytes=0,
-            started_at=self.now,
-            duration_s=0.5,
-            instance_id="",
-        )
-        self.brokers[server].job_ended(run_id, receipt, now=self.now)
+        self.brokers[server].job_ended(run_id, receipt(started_at=self.now), now=self.now)
         self.route()
 
 

@@ -413,6 +413,7 @@ class ReferenceBroker:
             self.runtimes.setdefault(held.service, []).append(receipt.duration_s)
             if receipt.peak_memory is not None:
                 self.peaks.setdefault(held.service, []).append(receipt.peak_memory)
+        self.grant_all()  # the slot is offered before DONE goes out
         if not held.orphan:
             receipt = attrs.evolve(receipt, instance_id=self.instance_id)
             self.frames.append((held.conn, p.Done(job_id=held.job_id, receipt=receipt)))
