@@ -57,7 +57,6 @@ connection or run id, time going backwards) raises :class:`BrokerUsageError`.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 import secrets
@@ -70,6 +69,7 @@ import attrs
 from trio_broker import protocol as p
 from trio_broker.book import WantBook
 from trio_broker.liveness import Liveness
+from trio_broker.outputs import Outputs
 from trio_broker.pool import PoolConfig, SlotPool
 
 __all__ = [
@@ -331,10 +331,15 @@ _TimerKind: TypeAlias = Literal["offer", "ping", "dead", "hello", "second", "dra
 # -- the broker ------------------------------------------------------------------------
 
 
-class Broker:
-    """The execserver side of the protocol. See the module docstring."""
+class Broker(Outputs[Effect, _TimerKind]):
+    """The execserver side of the protocol. See the module docstring.
+
+    Outputs are drained with :meth:`frames_to_send` and :meth:`effects`;
+    :meth:`next_deadline` says when :meth:`tick` is due.
+    """
 
     def __init__(self, config: BrokerConfig, *, now: float) -> None:
+        super().__init__()
         self.config = config
         self.pool = SlotPool(config.pool)
         self._liveness = Liveness(config.ping_interval, config.ping_timeout)
@@ -346,10 +351,6 @@ class Broker:
         self._nonces = itertools.count(1)
         self._offers: dict[str, _Offer] = {}
         self._runs: dict[RunId, _Run] = {}
-        self._frames: list[tuple[ConnId, p.Message]] = []
-        self._effects: list[Effect] = []
-        self._timers: list[tuple[float, int, _TimerKind, Any]] = []
-        self._timer_seq = itertools.count()
         self._recent: deque[FinishedJob] = deque(maxlen=config.recent_receipts)
         self.counters: dict[str, int] = dict.fromkeys(
             (
@@ -378,22 +379,6 @@ class Broker:
         self._hello_shared: Hashable = None
         self._hello_shared = self._shared_hello()
         self._schedule_second()
-
-    # -- outputs --------------------------------------------------------------------
-
-    def frames_to_send(self) -> list[tuple[ConnId, p.Message]]:
-        """Drain the frames to send, in order, as (connection, message) pairs."""
-        frames, self._frames = self._frames, []
-        return frames
-
-    def effects(self) -> list[Effect]:
-        """Drain the effects for the runner and the transport, in order."""
-        effects, self._effects = self._effects, []
-        return effects
-
-    def next_deadline(self) -> float | None:
-        """When :meth:`tick` is due next; None when no timer is pending."""
-        return self._timers[0][0] if self._timers else None
 
     # -- inputs -----------------------------------------------------------------------
 
@@ -506,10 +491,8 @@ class Broker:
     def tick(self, *, now: float) -> None:
         """Run every timer due at ``now``. Drain frames and effects afterwards."""
         self._enter(now)
-        timers = self._timers
-        while timers and timers[0][0] <= now:
-            _, _, kind, key = heapq.heappop(timers)
-            self._fire(kind, key, now)
+        while (timer := self._pop_due(now)) is not None:
+            self._fire(*timer, now)
         self._leave()
 
     def drain(self, *, now: float) -> None:
@@ -841,9 +824,6 @@ class Broker:
         conn.runs.clear()
 
     # -- timers ----------------------------------------------------------------------------
-
-    def _push_timer(self, when: float, kind: _TimerKind, key: Any) -> None:
-        heapq.heappush(self._timers, (when, next(self._timer_seq), kind, key))
 
     def _fire(self, kind: _TimerKind, key: Any, now: float) -> None:
         config = self.config

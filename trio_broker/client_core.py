@@ -49,7 +49,6 @@ job id.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Iterator
 from typing import Any, Final, Literal, TypeAlias
@@ -58,6 +57,7 @@ import attrs
 
 from trio_broker import protocol as p
 from trio_broker.liveness import Liveness
+from trio_broker.outputs import Outputs
 
 __all__ = [
     "Accepted",
@@ -273,10 +273,15 @@ class ClientUsageError(RuntimeError):
     """The code driving the client core misused it."""
 
 
-class ClientCore:
-    """The client side of the protocol. See the module docstring."""
+class ClientCore(Outputs[ClientEffect, _TimerKind]):
+    """The client side of the protocol. See the module docstring.
+
+    Outputs are drained with :meth:`frames_to_send` and :meth:`effects`;
+    :meth:`next_deadline` says when :meth:`tick` is due.
+    """
 
     def __init__(self, config: ClientConfig, *, now: float) -> None:
+        super().__init__()
         self.config = config
         self._liveness = Liveness(config.ping_interval, config.ping_timeout)
         self._now = now
@@ -285,26 +290,9 @@ class ClientCore:
         self._conns: dict[ConnId, _Conn] = {}
         self._addresses = {a: _Address(a, config.reconnect_min) for a in config.addresses}
         self._jobs: dict[str, _Job] = {}
-        self._frames: list[tuple[ConnId, p.Message]] = []
-        self._effects: list[ClientEffect] = []
-        self._timers: list[tuple[float, int, _TimerKind, Any]] = []
-        self._timer_seq = itertools.count()
         self._grow_timer_at: float | None = None
         for address in self._addresses.values():
             self._dial(address)
-
-    # -- outputs ---------------------------------------------------------------------
-
-    def frames_to_send(self) -> list[tuple[ConnId, p.Message]]:
-        frames, self._frames = self._frames, []
-        return frames
-
-    def effects(self) -> list[ClientEffect]:
-        effects, self._effects = self._effects, []
-        return effects
-
-    def next_deadline(self) -> float | None:
-        return self._timers[0][0] if self._timers else None
 
     # -- transport inputs ---------------------------------------------------------------
 
@@ -327,8 +315,8 @@ class ClientCore:
                 callback_url=config.callback_url,
             ),
         )
-        self._push(now + config.ping_interval, "ping", conn.id)
-        self._push(now + config.ping_timeout, "dead", conn.id)
+        self._push_timer(now + config.ping_interval, "ping", conn.id)
+        self._push_timer(now + config.ping_timeout, "dead", conn.id)
         self._leave()
 
     def dial_failed(self, conn_id: ConnId, *, now: float) -> None:
@@ -375,10 +363,8 @@ class ClientCore:
     def tick(self, *, now: float) -> None:
         """Run every timer due at ``now``."""
         self._enter(now)
-        timers = self._timers
-        while timers and timers[0][0] <= now:
-            _, _, kind, key = heapq.heappop(timers)
-            self._fire(kind, key, now)
+        while (timer := self._pop_due(now)) is not None:
+            self._fire(*timer, now)
         self._leave()
 
     # -- caller inputs ----------------------------------------------------------------
@@ -415,7 +401,7 @@ class ClientCore:
             job_id, service, priority, subject, job, now, now + self.config.connect_timeout
         )
         self._jobs[job_id] = record
-        self._push(record.deadline, "deadline", job_id)
+        self._push_timer(record.deadline, "deadline", job_id)
         self._park_everywhere(record)
         self._leave()
 
@@ -524,7 +510,7 @@ class ClientCore:
                     # The balancer put this connection on a replica we already
                     # reach: close it, and stop growing until the next re-probe.
                     address.covered = True
-                    self._push(
+                    self._push_timer(
                         self._now + self.config.pool_reprobe_interval, "reprobe", address.address
                     )
                     self._effects.append(
@@ -655,13 +641,10 @@ class ClientCore:
                 )
             )
         if redial:
-            self._push(self._now + address.backoff, "redial", address.address)
+            self._push_timer(self._now + address.backoff, "redial", address.address)
             address.backoff = min(address.backoff * 2, self.config.reconnect_max)
 
     # -- timers ------------------------------------------------------------------------------
-
-    def _push(self, when: float, kind: _TimerKind, key: Any) -> None:
-        heapq.heappush(self._timers, (when, next(self._timer_seq), kind, key))
 
     def _fire(self, kind: _TimerKind, key: Any, now: float) -> None:
         config = self.config
@@ -691,7 +674,7 @@ class ClientCore:
                 send, due = self._liveness.ping(conn.last_sent, now)
                 if send:
                     self._send(conn, p.Ping(nonce=str(next(self._nonces))))
-                self._push(due, "ping", key)
+                self._push_timer(due, "ping", key)
         elif kind == "dead":
             conn = self._conns.get(key)
             if conn is not None:
@@ -702,7 +685,7 @@ class ClientCore:
                     )
                     self._lose(conn.id, redial=True)
                 else:
-                    self._push(later, "dead", key)
+                    self._push_timer(later, "dead", key)
 
     def _consider_growth(self) -> None:
         """Open one more connection per address while jobs see no offer at all."""
@@ -727,7 +710,7 @@ class ClientCore:
                 self._dial(address)
         if wake is not None and (self._grow_timer_at is None or wake < self._grow_timer_at):
             self._grow_timer_at = wake
-            self._push(wake, "grow", None)
+            self._push_timer(wake, "grow", None)
 
     # -- plumbing ------------------------------------------------------------------------------
 
