@@ -69,8 +69,8 @@ import attrs
 from trio_broker import protocol as p
 from trio_broker.book import WantBook
 from trio_broker.liveness import Liveness
-from trio_broker.outputs import Outputs
 from trio_broker.pool import PoolConfig, SlotPool
+from trio_broker.sansio import SansIOCore
 
 __all__ = [
     "AbortJob",
@@ -331,24 +331,24 @@ _TimerKind: TypeAlias = Literal["offer", "ping", "dead", "hello", "second", "dra
 # -- the broker ------------------------------------------------------------------------
 
 
-class Broker(Outputs[Effect, _TimerKind]):
+class Broker(SansIOCore[Effect, _TimerKind]):
     """The execserver side of the protocol. See the module docstring.
 
     Outputs are drained with :meth:`frames_to_send` and :meth:`effects`;
     :meth:`next_deadline` says when :meth:`tick` is due.
     """
 
+    usage_error = BrokerUsageError
+
     def __init__(self, config: BrokerConfig, *, now: float) -> None:
-        super().__init__()
+        super().__init__(now=now, liveness=Liveness(config.ping_interval, config.ping_timeout))
         self.config = config
         self.pool = SlotPool(config.pool)
-        self._liveness = Liveness(config.ping_interval, config.ping_timeout)
         self.book: WantBook[ConnId] = WantBook()
         self._now = now
         self._conns: dict[ConnId, _Conn] = {}
         self._conn_ids = itertools.count(1)
         self._run_ids = itertools.count(1)
-        self._nonces = itertools.count(1)
         self._offers: dict[str, _Offer] = {}
         self._runs: dict[RunId, _Run] = {}
         self._recent: deque[FinishedJob] = deque(maxlen=config.recent_receipts)
@@ -392,8 +392,7 @@ class Broker(Outputs[Effect, _TimerKind]):
         self._conns[conn.id] = conn
         self.counters["connections_opened"] += 1
         self._send_hello(conn)
-        self._push_timer(now + self.config.ping_interval, "ping", conn.id)
-        self._push_timer(now + self.config.ping_timeout, "dead", conn.id)
+        self._watch(conn)
         self._leave()
         return conn.id
 
@@ -839,26 +838,15 @@ class Broker(Outputs[Effect, _TimerKind]):
                     f"the offer for {offer.job_id!r} expired unredeemed; park a new WANT",
                     offer.job_id,
                 )
-        elif kind == "ping":
+        elif kind == "ping" or kind == "dead":
             conn = self._conns.get(key)
-            if conn is not None:
-                send, due = self._liveness.ping(conn.last_sent, now)
-                if send:
-                    self._send(conn, p.Ping(nonce=str(next(self._nonces))))
-                self._push_timer(due, "ping", key)
-        elif kind == "dead":
-            conn = self._conns.get(key)
-            if conn is not None:
-                later = self._liveness.dead(conn.last_recv, now)
-                if later is None:
-                    self._effects.append(
-                        CloseConnection(
-                            conn=conn.id, code=CLOSE_GOING_AWAY, reason=self._liveness.reason
-                        )
+            if conn is not None and self._liveness_timer(kind, conn, now):
+                self._effects.append(
+                    CloseConnection(
+                        conn=conn.id, code=CLOSE_GOING_AWAY, reason=self._liveness.reason
                     )
-                    self._drop_connection(conn.id)
-                else:
-                    self._push_timer(later, "dead", key)
+                )
+                self._drop_connection(conn.id)
         elif kind == "hello":
             conn = self._conns.get(key)
             if conn is not None:
@@ -931,9 +919,7 @@ class Broker(Outputs[Effect, _TimerKind]):
     # -- plumbing -----------------------------------------------------------------------------
 
     def _enter(self, now: float) -> None:
-        if now < self._now:
-            raise BrokerUsageError(f"time went backwards: {now} < {self._now}")
-        self._now = now
+        self._advance(now)
         self._roll_seconds(now)
 
     def _leave(self) -> None:
@@ -960,10 +946,6 @@ class Broker(Outputs[Effect, _TimerKind]):
         if self.draining and not self._runs and not self._drained_sent:
             self._drained_sent = True
             self._effects.append(Drained())
-
-    def _send(self, conn: _Conn, message: p.Message) -> None:
-        conn.last_sent = self._now
-        self._frames.append((conn.id, message))
 
     def _error(
         self, conn: _Conn, code: p.ErrorCode, message: str, job_id: str | None = None

@@ -57,7 +57,7 @@ import attrs
 
 from trio_broker import protocol as p
 from trio_broker.liveness import Liveness
-from trio_broker.outputs import Outputs
+from trio_broker.sansio import SansIOCore
 
 __all__ = [
     "Accepted",
@@ -273,20 +273,19 @@ class ClientUsageError(RuntimeError):
     """The code driving the client core misused it."""
 
 
-class ClientCore(Outputs[ClientEffect, _TimerKind]):
+class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
     """The client side of the protocol. See the module docstring.
 
     Outputs are drained with :meth:`frames_to_send` and :meth:`effects`;
     :meth:`next_deadline` says when :meth:`tick` is due.
     """
 
+    usage_error = ClientUsageError
+
     def __init__(self, config: ClientConfig, *, now: float) -> None:
-        super().__init__()
+        super().__init__(now=now, liveness=Liveness(config.ping_interval, config.ping_timeout))
         self.config = config
-        self._liveness = Liveness(config.ping_interval, config.ping_timeout)
-        self._now = now
         self._conn_ids = itertools.count(1)
-        self._nonces = itertools.count(1)
         self._conns: dict[ConnId, _Conn] = {}
         self._addresses = {a: _Address(a, config.reconnect_min) for a in config.addresses}
         self._jobs: dict[str, _Job] = {}
@@ -315,8 +314,7 @@ class ClientCore(Outputs[ClientEffect, _TimerKind]):
                 callback_url=config.callback_url,
             ),
         )
-        self._push_timer(now + config.ping_interval, "ping", conn.id)
-        self._push_timer(now + config.ping_timeout, "dead", conn.id)
+        self._watch(conn)
         self._leave()
 
     def dial_failed(self, conn_id: ConnId, *, now: float) -> None:
@@ -668,24 +666,13 @@ class ClientCore(Outputs[ClientEffect, _TimerKind]):
             self._addresses[key].covered = False
         elif kind == "grow":
             self._grow_timer_at = None
-        elif kind == "ping":
+        elif kind == "ping" or kind == "dead":
             conn = self._conns.get(key)
-            if conn is not None:
-                send, due = self._liveness.ping(conn.last_sent, now)
-                if send:
-                    self._send(conn, p.Ping(nonce=str(next(self._nonces))))
-                self._push_timer(due, "ping", key)
-        elif kind == "dead":
-            conn = self._conns.get(key)
-            if conn is not None:
-                later = self._liveness.dead(conn.last_recv, now)
-                if later is None:
-                    self._effects.append(
-                        Close(conn=conn.id, code=CLOSE_GOING_AWAY, reason=self._liveness.reason)
-                    )
-                    self._lose(conn.id, redial=True)
-                else:
-                    self._push_timer(later, "dead", key)
+            if conn is not None and self._liveness_timer(kind, conn, now):
+                self._effects.append(
+                    Close(conn=conn.id, code=CLOSE_GOING_AWAY, reason=self._liveness.reason)
+                )
+                self._lose(conn.id, redial=True)
 
     def _consider_growth(self) -> None:
         """Open one more connection per address while jobs see no offer at all."""
@@ -715,16 +702,10 @@ class ClientCore(Outputs[ClientEffect, _TimerKind]):
     # -- plumbing ------------------------------------------------------------------------------
 
     def _enter(self, now: float) -> None:
-        if now < self._now:
-            raise ClientUsageError(f"time went backwards: {now} < {self._now}")
-        self._now = now
+        self._advance(now)
 
     def _leave(self) -> None:
         self._consider_growth()
-
-    def _send(self, conn: _Conn, message: p.Message) -> None:
-        conn.last_sent = self._now
-        self._frames.append((conn.id, message))
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping disagrees with itself."""
