@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
 import pytest
@@ -14,12 +13,11 @@ from trio_broker.client_core import (
     ClientConfig,
     ClientCore,
     ClientUsageError,
-    Close,
-    Dial,
     Failed,
     Finished,
 )
 from trio_broker.pool import PoolConfig
+from trio_broker.testing.network import Network
 from trio_broker.testing.values import receipt
 
 QUIET = 1e6  # liveness is tested on its own; here time jumps far without traffic
@@ -38,118 +36,30 @@ def broker(name: str, size: int = 1, services: tuple[str, ...] = ("s",)) -> Brok
     )
 
 
-class Net:
-    """A client and execserver cores joined by queues this test releases at will.
-
-    Each address maps to a list of brokers: a balancer hands each new
-    connection to the next one in turn.
-    """
+class Net(Network):
+    """The shared held network, plus a few shorthands for these tests."""
 
     def __init__(self, client_config: ClientConfig, fleets: dict[str, list[Broker]]) -> None:
-        self.now = 0.0
-        self.fleets = fleets
-        self.turn = dict.fromkeys(fleets, 0)
-        self.client = ClientCore(client_config, now=0.0)
-        self.links: dict[int, tuple[Broker, int]] = {}
-        self.to_server: dict[int, deque[p.Message]] = {}
-        self.to_client: dict[int, deque[p.Message]] = {}
-        self.effects: list[Any] = []
-        self.started: list[tuple[str, StartJob]] = []
-        self.pending_dials: list[Dial] = []
-        self.route()
+        super().__init__(ClientCore(client_config, now=0.0), fleets)
 
-    def route(self) -> None:
-        moved = True
-        while moved:
-            moved = False
-            for conn, message in self.client.frames_to_send():
-                moved = True
-                if conn in self.links:
-                    self.to_server[conn].append(message)
-            for effect in self.client.effects():
-                moved = True
-                if isinstance(effect, Dial):
-                    self.pending_dials.append(effect)
-                elif isinstance(effect, Close):
-                    self.cut(effect.conn)
-                else:
-                    self.effects.append(effect)
-            for server in {b for fleet in self.fleets.values() for b in fleet}:
-                for server_conn, message in server.frames_to_send():
-                    moved = True
-                    for conn, (b, sc) in self.links.items():
-                        if b is server and sc == server_conn:
-                            self.to_client[conn].append(message)
-                for server_effect in server.effects():
-                    moved = True
-                    if isinstance(server_effect, StartJob):
-                        self.started.append((server.config.instance_id, server_effect))
-
-    def dial_all(self) -> None:
-        while self.pending_dials:
-            dial = self.pending_dials.pop(0)
-            fleet = self.fleets[dial.address]
-            server = fleet[self.turn[dial.address] % len(fleet)]
-            self.turn[dial.address] += 1
-            server_conn = server.open_connection("10.0.0.1:7000", now=self.now)
-            self.links[dial.conn] = (server, server_conn)
-            self.to_server[dial.conn] = deque()
-            self.to_client[dial.conn] = deque()
-            self.client.connected(dial.conn, local_addr="10.0.0.2:5000", now=self.now)
-            self.route()
-
-    def cut(self, conn: int) -> None:
-        server, server_conn = self.links.pop(conn)
-        server.close_connection(server_conn, now=self.now)
-        self.to_server.pop(conn)
-        self.to_client.pop(conn)
-
-    def flush(self) -> None:
-        """Deliver everything in flight, both ways, until the network is quiet."""
-        while any(self.to_server.values()) or any(self.to_client.values()):
-            for conn in list(self.links):
-                while conn in self.links and self.to_server[conn]:
-                    server, server_conn = self.links[conn]
-                    server.receive(server_conn, self.to_server[conn].popleft(), now=self.now)
-                    self.route()
-                while conn in self.links and self.to_client[conn]:
-                    self.client.receive(conn, self.to_client[conn].popleft(), now=self.now)
-                    self.route()
-
-    def deliver_to_client(self, conn: int) -> p.Message:
-        message = self.to_client[conn].popleft()
-        self.client.receive(conn, message, now=self.now)
-        self.route()
-        return message
-
-    def deliver_to_server(self, conn: int) -> p.Message:
-        message = self.to_server[conn].popleft()
-        server, server_conn = self.links[conn]
-        server.receive(server_conn, message, now=self.now)
-        self.route()
-        return message
-
-    def at(self, when: float) -> None:
-        self.now = when
-        self.client.tick(now=when)
-        for server in {b for fleet in self.fleets.values() for b in fleet}:
-            server.tick(now=when)
-        self.route()
+    @property
+    def started(self) -> list[tuple[int, StartJob]]:
+        """The runs not ended yet, in the order they started."""
+        return [(server, start) for (server, _), start in self.running.items()]
 
     def submit(self, job_id: str, service: str = "s", priority: int = 0) -> None:
         self.client.submit(job_id, service, {"n": 1}, priority=priority, now=self.now)
         self.route()
 
     def end(self, index: int = 0) -> None:
-        instance, start = self.started.pop(index)
-        server = next(
-            b for f in self.fleets.values() for b in f if b.config.instance_id == instance
-        )
-        server.job_ended(start.run_id, receipt(duration=0.1), now=self.now)
-        self.route()
+        server, start = self.started[index]
+        self.end_run(server, start.run_id, receipt(duration=0.1))
+
+    def to_server(self, conn: int) -> list[p.Message]:
+        return list(self.links[conn].to_server)
 
     def of(self, kind: type) -> list[Any]:
-        return [e for e in self.effects if isinstance(e, kind)]
+        return [e for e in self.client_effects if isinstance(e, kind)]
 
 
 def config(*addresses: str, **overrides: Any) -> ClientConfig:
@@ -163,11 +73,11 @@ def test_register_first_then_park_on_every_connection_offering_the_service() -> 
     a, b, c = broker("a"), broker("b"), broker("c", services=("other",))
     net = Net(config("A", "B", "C"), {"A": [a], "B": [b], "C": [c]})
     net.dial_all()
-    first = [net.to_server[conn][0] for conn in net.links]
+    first = [net.to_server(conn)[0] for conn in net.links]
     assert all(isinstance(m, p.Register) for m in first)
     net.flush()
     net.submit("j")
-    parked = {conn for conn, queue in net.to_server.items() if queue}
+    parked = {conn for conn, link in net.links.items() if link.to_server}
     assert net.client.parked_on("j") == frozenset(parked)
     assert len(parked) == 2  # not on C, which does not offer "s"
 
@@ -183,9 +93,9 @@ def test_first_offer_wins_surplus_is_declined_and_others_unwanted() -> None:
     net.deliver_to_server(conn_b)  # both execservers offer
     assert isinstance(net.deliver_to_client(conn_b), p.Offer)  # B's offer arrives first
     assert net.of(Accepted) == [Accepted(job_id="j", conn=conn_b)]
-    assert [m.TYPE for m in net.to_server[conn_a]] == ["UNWANT"]
+    assert [m.TYPE for m in net.to_server(conn_a)] == ["UNWANT"]
     assert isinstance(net.deliver_to_client(conn_a), p.Offer)  # A's crossed our UNWANT
-    assert [m.TYPE for m in net.to_server[conn_a]] == ["UNWANT", "DECLINE"]
+    assert [m.TYPE for m in net.to_server(conn_a)] == ["UNWANT", "DECLINE"]
     net.flush()
     assert a.pool.busy == 0
     assert b.pool.busy == 1
@@ -251,8 +161,6 @@ def test_wants_are_parked_again_after_reconnect() -> None:
     net.flush()
     (conn,) = net.links
     net.cut(conn)
-    net.client.connection_closed(conn, now=net.now)
-    net.route()
     assert net.of(Failed) == [
         Failed(
             job_id="hold",
@@ -283,7 +191,7 @@ def test_pool_grows_through_the_balancer_until_it_meets_a_known_replica() -> Non
     net.flush()
     assert len(net.client.pool("LB")) == 1
     net.at(1.0)  # a whole retry tick without an offer: one more connection
-    assert len(net.pending_dials) == 1
+    assert len(net.dials) == 1
     net.dial_all()
     net.flush()
     assert len(net.started) == 2  # the second replica took the waiting job
@@ -295,7 +203,7 @@ def test_pool_grows_through_the_balancer_until_it_meets_a_known_replica() -> Non
     assert net.client.covered("LB")
     assert len(net.client.pool("LB")) == 2
     net.at(10.0)
-    assert not net.pending_dials  # covered: no growth
+    assert not net.dials  # covered: no growth
     net.at(63.0)  # re-probe clears the mark
     assert not net.client.covered("LB")
 
@@ -329,13 +237,13 @@ def test_cancel_waiting_and_running() -> None:
     net.flush()
     assert len(a.book) == 0
     assert Failed(job_id="waiting", reason="cancelled", detail="cancelled by the caller") in (
-        net.effects
+        net.client_effects
     )
     net.client.cancel("running", now=net.now)
     net.route()
     net.flush()
     (conn,) = net.links
-    assert not net.to_server[conn]
+    assert not net.to_server(conn)
 
 
 def test_draining_execserver_releases_the_wants_parked_there() -> None:
@@ -352,7 +260,7 @@ def test_draining_execserver_releases_the_wants_parked_there() -> None:
     a.drain(now=net.now)
     net.route()
     net.flush()
-    conn_a = next(c for c, (s, _) in net.links.items() if s is a)
+    conn_a = next(c for c, link in net.links.items() if net.brokers[link.server] is a)
     assert conn_a not in net.client.parked_on("z")
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import trio
-from trio_websocket import ConnectionClosed, open_websocket_url
+from trio_websocket import ConnectionClosed
 
-from tests.wire import WAIT, Peer
+from tests.wire import WAIT, Peer, connect
 from trio_broker import protocol as p
 from trio_broker.testing.processes import open_execserver_process
 
@@ -82,10 +82,7 @@ async def _start_hold(peer: Peer, job_id: str, seconds: float) -> None:
 
 async def test_sigterm_drains_and_exits_0() -> None:
     """SIGTERM: HELLO draining at once, the running job finishes, 1001, exit 0."""
-    async with daemon() as (process, url), open_websocket_url(url) as ws:
-        peer = Peer(ws)
-        await peer.recv(skip_hello=False)
-        await peer.register()
+    async with daemon() as (process, url), connect(url) as peer:
         await _start_hold(peer, "finishing", 1.0)
         process.send_signal(signal.SIGTERM)
         hello = await peer.recv(skip_hello=False)
@@ -99,18 +96,11 @@ async def test_sigterm_drains_and_exits_0() -> None:
         assert closed.value.reason.code == 1001
         with trio.fail_after(WAIT):
             assert await process.wait() == 0
-        await ws._stream.aclose()  # see tests/wire.py: the server closed first
 
 
 async def test_second_signal_stops_at_once() -> None:
     """A second signal ends running jobs with receipts 'stopped', then exit 0."""
-    async with (
-        daemon("drain_timeout: 10m\n") as (process, url),
-        open_websocket_url(url) as ws,
-    ):
-        peer = Peer(ws)
-        await peer.recv(skip_hello=False)
-        await peer.register()
+    async with daemon("drain_timeout: 10m\n") as (process, url), connect(url) as peer:
         await _start_hold(peer, "long", 600)
         process.send_signal(signal.SIGINT)
         hello = await peer.recv(skip_hello=False)
@@ -121,4 +111,3 @@ async def test_second_signal_stops_at_once() -> None:
         assert done.receipt.status == "stopped"
         with trio.fail_after(WAIT):
             assert await process.wait() == 0
-        await ws._stream.aclose()

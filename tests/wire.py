@@ -91,14 +91,15 @@ class Peer:
 
 @asynccontextmanager
 async def connect(
-    handle: ExecserverHandle,
+    target: ExecserverHandle | str,
     *,
     register: bool = True,
     headers: list[tuple[str, str]] | None = None,
     ssl_context: ssl.SSLContext | None = None,
     path: str = "/broker",
 ) -> AsyncIterator[Peer]:
-    url = handle.url.replace("/broker", path)
+    """A registered (by default) connection to an execserver's ``/broker``, HELLO read."""
+    url = (target if isinstance(target, str) else target.url).replace("/broker", path)
     extra = [(k.encode(), v.encode()) for k, v in headers] if headers else None
     async with open_websocket_url(
         url, extra_headers=extra, ssl_context=ssl_context, message_queue_size=0

@@ -42,7 +42,6 @@ import itertools
 from bisect import bisect_left
 from typing import Any, ClassVar
 
-import attrs
 from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -482,13 +481,6 @@ def broker_machine(
 # -- round-robin fairness on a trace ----------------------------------------------------
 
 
-@attrs.define
-class _Streak:
-    """A connection's current stretch of continuous backlog at one priority."""
-
-    start: int  # index of the first grant of the window
-
-
 class RoundRobinMachine(RuleBasedStateMachine):
     """Fairness as the protocol promises it, observed on grants only.
 
@@ -531,7 +523,8 @@ class RoundRobinMachine(RuleBasedStateMachine):
         self.offers: list[tuple[int, str, str]] = []
         self.grants: dict[int, list[tuple[int, int]]] = {}  # priority -> (index, conn)
         self.grant_count = 0
-        self.streaks: dict[tuple[int, int], _Streak] = {}
+        # (conn, priority) -> index of the first grant of its current backlog streak
+        self.streaks: dict[tuple[int, int], int] = {}
 
     def _drain_frames(self) -> None:
         for conn, message in self.broker.frames_to_send():
@@ -550,7 +543,7 @@ class RoundRobinMachine(RuleBasedStateMachine):
         grants = self.grants[priority]
         members = [(c, s) for (c, prio), s in self.streaks.items() if prio == priority]
         for (a, sa), (b, sb) in itertools.combinations(members, 2):
-            start = max(sa.start, sb.start)
+            start = max(sa, sb)
             window = grants[bisect_left(grants, (start, -1)) :]
             count_a = sum(1 for _, c in window if c == a)
             count_b = sum(1 for _, c in window if c == b)
@@ -568,7 +561,7 @@ class RoundRobinMachine(RuleBasedStateMachine):
             self.wants[(conn, job_id)] = priority
             key = (conn, priority)
             if self.parked.get(key, 0) == 0:
-                self.streaks[key] = _Streak(start=self.grant_count)
+                self.streaks[key] = self.grant_count
             self.parked[key] = self.parked.get(key, 0) + 1
             self.broker.receive(
                 conn, p.Want(job_id=job_id, service="s", priority=priority), now=self.now
