@@ -487,13 +487,6 @@ class Broker(SansIOCore[Effect, _TimerKind]):
             conn.callback_check = result
         self._leave()
 
-    def tick(self, *, now: float) -> None:
-        """Run every timer due at ``now``. Drain frames and effects afterwards."""
-        self._enter(now)
-        while (timer := self._pop_due(now)) is not None:
-            self._fire(*timer, now)
-        self._leave()
-
     def drain(self, *, now: float) -> None:
         """Begin draining (SIGTERM): stop taking work, let running jobs finish.
 

@@ -358,13 +358,6 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
             self._dispatch(conn, message)
         self._leave()
 
-    def tick(self, *, now: float) -> None:
-        """Run every timer due at ``now``."""
-        self._enter(now)
-        while (timer := self._pop_due(now)) is not None:
-            self._fire(*timer, now)
-        self._leave()
-
     # -- caller inputs ----------------------------------------------------------------
 
     def submit(
@@ -700,9 +693,6 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
             self._push_timer(wake, "grow", None)
 
     # -- plumbing ------------------------------------------------------------------------------
-
-    def _enter(self, now: float) -> None:
-        self._advance(now)
 
     def _leave(self) -> None:
         self._consider_growth()

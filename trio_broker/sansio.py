@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar, cast
 
 from trio_broker import protocol as p
@@ -36,7 +37,7 @@ class Peer(Protocol):
     last_recv: float
 
 
-class SansIOCore(Generic[E, K]):
+class SansIOCore(ABC, Generic[E, K]):
     """Output queues, the timer heap, the clock check and liveness timers.
 
     Type parameters: ``E`` is the side's effect type, ``K`` its timer kinds (which
@@ -68,8 +69,28 @@ class SansIOCore(Generic[E, K]):
         return effects
 
     def next_deadline(self) -> float | None:
-        """When ``tick`` is due next; None when no timer is pending."""
+        """When :meth:`tick` is due next; None when no timer is pending."""
         return self._timers[0][0] if self._timers else None
+
+    # -- the timer input -----------------------------------------------------------------
+
+    def tick(self, *, now: float) -> None:
+        """Run every timer due at ``now``. Drain frames and effects afterwards."""
+        self._enter(now)
+        while (timer := self._pop_due(now)) is not None:
+            self._fire(*timer, now)
+        self._leave()
+
+    def _enter(self, now: float) -> None:
+        """Before an input: take the time (sides add their own bookkeeping)."""
+        self._advance(now)
+
+    def _leave(self) -> None:
+        """After an input: the side's follow-up work (grants, growth...)."""
+
+    @abstractmethod
+    def _fire(self, kind: K, key: Any, now: float) -> None:
+        """Act on one due timer."""
 
     # -- plumbing for the sides ----------------------------------------------------------
 
