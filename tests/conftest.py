@@ -14,3 +14,6 @@ settings.register_profile(
 )
 settings.register_profile("thorough", parent=settings.get_profile("default"), max_examples=2000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+# PostgreSQL fixtures (pg_cluster, pg_dsn) for the queue store and dispatcher tests.
+from .pg import pg_cluster, pg_dsn  # noqa: E402, F401

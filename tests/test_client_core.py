@@ -271,3 +271,45 @@ def test_duplicate_submit_is_a_usage_error() -> None:
     net.submit("j")
     with pytest.raises(ClientUsageError):
         net.client.submit("j", "s", {}, now=net.now)
+
+
+def test_unknown_service_and_all_draining_fail_at_once() -> None:
+    """submit() fails at once: unknown_service when no ready execserver announced the
+    service, no_execserver when every ready one drains."""
+    a = broker("a")
+    net = Net(config("A"), {"A": [a]})
+    net.dial_all()
+    net.flush()
+    net.submit("j", service="nobody-offers-this")
+    (failed,) = net.of(Failed)
+    assert (failed.reason, failed.job_id) == ("unknown_service", "j")
+    a.drain(now=net.now)
+    net.route()
+    net.flush()
+    net.submit("k")
+    assert [(f.job_id, f.reason) for f in net.of(Failed)][-1] == ("k", "no_execserver")
+
+
+def test_pipe_urls_are_completed_with_the_winning_connections_callback_base() -> None:
+    """A job's pipe members become URLs under the callback base of the connection whose
+    offer won, built from that connection's local address and the callback port."""
+    net = Net(config("A", callback_port=8123), {"A": [broker("a")]})
+    net.dial_all()
+    net.flush()
+    net.client.submit("j", "s", {"params": {}}, pipes={"stdin_url": "/pipe/x"}, now=net.now)
+    net.route()
+    net.flush()
+    (connection,) = net.brokers[0].statistics().connections
+    assert connection.register is not None
+    assert connection.register.callback_url == "http://10.0.0.2:8123"  # the network's client addr
+    ((_, start),) = net.started
+    assert start.job == {"params": {}, "stdin_url": "http://10.0.0.2:8123/pipe/x"}
+
+
+def test_pipes_need_a_callback_base() -> None:
+    """A job with pipes on a client with neither callback_url nor callback_port is refused."""
+    net = Net(config("A"), {"A": [broker("a")]})
+    net.dial_all()
+    net.flush()
+    with pytest.raises(ClientUsageError, match="callback_port"):
+        net.client.submit("j", "s", {}, pipes={"stdin_url": "/pipe/x"}, now=net.now)

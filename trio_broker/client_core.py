@@ -73,7 +73,7 @@ __all__ = [
 ]
 
 ConnId: TypeAlias = int
-FailReason: TypeAlias = Literal["no_slot", "no_execserver", "lost", "cancelled"]
+FailReason: TypeAlias = Literal["no_slot", "no_execserver", "unknown_service", "lost", "cancelled"]
 
 CLOSE_NORMAL: Final = 1000
 CLOSE_GOING_AWAY: Final = 1001
@@ -84,7 +84,13 @@ class ClientConfig:
     """What the client core decides with. Durations are seconds.
 
     Attributes:
-        backend_id, name, version, callback_url: sent in ``REGISTER``.
+        backend_id, name, version: sent in ``REGISTER``.
+        callback_url: the callback base sent in ``REGISTER`` and used for pipe
+            URLs, verbatim (``callback_own_url``: set it behind NAT). When it is
+            None and ``callback_port`` is set, each connection's base is
+            ``http://<local address of that connection>:<callback_port>``: the
+            address the execserver reached us from, never a shared hostname.
+        callback_port: the port of the client's own HTTP listener (pipes, /whoami).
         addresses: every execserver (or balancer) address to keep connections to.
         connect_timeout: how long a job waits for a slot before it fails.
         retry_tick: how long a job waits without any offer before the pool grows.
@@ -99,6 +105,7 @@ class ClientConfig:
     name: str
     version: str
     callback_url: str | None = None
+    callback_port: int | None = None
     addresses: tuple[str, ...]
     connect_timeout: float = 60.0
     retry_tick: float = 1.0
@@ -237,6 +244,7 @@ class _Job:
         "job",
         "job_id",
         "parked_on",
+        "pipes",
         "priority",
         "service",
         "state",
@@ -261,6 +269,7 @@ class _Job:
         self.job = job
         self.state: Literal["waiting", "accepted"] = "waiting"
         self.parked_on: set[ConnId] = set()
+        self.pipes: dict[str, str] | None = None
         self.conn: ConnId | None = None
         self.waiting_since = now
         self.deadline = deadline
@@ -290,6 +299,8 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         self._addresses = {a: _Address(a, config.reconnect_min) for a in config.addresses}
         self._jobs: dict[str, _Job] = {}
         self._grow_timer_at: float | None = None
+        self.surplus_offers = 0
+        """Offers declined because the job already had a slot (or was withdrawn)."""
         for address in self._addresses.values():
             self._dial(address)
 
@@ -301,6 +312,8 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         conn = self._conns[conn_id]
         if conn.state != "dialing":
             raise ClientUsageError(f"connection {conn_id} is already connected")
+        if local_addr is None and self.config.callback_port is not None:
+            raise ClientUsageError("callback_port needs the local_addr of every connection")
         conn.state = "open"
         conn.local_addr = local_addr
         conn.last_recv = now
@@ -311,7 +324,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
                 backend_id=config.backend_id,
                 name=config.name,
                 version=config.version,
-                callback_url=config.callback_url,
+                callback_url=self._callback_base(conn),
             ),
         )
         self._watch(conn)
@@ -368,29 +381,45 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         *,
         priority: int = 0,
         subject: str | None = None,
+        pipes: dict[str, str] | None = None,
         now: float,
     ) -> None:
         """Ask for a slot for this job; the outcome arrives as an effect.
 
+        ``pipes`` maps members of the job object to paths on the client's own
+        listener (``{"stdin_url": "/pipe/<id>"}``); the URLs are completed with
+        the callback base of the connection whose offer wins, when ``JOB`` goes
+        out. It fails at once with ``no_execserver`` when no connection is ready
+        (or every ready one drains), and with ``unknown_service`` when no ready
+        execserver announced the service.
+
         Raises:
-            ClientUsageError: the job id is already in use by this client.
+            ClientUsageError: the job id is already in use by this client, or the
+                job has pipes and the config has no callback base.
         """
         self._enter(now)
         if job_id in self._jobs:
             raise ClientUsageError(f"job_id {job_id!r} is already submitted")
-        if not any(c.state == "ready" for c in self._conns.values()):
-            self._effects.append(
-                Failed(
-                    job_id=job_id,
-                    reason="no_execserver",
-                    detail="no execserver is connected",
-                )
+        if pipes and self.config.callback_url is None and self.config.callback_port is None:
+            raise ClientUsageError(
+                "a job with pipes needs callback_url or callback_port in the ClientConfig"
             )
+        ready = [c for c in self._conns.values() if c.state == "ready"]
+        refusal: tuple[FailReason, str] | None = None
+        if not ready:
+            refusal = ("no_execserver", "no execserver is connected")
+        elif all(c.hello is not None and c.hello.draining for c in ready):
+            refusal = ("no_execserver", "every connected execserver is draining")
+        elif not any(c.offers(service) for c in ready):
+            refusal = ("unknown_service", f"no connected execserver offers {service!r}")
+        if refusal is not None:
+            self._effects.append(Failed(job_id=job_id, reason=refusal[0], detail=refusal[1]))
             self._leave()
             return
         record = _Job(
             job_id, service, priority, subject, job, now, now + self.config.connect_timeout
         )
+        record.pipes = pipes
         self._jobs[job_id] = record
         self._push_timer(record.deadline, "deadline", job_id)
         self._park_everywhere(record)
@@ -442,6 +471,20 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
 
     def address_of(self, conn_id: ConnId) -> str:
         return self._conns[conn_id].address
+
+    def callback_base(self, conn_id: ConnId) -> str | None:
+        """The callback base this connection registered (pipes are served under it)."""
+        conn = self._conns.get(conn_id)
+        return self._callback_base(conn) if conn else None
+
+    def _callback_base(self, conn: _Conn) -> str | None:
+        config = self.config
+        if config.callback_url is not None:
+            return config.callback_url
+        if config.callback_port is None or conn.local_addr is None:
+            return None
+        host = conn.local_addr.rsplit(":", 1)[0]
+        return f"http://{host}:{config.callback_port}"
 
     def pool(self, address: str) -> list[ConnId]:
         """The connections (any state) of one configured address."""
@@ -524,6 +567,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         job = self._jobs.get(offer.job_id)
         if job is None or job.state != "waiting" or offer.job_id not in conn.parked:
             # Surplus: another execserver was faster, or the want was withdrawn.
+            self.surplus_offers += 1
             conn.parked.discard(offer.job_id)
             if job is not None:
                 job.parked_on.discard(conn.id)
@@ -535,6 +579,13 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         job.state = "accepted"
         job.conn = conn.id
         conn.accepted.add(job.job_id)
+        body = job.job
+        if job.pipes:
+            base = self._callback_base(conn)
+            assert base is not None  # submit() and connected() made sure
+            body = dict(body)
+            for key, path in job.pipes.items():
+                body[key] = base.rstrip("/") + path
         self._send(
             conn,
             p.Job(
@@ -542,7 +593,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
                 token=offer.token,
                 service=job.service,
                 subject=job.subject,
-                job=job.job,
+                job=body,
             ),
         )
         self._effects.append(Accepted(job_id=job.job_id, conn=conn.id))

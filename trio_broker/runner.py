@@ -22,10 +22,42 @@ Ending a job:
 The leader is waited for through a pidfd, which becomes readable when it exits
 but does not reap it: the group is signalled while the exited leader is still a
 zombie holding its pid, so the group id cannot have been reused by then.
+
+Pipes (``PROTOCOL.md``, *Pipes*): a job object may carry ``stdin_url`` and
+``stdout_url``, one-time endpoints served by the client (:mod:`trio_broker.pipes`).
+Every byte moves with back-pressure, so memory stays bounded whatever the size:
+
+* ``stdin_url``: the runner sends its ``GET`` before it starts the command. A refusal
+  (404, connection refused, any answer but 200) ends the job ``error``
+  (``missing input: …``) and runs nothing. Then each chunk of the body is written
+  to the command's stdin, and its end closes stdin. A command that stops reading
+  its stdin is not a failure (the rest is not read). A body that breaks off in
+  mid-stream (an incomplete chunked body, a reset) ends the job ``stopped``: the
+  command must not take a truncated input for a whole one.
+* ``stdout_url``: stdout is held back until it outgrows
+  :data:`STDOUT_PREFIX_BYTES`; only then is a chunked ``PUT`` opened, fed from the
+  command's stdout as fast as the client takes it. The body gets its final chunk
+  only once the command has ended ``ok``; any other end (a non-zero exit, a
+  signal, a verdict, an abort, stdout left open by a stray process) makes the
+  body generator raise, so the connection drops without the final chunk and the
+  client sees an incomplete body, never a silent truncation. The receipt's error
+  then says why and adds ``the output stream was aborted after N bytes``. Output
+  that never outgrew the buffer is ``PUT`` in one piece after an ``ok`` end, and
+  never sent after any other end (the receipt carries it in ``stdout_prefix``).
+  A ``PUT`` that is refused or breaks while the command runs ends the job
+  ``stopped``; one that fails after an ``ok`` end turns the receipt ``stopped``
+  too, since the output did not arrive. A client that takes nothing more is
+  covered by the stall timeout while the command runs, and by the same timeout
+  (:data:`_PIPE_FINISH_TIMEOUT` when the service has none) for the last bytes
+  once it has ended.
+
+Builtin services ignore pipes. Errors name a pipe by its listener
+(``http://host:port``), never by its id: the id is the pipe's credential.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -34,14 +66,16 @@ import os
 import re
 import shutil
 import signal
+import ssl
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from functools import partial
 from typing import Any, Final, Literal, Protocol, TypeAlias
 
 import attrs
+import httpx
 import trio
 
 from trio_broker import procgroup
@@ -80,6 +114,15 @@ _CLEANUP_TIMEOUT = 5.0  # shielded cleanup after a cancellation
 _GROUP_GONE_TIMEOUT = 3.0  # for SIGKILLed members to die
 _GROUP_GONE_POLL = 0.02
 _OUTPUT_DRAIN_TIMEOUT = 2.0  # for the pipes to reach EOF once the group is dead
+_PIPE_TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=None, pool=10.0)
+"""Pipe transfers have no read or write timeout: a slow client is back-pressure,
+and a client that takes nothing is the stall watchdog's business."""
+_PIPE_FINISH_TIMEOUT = 600.0
+"""Seconds for the out-pipe's last bytes once the command has ended, for a
+service without a stall timeout."""
+_PIPE_MAX_BYTES = 1 << 20
+"""The most an OS pipe holds (Linux's default ``pipe-max-size``): more stdout
+read after the process group died was written by a process outside it."""
 
 
 # -- the interface ----------------------------------------------------------------
@@ -352,6 +395,7 @@ class _Start:
         stderr_line: str | None = None,
         stdout_prefix: str = "",
         stdout_bytes: int = 0,
+        stdin_bytes: int = 0,
         peak_memory: int | None = None,
     ) -> Receipt:
         return Receipt(
@@ -361,7 +405,7 @@ class _Start:
             stderr_line=stderr_line,
             stdout_prefix=stdout_prefix,
             stdout_bytes=stdout_bytes,
-            stdin_bytes=0,
+            stdin_bytes=stdin_bytes,
             started_at=self.started_at,
             duration_s=trio.current_time() - self.started,
             peak_memory=peak_memory,
@@ -417,6 +461,144 @@ class _LastLine:
         return line.decode("utf-8", "replace").strip()[-STDERR_LINE_CHARS:]
 
 
+# -- pipes --------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class _PipeUrls:
+    """The job object's pipe endpoints, checked."""
+
+    stdin_url: str | None = None
+    stdout_url: str | None = None
+
+    @classmethod
+    def from_job(cls, job: Mapping[str, Any]) -> _PipeUrls:
+        """Read ``stdin_url`` and ``stdout_url`` (absent or null: no pipe).
+
+        Raises:
+            ParameterError: one is not an http or https URL with a host.
+        """
+        return cls(stdin_url=_pipe_url(job, "stdin_url"), stdout_url=_pipe_url(job, "stdout_url"))
+
+
+def _pipe_url(job: Mapping[str, Any], name: str) -> str | None:
+    value = job.get(name)
+    if value is None:
+        return None
+    problem = ParameterError(f"{name} must be an http or https URL")
+    if not isinstance(value, str):
+        raise problem
+    try:
+        url = httpx.URL(value)
+    except httpx.InvalidURL:
+        raise problem from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise problem
+    return value
+
+
+def _listener(url: str) -> str:
+    """``scheme://host:port`` of a pipe URL: where it is, without its credential."""
+    parsed = httpx.URL(url)
+    return f"{parsed.scheme}://{parsed.netloc.decode('ascii')}"
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class _AbortStream(Exception):
+    """Raised inside an out-pipe's body so that the ``PUT`` drops without its final chunk."""
+
+
+async def _abandon(chunks: AsyncIterator[bytes]) -> None:
+    """Finish a half-read httpx response iterator now.
+
+    It is a chain of async generators; left suspended, each would be finalized
+    at garbage collection, with a warning from trio. Resumed under a cancelled
+    scope, the chain unwinds at its next checkpoint (the network read), each
+    generator ending as the cancellation passes through it.
+    """
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        while True:
+            try:
+                await anext(chunks)
+            except (StopAsyncIteration, httpx.HTTPError):
+                return
+
+
+class _OutPipe:
+    """The runner's end of a job's ``stdout_url``."""
+
+    def __init__(self, http: httpx.AsyncClient, url: str) -> None:
+        self.http = http
+        self.url = url
+        self.opened = False
+        """Whether the streaming ``PUT`` was opened (stdout outgrew the buffer)."""
+        self.aborted = False
+        """Whether the runner cut the streaming ``PUT`` off."""
+        self.sent = 0
+        """Bytes of the body handed to the connection."""
+        self._settled = trio.Event()
+        self._ok = False
+
+    def settle(self, ok: bool) -> None:
+        """Say how the command ended: ``ok`` completes the body, anything else aborts it."""
+        if not self._settled.is_set():
+            self._ok = ok
+            self._settled.set()
+
+    async def wait_settled(self) -> bool:
+        await self._settled.wait()
+        return self._ok
+
+
+class _StdoutBody(httpx.AsyncByteStream):
+    """An out-pipe's ``PUT`` body: the held bytes, then (streaming) the rest of stdout.
+
+    A streaming body is complete only when the command ended ok; otherwise its
+    last step raises :class:`_AbortStream`, so the connection drops without the
+    final chunk. A plain async iterator rather than an async generator: the HTTP
+    client may stop iterating anywhere (a refused ``PUT``, a cancellation), and an
+    abandoned generator would be finalized late, with a warning from trio.
+    """
+
+    def __init__(self, job: _CommandJob, pipe: _OutPipe, held: bytes, *, streaming: bool) -> None:
+        self._job = job
+        self._pipe = pipe
+        self._held: bytes | None = held
+        self._streaming = streaming
+
+    def headers(self) -> dict[str, str]:
+        framing = (
+            {"transfer-encoding": "chunked"}
+            if self._streaming
+            else {"content-length": str(len(self._held or b""))}
+        )
+        return {"content-type": "application/octet-stream", **framing}
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self
+
+    async def __anext__(self) -> bytes:
+        chunk = self._held
+        if chunk is not None:
+            self._held = None
+            if chunk:
+                self._pipe.sent += len(chunk)
+                return chunk
+        if self._streaming:
+            chunk = await self._job._read_stdout()
+            if chunk:
+                self._pipe.sent += len(chunk)
+                return chunk
+            if not await self._pipe.wait_settled():
+                raise _AbortStream
+        raise StopAsyncIteration
+
+
 class _CommandJob:
     """The state of one command while it runs (one per :meth:`CommandRunner.run`)."""
 
@@ -428,6 +610,7 @@ class _CommandJob:
         process: trio.Process,
         workdir: str,
         start: _Start,
+        out_pipe: _OutPipe | None = None,
     ) -> None:
         self.runner = runner
         self.request = entry.request
@@ -447,22 +630,182 @@ class _CommandJob:
         self.stdout_head = bytearray()
         self.stdout_bytes = 0
         self.stderr_bytes = 0
+        self.stdin_bytes = 0
         self.stderr_line = _LastLine()
+        self.out_pipe = out_pipe
+        self.stdout_eof = trio.Event()
+        """Set when the command's stdout reached its end."""
+        self.stdout_waiting_since: float | None = None
+        """Since when the stdout reader waits on the pipe; ``None`` while it does not."""
         self.stdout_done = trio.Event()
+        """Set when the stdout pump is done (with an out-pipe: its ``PUT`` too)."""
         self.stderr_done = trio.Event()
+        self.failure: _Ending | None = None
+        """The first pipe failure: it ends the job (see :meth:`fail`)."""
+        self.failed = trio.Event()
+
+    def fail(self, ending: _Ending) -> None:
+        """A pipe failed: end the job (once it runs) or spoil an ``ok`` receipt (after)."""
+        if self.failure is None:
+            self.failure = ending
+            self.failed.set()
+
+    # -- input
+
+    async def pump_stdin(self, body: httpx.Response) -> None:
+        """Feed the in-pipe's body to the command's stdin; close stdin at its end (EOF).
+
+        A body that breaks off leaves stdin open: an end of file would pass a
+        truncated input for a whole one. The job is ended instead.
+        """
+        stdin = self.process.stdin
+        assert stdin is not None
+        chunks = body.aiter_bytes()
+        try:
+            while True:
+                try:
+                    chunk = await anext(chunks)
+                except StopAsyncIteration:
+                    break
+                except httpx.HTTPError as exc:
+                    self.fail(
+                        _Ending(
+                            status="stopped",
+                            error=f"the input stream broke after {self.stdin_bytes} bytes: "
+                            f"{_describe(exc)}",
+                        )
+                    )
+                    return
+                try:
+                    await stdin.send_all(chunk)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return  # the command stopped reading its stdin: not a failure
+                self.stdin_bytes += len(chunk)
+        finally:
+            await _abandon(chunks)
+        await stdin.aclose()
 
     # -- output
 
-    async def pump_stdout(self) -> None:
+    async def _read_stdout(self) -> bytes:
+        """The next chunk of stdout, counted and kept for the prefix; ``b""`` at its end."""
         assert self.process.stdout is not None
+        self.stdout_waiting_since = trio.current_time()
         try:
-            while chunk := await self.process.stdout.receive_some(_READ_CHUNK):
-                self.stdout_bytes += len(chunk)
-                room = STDOUT_PREFIX_BYTES + 1 - len(self.stdout_head)  # +1: see _cut_utf8
-                if room > 0:
-                    self.stdout_head += chunk[:room]
+            chunk = await self.process.stdout.receive_some(_READ_CHUNK)
+        finally:
+            self.stdout_waiting_since = None
+        if not chunk:
+            self.stdout_eof.set()
+            return b""
+        self.stdout_bytes += len(chunk)
+        room = STDOUT_PREFIX_BYTES + 1 - len(self.stdout_head)  # +1: see _cut_utf8
+        if room > 0:
+            self.stdout_head += chunk[:room]
+        return chunk if isinstance(chunk, bytes) else bytes(chunk)
+
+    async def pump_stdout(self) -> None:
+        try:
+            if self.out_pipe is not None:
+                await self._pump_stdout_to(self.out_pipe)
+            # to the end: all of stdout is counted, even what a failed PUT left
+            while await self._read_stdout():
+                pass
         finally:
             self.stdout_done.set()
+
+    async def _pump_stdout_to(self, pipe: _OutPipe) -> None:
+        """Hold stdout back until it outgrows the prefix, then stream it in a ``PUT``."""
+        held = bytearray()
+        while len(held) <= STDOUT_PREFIX_BYTES:
+            chunk = await self._read_stdout()
+            if not chunk:  # the whole output fits: send it only after an ok end
+                if await pipe.wait_settled():
+                    await self._put(pipe, _StdoutBody(self, pipe, bytes(held), streaming=False))
+                return
+            held += chunk
+        pipe.opened = True
+        try:
+            await self._put(pipe, _StdoutBody(self, pipe, bytes(held), streaming=True))
+        except _AbortStream:
+            pipe.aborted = True
+
+    async def _put(self, pipe: _OutPipe, body: _StdoutBody) -> None:
+        where = _listener(pipe.url)
+        request = pipe.http.build_request(
+            "PUT", pipe.url, headers=body.headers(), timeout=_PIPE_TIMEOUT
+        )
+        request.stream = body
+        try:
+            response = await pipe.http.send(request)
+        except httpx.HTTPError as exc:
+            problem = f"cannot write to the out-pipe at {where}: {_describe(exc)}"
+        else:
+            if response.is_success:
+                return
+            problem = f"the out-pipe at {where} answered {response.status_code}"
+        self.fail(_Ending(status="stopped", error=f"the output stream broke: {problem}"))
+
+    async def wait_output_end(self, within: float) -> None:
+        """Wait (bounded) for stdout and stderr to reach their ends once the group is dead.
+
+        A process outside the group (one that made its own session) may hold them
+        open, so each gets :data:`_OUTPUT_DRAIN_TIMEOUT`. With an out-pipe, though,
+        the last of stdout may still be on its way to a slow client: it is waited
+        for, up to ``within``, while the reader is busy sending. It is given up on
+        once the reader has waited that long on a silent pipe, or has read more
+        than a pipe can hold since the group died (a stray process writes).
+
+        Args:
+            within: the bound on the wait for a slow client, in seconds.
+        """
+        with trio.move_on_after(_OUTPUT_DRAIN_TIMEOUT):
+            await self.stderr_done.wait()
+        if self.out_pipe is None:
+            with trio.move_on_after(_OUTPUT_DRAIN_TIMEOUT):
+                await self.stdout_eof.wait()
+            return
+        limit = self.stdout_bytes + _PIPE_MAX_BYTES
+        with trio.move_on_after(within):
+            while not self.stdout_eof.is_set() and self.stdout_bytes <= limit:
+                now = trio.current_time()
+                since = self.stdout_waiting_since
+                if since is not None and now - since >= _OUTPUT_DRAIN_TIMEOUT:
+                    return
+                with trio.move_on_at((now if since is None else since) + _OUTPUT_DRAIN_TIMEOUT):
+                    await self.stdout_eof.wait()
+
+    async def finish_stdout(self, ok: bool, within: float) -> None:
+        """Tell the out-pipe how the command ended; wait (bounded) for its last bytes.
+
+        Args:
+            ok: whether the command ended ok (the body gets its final chunk).
+            within: seconds for the client to take what is still in flight.
+        """
+        pipe = self.out_pipe
+        assert pipe is not None
+        eof = self.stdout_eof.is_set()
+        pipe.settle(ok and eof)
+        if not eof:  # a stray process holds stdout open: the pump is cancelled
+            if ok:
+                self.fail(
+                    _Ending(
+                        status="stopped",
+                        error="stdout stayed open after the command ended; "
+                        "the output stream was aborted",
+                    )
+                )
+            return
+        with trio.move_on_after(within) as scope:
+            await self.stdout_done.wait()
+        if scope.cancelled_caught:
+            self.fail(
+                _Ending(
+                    status="stopped",
+                    error=f"the output stream did not finish within {within:g}s "
+                    "after the command ended",
+                )
+            )
 
     async def pump_stderr(self) -> None:
         assert self.process.stderr is not None
@@ -482,7 +825,7 @@ class _CommandJob:
             trio.current_time(),
             rss=reading.rss,
             cpu_seconds=reading.cpu_seconds,
-            io_bytes=self.stdout_bytes + self.stderr_bytes,
+            io_bytes=self.stdin_bytes + self.stdout_bytes + self.stderr_bytes,
             dir_bytes=dir_bytes,
         )
         self.rss = reading.rss
@@ -518,6 +861,10 @@ class _CommandJob:
             assert control.reason is not None
             decide(_Ending(status=control.status, error=control.reason))
 
+        async def pipe_failed() -> None:
+            await self.failed.wait()
+            decide(self.failure)
+
         async def sampler() -> None:
             interval = self.runner._sample_interval
             while True:
@@ -532,6 +879,7 @@ class _CommandJob:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(leader_exited)
             nursery.start_soon(aborted)
+            nursery.start_soon(pipe_failed)
             nursery.start_soon(sampler)
         return endings[0]
 
@@ -605,7 +953,7 @@ class _CommandJob:
             trio.lowlevel.notify_closing(self.pidfd)
             os.close(self.pidfd)
             self.pidfd = None
-        for stream in (self.process.stdout, self.process.stderr):
+        for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
             if stream is not None:
                 with trio.CancelScope(shield=True):
                     await stream.aclose()
@@ -680,6 +1028,7 @@ class CommandRunner:
         self._kill_grace = kill_grace
         self._keys = itertools.count()
         self._running: dict[int, _Entry] = {}
+        self._ssl_context: ssl.SSLContext | None = None
         for where, mapping in [("runner env", self._env)] + [
             (f"service {name!r} env", spec.env) for name, spec in self._services.items()
         ]:
@@ -732,6 +1081,7 @@ class CommandRunner:
         assert spec.argv is not None
         try:
             argv = fill_argv(spec.argv, params)
+            pipes = _PipeUrls.from_job(request.job)
         except ParameterError as exc:
             return receipt("error", str(exc))
         try:
@@ -739,7 +1089,7 @@ class CommandRunner:
         except OSError as exc:
             return receipt("error", f"cannot create a work directory: {exc}")
         try:
-            return await self._run_command(entry, spec, argv, workdir, control, start)
+            return await self._run_command(entry, spec, argv, workdir, control, start, pipes)
         except BaseExceptionGroup as group:
             # Our nurseries wrap the cancellation of the calling task in groups of
             # Cancelled; callers expect the plain Cancelled that trio.run_process raises.
@@ -785,6 +1135,16 @@ class CommandRunner:
         env["FYLR_CONVERT_THREADS"] = str(spec.threads)
         return env
 
+    async def _pipe_client(self) -> httpx.AsyncClient:
+        """A fresh HTTP client for one job's pipes (the TLS setup is made once, off-thread).
+
+        It ignores proxy settings of the environment: a pipe is a direct call back
+        to the client that placed the job, and a proxy might buffer whole bodies.
+        """
+        if self._ssl_context is None:
+            self._ssl_context = await trio.to_thread.run_sync(httpx.create_ssl_context)
+        return httpx.AsyncClient(verify=self._ssl_context, timeout=_PIPE_TIMEOUT, trust_env=False)
+
     async def _run_command(
         self,
         entry: _Entry,
@@ -793,50 +1153,77 @@ class CommandRunner:
         workdir: str,
         control: JobControl,
         start: _Start,
+        pipes: _PipeUrls,
     ) -> Receipt:
         receipt = start.receipt
-        try:
-            process = await trio.lowlevel.open_process(
-                argv,
-                start_new_session=True,
-                cwd=workdir,
-                env=self._environment(spec),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
-        except OSError as exc:
-            reason = exc.strerror or str(exc)
-            return receipt("error", f"cannot run {argv[0]!r}: {reason}")
-        except ValueError as exc:  # e.g. a NUL in the configured env
-            return receipt("error", f"cannot run {argv[0]!r}: {exc}")
-        job = entry.job = _CommandJob(self, entry, spec, process, workdir, start)
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(job.pump_stdout)
-                nursery.start_soon(job.pump_stderr)
-                ending = await job.supervise(control)
-                if ending is not None:
-                    await job.terminate(self._kill_grace)
-                await job.kill_and_reap()
-                with trio.move_on_after(_OUTPUT_DRAIN_TIMEOUT):
-                    await job.stdout_done.wait()
-                    await job.stderr_done.wait()
-                nursery.cancel_scope.cancel()
-        finally:
-            await job.close()
-            if self._budget is not None:
-                self._budget.forget(job.key)
-        exit_code = process.returncode
-        assert exit_code is not None
-        if ending is not None:
-            status, error = ending.status, ending.error
-        elif exit_code == 0:
-            status, error = "ok", None
-        elif exit_code > 0:
-            status, error = "failed", f"exit status {exit_code}"
-        else:
-            status, error = "failed", f"killed by signal {-exit_code}"
+        async with contextlib.AsyncExitStack() as stack:
+            http: httpx.AsyncClient | None = None
+            if pipes.stdin_url is not None or pipes.stdout_url is not None:
+                http = await stack.enter_async_context(await self._pipe_client())
+            stdin_body: httpx.Response | None = None
+            if pipes.stdin_url is not None:
+                assert http is not None
+                where = _listener(pipes.stdin_url)
+                try:
+                    stdin_body = await stack.enter_async_context(
+                        http.stream("GET", pipes.stdin_url, timeout=_PIPE_TIMEOUT)
+                    )
+                except httpx.HTTPError as exc:
+                    return receipt(
+                        "error",
+                        f"missing input: cannot read the in-pipe at {where}: {_describe(exc)}",
+                    )
+                if stdin_body.status_code != 200:
+                    return receipt(
+                        "error",
+                        f"missing input: the in-pipe at {where} answered {stdin_body.status_code}",
+                    )
+            try:
+                process = await trio.lowlevel.open_process(
+                    argv,
+                    start_new_session=True,
+                    cwd=workdir,
+                    env=self._environment(spec),
+                    stdin=subprocess.DEVNULL if stdin_body is None else subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                )
+            except OSError as exc:
+                reason = exc.strerror or str(exc)
+                return receipt("error", f"cannot run {argv[0]!r}: {reason}")
+            except ValueError as exc:  # e.g. a NUL in the configured env
+                return receipt("error", f"cannot run {argv[0]!r}: {exc}")
+            out_pipe = None
+            if pipes.stdout_url is not None:
+                assert http is not None
+                out_pipe = _OutPipe(http, pipes.stdout_url)
+            job = entry.job = _CommandJob(self, entry, spec, process, workdir, start, out_pipe)
+            try:
+                async with trio.open_nursery() as nursery:
+                    if stdin_body is not None:
+                        nursery.start_soon(job.pump_stdin, stdin_body)
+                    nursery.start_soon(job.pump_stdout)
+                    nursery.start_soon(job.pump_stderr)
+                    ending = await job.supervise(control)
+                    if ending is not None:
+                        await job.terminate(self._kill_grace)
+                    await job.kill_and_reap()
+                    finish = spec.stall_timeout or _PIPE_FINISH_TIMEOUT
+                    await job.wait_output_end(finish)
+                    exit_code = process.returncode
+                    assert exit_code is not None
+                    status, error = _command_end(ending, exit_code)
+                    if out_pipe is not None:
+                        await job.finish_stdout(status == "ok", finish)
+                    nursery.cancel_scope.cancel()
+            finally:
+                await job.close()
+                if self._budget is not None:
+                    self._budget.forget(job.key)
+        if out_pipe is not None and out_pipe.aborted:
+            error = f"{error}; the output stream was aborted after {out_pipe.sent} bytes"
+        if status == "ok" and job.failure is not None:
+            status, error = job.failure.status, job.failure.error
         return receipt(
             status,
             error,
@@ -844,5 +1231,17 @@ class CommandRunner:
             stderr_line=job.stderr_line.result(),
             stdout_prefix=job.stdout_prefix(),
             stdout_bytes=job.stdout_bytes,
+            stdin_bytes=job.stdin_bytes,
             peak_memory=job.watchdog.peak_memory,
         )
+
+
+def _command_end(ending: _Ending | None, exit_code: int) -> tuple[Status, str | None]:
+    """A command's status and error from the runner's ending (if any) and its exit status."""
+    if ending is not None:
+        return ending.status, ending.error
+    if exit_code == 0:
+        return "ok", None
+    if exit_code > 0:
+        return "failed", f"exit status {exit_code}"
+    return "failed", f"killed by signal {-exit_code}"

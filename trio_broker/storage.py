@@ -1,0 +1,391 @@
+"""Stored files in a local folder: streamed in with their hash, streamed out by key.
+
+Theory of operation
+===================
+
+:class:`Storage` owns one folder with two subfolders, ``originals/`` (uploads)
+and ``versions/`` (renditions). A file's **key** is chosen here, never taken from
+a user's file name: ``<kind folder>/<2 hex>/<32 hex>``, 128 random bits, fanned
+out over 256 subfolders so that no folder grows huge. :meth:`Storage.path` accepts
+only keys of exactly that form, so a key from a database row can never point
+outside the folder.
+
+Writing is all or nothing. :meth:`Storage.write_stream` writes the chunks to a
+temporary file ``.tmp-<random>`` in the destination's own folder, hashing
+(SHA-256) and counting as it goes; on success it flushes, ``fsync``\\ s, renames
+the temporary file to its key and ``fsync``\\ s the folder, so a returned key
+names a complete file that survives a crash. On any failure or cancellation (the
+client hung up, a chunk source raised, the size limit was passed, the disk is
+full) the temporary file is closed and deleted in a shielded, bounded cleanup:
+an interrupted upload leaves nothing. A process killed outright cannot clean up;
+:meth:`Storage.sweep_temporary` removes such leftovers at startup.
+
+Blocking file I/O runs in worker threads (:func:`trio.to_thread.run_sync`); small
+chunks are gathered to :data:`WRITE_BATCH` bytes before each hop, and hashing
+happens in the thread along with the write.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+import secrets
+from collections.abc import AsyncIterable
+from functools import partial
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Final, Literal, TypeAlias
+
+import attrs
+import trio
+
+__all__ = [
+    "CHUNK_SIZE",
+    "KIND_FOLDERS",
+    "WRITE_BATCH",
+    "FileReader",
+    "FileTooLarge",
+    "Storage",
+    "StoredFile",
+    "StoredKind",
+]
+
+StoredKind: TypeAlias = Literal["original", "version"]
+"""What a stored file is: an upload or a rendition."""
+
+KIND_FOLDERS: Final[dict[StoredKind, str]] = {"original": "originals", "version": "versions"}
+CHUNK_SIZE: Final = 65536
+"""The chunk size :meth:`Storage.open_read` reads by default."""
+WRITE_BATCH: Final = 65536
+"""Bytes gathered from the incoming chunks before one write in a worker thread."""
+
+_TEMP_PREFIX: Final = ".tmp-"
+_KEY: Final = re.compile(r"(originals|versions)/([0-9a-f]{2})/(\2[0-9a-f]{30})")
+_CLEANUP_TIMEOUT: Final = 10.0
+
+
+class FileTooLarge(ValueError):
+    """The stream passed the size limit of :meth:`Storage.write_stream`; nothing was kept."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the file is larger than {limit} bytes")
+        self.limit = limit
+
+
+@attrs.frozen(kw_only=True)
+class StoredFile:
+    """A completely written file.
+
+    Attributes:
+        key: where it is (:meth:`Storage.path`); store this in the database.
+        size: its length in bytes.
+        sha256: the SHA-256 of its content, 64 lowercase hex digits.
+    """
+
+    key: str
+    size: int
+    sha256: str
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _make_dirs(path: Path, root: Path) -> None:
+    """Create ``root`` and the folders from it down to ``path``; fsync each new one's parent."""
+    root.mkdir(parents=True, exist_ok=True)
+    missing = []
+    here = path
+    while here != root and not here.is_dir():
+        missing.append(here)
+        here = here.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue  # another writer made it
+        _fsync_dir(folder.parent)
+
+
+def _open_temporary(folder: Path) -> tuple[Path, IO[bytes]]:
+    while True:
+        temp = folder / f"{_TEMP_PREFIX}{secrets.token_hex(16)}"
+        try:
+            return temp, open(temp, "xb")
+        except FileExistsError:  # pragma: no cover - 128 random bits
+            continue
+
+
+def _write_batch(stream: IO[bytes], digest: hashlib._Hash, data: bytes) -> None:
+    stream.write(data)
+    digest.update(data)
+
+
+def _finish(stream: IO[bytes], temp: Path, final: Path) -> None:
+    stream.flush()
+    os.fsync(stream.fileno())
+    stream.close()
+    if final.exists():  # pragma: no cover - 128 random bits
+        raise FileExistsError(errno.EEXIST, "key already in use", str(final))
+    os.rename(temp, final)
+    try:
+        _fsync_dir(final.parent)
+    except BaseException:
+        final.unlink(missing_ok=True)
+        raise
+
+
+def _discard(stream: IO[bytes], temp: Path) -> None:
+    try:
+        stream.close()
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+class Storage:
+    """Originals and versions in one local folder, by random keys.
+
+    Args:
+        root: the folder; it and its subfolders are created on first write.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+
+    def __repr__(self) -> str:
+        return f"Storage({str(self.root)!r})"
+
+    def path(self, key: str) -> Path:
+        """The file of a key.
+
+        Args:
+            key: a key :meth:`write_stream` returned.
+
+        Returns:
+            Its path under :attr:`root` (the file may no longer exist).
+
+        Raises:
+            ValueError: not a well-formed key (so never a path outside the folder).
+        """
+        if not isinstance(key, str) or not _KEY.fullmatch(key):
+            raise ValueError(f"not a storage key: {key!r}")
+        return self.root / key
+
+    @staticmethod
+    def kind_of(key: str) -> StoredKind:
+        """Whether a key names an original or a version.
+
+        Raises:
+            ValueError: not a well-formed key.
+        """
+        match = _KEY.fullmatch(key) if isinstance(key, str) else None
+        if match is None:
+            raise ValueError(f"not a storage key: {key!r}")
+        return "original" if match.group(1) == "originals" else "version"
+
+    def new_key(self, kind: StoredKind) -> str:
+        """A fresh random key of this kind (128 bits; nothing is created).
+
+        Raises:
+            ValueError: an unknown kind.
+        """
+        if kind not in KIND_FOLDERS:
+            raise ValueError(f"kind must be 'original' or 'version', got {kind!r}")
+        name = secrets.token_hex(16)
+        return f"{KIND_FOLDERS[kind]}/{name[:2]}/{name}"
+
+    async def write_stream(
+        self, kind: StoredKind, chunks: AsyncIterable[bytes], *, max_size: int | None = None
+    ) -> StoredFile:
+        """Store a stream of bytes under a new key, hashing it on the way.
+
+        Args:
+            kind: ``original`` or ``version`` (the subfolder).
+            chunks: the content; each item ``bytes`` (or a bytes-like object).
+            max_size: refuse the stream once it passes this many bytes; ``None``
+                for no limit.
+
+        Returns:
+            The key, size and SHA-256 of the complete, durable file.
+
+        Raises:
+            FileTooLarge: the stream passed ``max_size``.
+            OSError: the file could not be written (disk full, permissions).
+            Exception: whatever iterating ``chunks`` raised.
+
+            On any of these and on cancellation nothing is left behind.
+        """
+        key = self.new_key(kind)
+        final = self.root / key
+        await trio.to_thread.run_sync(_make_dirs, final.parent, self.root)
+        temp, stream = await trio.to_thread.run_sync(_open_temporary, final.parent)
+        digest = hashlib.sha256()
+        size = 0
+        pending: list[bytes] = []
+        pending_size = 0
+        try:
+            async for chunk in chunks:
+                if not chunk:
+                    continue
+                size += len(chunk)
+                if max_size is not None and size > max_size:
+                    raise FileTooLarge(max_size)
+                pending.append(bytes(chunk))
+                pending_size += len(chunk)
+                if pending_size >= WRITE_BATCH:
+                    data = b"".join(pending)
+                    pending.clear()
+                    pending_size = 0
+                    await trio.to_thread.run_sync(_write_batch, stream, digest, data)
+            if pending:
+                await trio.to_thread.run_sync(_write_batch, stream, digest, b"".join(pending))
+                pending.clear()
+            await trio.to_thread.run_sync(_finish, stream, temp, final)
+        except BaseException:
+            with trio.CancelScope(shield=True), trio.move_on_after(_CLEANUP_TIMEOUT):
+                await trio.to_thread.run_sync(_discard, stream, temp)
+            raise
+        return StoredFile(key=key, size=size, sha256=digest.hexdigest())
+
+    async def open_read(self, key: str, *, chunk_size: int = CHUNK_SIZE) -> FileReader:
+        """Open a stored file for streaming out.
+
+        The file is opened here, so a missing key fails before any byte is sent.
+
+        Args:
+            key: the file's key.
+            chunk_size: the most bytes per chunk, >= 1.
+
+        Returns:
+            A reader: ``async for chunk in reader`` yields the content and closes
+            the file at the end; use ``async with reader`` (or :meth:`FileReader.aclose`)
+            when the loop may stop early.
+
+        Raises:
+            ValueError: a malformed key or ``chunk_size`` below 1.
+            FileNotFoundError: no file has this key (never written, or deleted).
+        """
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        path = self.path(key)
+        file, size = await trio.to_thread.run_sync(_open_for_reading, path)
+        return FileReader(file, size=size, chunk_size=chunk_size)
+
+    async def delete(self, key: str) -> bool:
+        """Delete a stored file.
+
+        Args:
+            key: the file's key.
+
+        Returns:
+            ``True`` when it existed, ``False`` when there was nothing to delete.
+
+        Raises:
+            ValueError: a malformed key.
+        """
+        path = self.path(key)
+        try:
+            await trio.to_thread.run_sync(path.unlink)
+        except FileNotFoundError:
+            return False
+        return True
+
+    async def exists(self, key: str) -> bool:
+        """Whether a file is stored under this key.
+
+        Raises:
+            ValueError: a malformed key.
+        """
+        return await trio.to_thread.run_sync(self.path(key).is_file)
+
+    async def sweep_temporary(self) -> int:
+        """Delete the temporary files of interrupted writes (a killed process leaves them).
+
+        Call it at startup, before any write: it removes every temporary file,
+        including those of writes still running in another process on this folder.
+
+        Returns:
+            How many files were deleted.
+        """
+        return await trio.to_thread.run_sync(partial(_sweep, self.root))
+
+
+def _open_for_reading(path: Path) -> tuple[IO[bytes], int]:
+    file = open(path, "rb")  # noqa: SIM115 - closed by FileReader
+    try:
+        return file, os.fstat(file.fileno()).st_size
+    except BaseException:
+        file.close()
+        raise
+
+
+def _sweep(root: Path) -> int:
+    count = 0
+    for folder in KIND_FOLDERS.values():
+        for temp in (root / folder).glob(f"*/{_TEMP_PREFIX}*"):
+            temp.unlink(missing_ok=True)
+            count += 1
+    return count
+
+
+class FileReader:
+    """A stored file being read: an async iterator of chunks and an async context manager.
+
+    Made by :meth:`Storage.open_read`. Iterating to the end closes the file;
+    :meth:`aclose` (or leaving ``async with``) closes it early. Not for use by
+    two tasks at once.
+
+    Attributes:
+        size: the file's length when it was opened, in bytes (for ``Content-Length``).
+    """
+
+    def __init__(self, file: IO[bytes], *, size: int, chunk_size: int) -> None:
+        self._file = file
+        self._chunk_size = chunk_size
+        self._closed = False
+        self.size = size
+
+    @property
+    def closed(self) -> bool:
+        """Whether the file has been closed."""
+        return self._closed
+
+    def __aiter__(self) -> FileReader:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            chunk = await trio.to_thread.run_sync(self._file.read, self._chunk_size)
+        except BaseException:
+            await self.aclose()
+            raise
+        if not chunk:
+            await self.aclose()
+            raise StopAsyncIteration
+        return chunk
+
+    async def aclose(self) -> None:
+        """Close the file; calling it again does nothing."""
+        if not self._closed:
+            self._closed = True
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self._file.close)
+
+    async def __aenter__(self) -> FileReader:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()
