@@ -704,30 +704,7 @@ class ExecserverConfig:
                 valid YAML (with line and column), is not a mapping, or any key is
                 wrong (see :meth:`from_mapping`).
         """
-        file = os.fspath(path)
-        try:
-            with open(file, encoding="utf-8") as stream:
-                text = stream.read()
-        except FileNotFoundError:
-            raise ConfigError("no such file", file=file) from None
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"cannot read: not UTF-8 text ({exc.reason})", file=file) from None
-        except OSError as exc:
-            raise ConfigError(f"cannot read: {exc.strerror or exc}", file=file) from None
-        try:
-            data = yaml.load(text, Loader=_Loader)  # a SafeLoader subclass
-        except yaml.MarkedYAMLError as exc:
-            mark = exc.problem_mark
-            where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-            problem = " ".join(f"{exc.context or ''} {exc.problem or ''}".split())
-            raise ConfigError(f"invalid YAML at {where}{problem}", file=file) from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"invalid YAML: {' '.join(str(exc).split())}", file=file) from None
-        if data is None:
-            raise ConfigError("expected a mapping at the top level, got an empty file", file=file)
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"expected a mapping at the top level, got {_show(data)}", file=file)
-        return cls.from_mapping(data)
+        return cls.from_mapping(load_yaml_mapping(path))
 
     @classmethod
     def from_mapping(cls, data: object) -> "ExecserverConfig":
@@ -1064,3 +1041,36 @@ def detect_memory_budget(*, root: str | os.PathLike[str] = "/") -> int:
     total = int(psutil.virtual_memory().total)
     limit = cgroup_memory_limit(root=root)
     return total if limit is None else min(total, limit)
+
+
+def load_yaml_mapping(path: str | os.PathLike[str]) -> Mapping[str, Any]:
+    """Read a YAML file holding one mapping (both daemons' configuration files).
+
+    Raises:
+        ConfigError: the file is missing or unreadable (``file`` set), is not valid
+            YAML (with line and column), or does not hold a mapping.
+    """
+    file = os.fspath(path)
+    try:
+        with open(file, encoding="utf-8") as stream:
+            text = stream.read()
+    except FileNotFoundError:
+        raise ConfigError("no such file", file=file) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"cannot read: not UTF-8 text ({exc.reason})", file=file) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror or exc}", file=file) from None
+    try:
+        data = yaml.load(text, Loader=_Loader)  # a SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = " ".join(f"{exc.context or ''} {exc.problem or ''}".split())
+        raise ConfigError(f"invalid YAML at {where}{problem}", file=file) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"invalid YAML: {' '.join(str(exc).split())}", file=file) from None
+    if data is None:
+        raise ConfigError("expected a mapping at the top level, got an empty file", file=file)
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"expected a mapping at the top level, got {_show(data)}", file=file)
+    return data

@@ -121,7 +121,6 @@ from typing import Annotated, Any, Final, TypeAlias
 
 import attrs
 import psycopg
-import yaml
 from psycopg.conninfo import conninfo_to_dict
 
 from trio_broker.config import (
@@ -129,7 +128,6 @@ from trio_broker.config import (
     ConfigError,
     _integer,
     _listen,
-    _Loader,
     _locate,
     _nonempty_string,
     _optional_size,
@@ -142,6 +140,7 @@ from trio_broker.config import (
     _string,
     converter,
     cpu_count,
+    load_yaml_mapping,
     parse_duration,
 )
 
@@ -591,7 +590,7 @@ class FylrConfig:
                 valid YAML (with line and column), is not a mapping, or any key is
                 wrong (see :meth:`from_mapping`).
         """
-        return cls.from_mapping(_load_yaml(path))
+        return cls.from_mapping(load_yaml_mapping(path))
 
     @classmethod
     def from_mapping(cls, data: object) -> "FylrConfig":
@@ -664,31 +663,3 @@ class FylrConfig:
         if self.max_in_flight:
             return self.max_in_flight
         return min(max(4 * base, 32), 2 * self.database_pool)
-
-
-def _load_yaml(path: str | os.PathLike[str]) -> Mapping[str, Any]:
-    """Read one YAML mapping the way :meth:`ExecserverConfig.from_yaml` does."""
-    file = os.fspath(path)
-    try:
-        with open(file, encoding="utf-8") as stream:
-            text = stream.read()
-    except FileNotFoundError:
-        raise ConfigError("no such file", file=file) from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"cannot read: not UTF-8 text ({exc.reason})", file=file) from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read: {exc.strerror or exc}", file=file) from None
-    try:
-        data = yaml.load(text, Loader=_Loader)  # a SafeLoader subclass
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        problem = " ".join(f"{exc.context or ''} {exc.problem or ''}".split())
-        raise ConfigError(f"invalid YAML at {where}{problem}", file=file) from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"invalid YAML: {' '.join(str(exc).split())}", file=file) from None
-    if data is None:
-        raise ConfigError("expected a mapping at the top level, got an empty file", file=file)
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"expected a mapping at the top level, got {_show(data)}", file=file)
-    return data
