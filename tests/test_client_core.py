@@ -13,6 +13,7 @@ from trio_broker.client_core import (
     ClientConfig,
     ClientCore,
     ClientUsageError,
+    Dial,
     Failed,
     Finished,
 )
@@ -313,3 +314,30 @@ def test_pipes_need_a_callback_base() -> None:
     net.flush()
     with pytest.raises(ClientUsageError, match="callback_port"):
         net.client.submit("j", "s", {}, pipes={"stdin_url": "/pipe/x"}, now=net.now)
+
+
+def test_reconnect_back_off_doubles_with_jitter_and_resets_on_hello() -> None:
+    """Failed dials are retried after half to all of a back-off that doubles up to
+    reconnect_max; a HELLO resets it to reconnect_min."""
+    core = ClientCore(config("A", reconnect_min=1.0, reconnect_max=4.0), now=0.0)
+    (dial,) = [e for e in core.effects() if isinstance(e, Dial)]
+    now, waits = 0.0, []
+    for _ in range(5):
+        core.dial_failed(dial.conn, now=now)
+        deadline = core.next_deadline()
+        assert deadline is not None
+        waits.append(deadline - now)
+        now = deadline
+        core.tick(now=now)
+        (dial,) = [e for e in core.effects() if isinstance(e, Dial)]
+    for wait, backoff in zip(waits, [1.0, 2.0, 4.0, 4.0, 4.0], strict=True):
+        assert backoff / 2 <= wait <= backoff
+    assert len(set(waits)) == len(waits)  # jittered, not lockstep
+    core.connected(dial.conn, local_addr="127.0.0.1:5", now=now)
+    hello = p.Hello(protocol=1, instance_id="i", name="n", services={}, processes=1,
+                    idle=0, clients=1, draining=False, addr="A")  # fmt: skip
+    core.receive(dial.conn, hello, now=now)
+    core.connection_closed(dial.conn, now=now)
+    deadline = core.next_deadline()
+    assert deadline is not None
+    assert 0.5 <= deadline - now <= 1.0

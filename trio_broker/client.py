@@ -31,6 +31,7 @@ import contextlib
 import itertools
 import logging
 import math
+import random
 import secrets
 import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
@@ -193,7 +194,7 @@ class BrokerClient:
         self._token = broker_token
         self._ssl = ssl_context
         self._local_host = local_host
-        self._core = ClientCore(config, now=trio.current_time())
+        self._core = ClientCore(config, now=trio.current_time(), random=random.Random())
         self._links: dict[int, _Link] = {}
         self._waiters: dict[str, _Waiter] = {}
         self._positions: dict[str, tuple[trio.MemorySendChannel[p.Position], int]] = {}
@@ -479,6 +480,7 @@ class BrokerClient:
             self._timer_at = math.inf if deadline is None else deadline
             with trio.move_on_at(self._timer_at):
                 await self._wake.wait()
+            self._timer_at = math.inf
             self._wake = trio.Event()
             core.tick(now=trio.current_time())
             self._flush()

@@ -12,7 +12,8 @@ several) starts with one connection. The core asks for connections with
 :meth:`~ClientCore.dial_failed`. On connect the core sends ``REGISTER`` at once;
 the connection becomes *ready* with its first ``HELLO``. A dropped connection is
 dialled again after a back-off that doubles from ``reconnect_min`` to
-``reconnect_max`` and resets on the next ``HELLO``.
+``reconnect_max`` (each wait jittered between half and all of it) and resets on
+the next ``HELLO``.
 
 Wants. :meth:`~ClientCore.submit` parks a job's ``WANT`` on every ready
 connection whose ``HELLO`` announced the service. The first ``OFFER`` wins: the
@@ -50,6 +51,7 @@ job id.
 from __future__ import annotations
 
 import itertools
+import random as _random
 from collections.abc import Iterator
 from typing import Any, Final, Literal, TypeAlias
 
@@ -291,9 +293,18 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
 
     usage_error = ClientUsageError
 
-    def __init__(self, config: ClientConfig, *, now: float) -> None:
+    def __init__(
+        self, config: ClientConfig, *, now: float, random: _random.Random | None = None
+    ) -> None:
+        """Args:
+        config: what to connect to and the limits.
+        now: the current time (seconds, any epoch; the same clock as every input).
+        random: the source of the reconnect jitter; by default one seeded from
+            ``config.backend_id``, so a run is reproducible.
+        """
         super().__init__(now=now, liveness=Liveness(config.ping_interval, config.ping_timeout))
         self.config = config
+        self._random = random if random is not None else _random.Random(config.backend_id)
         self._conn_ids = itertools.count(1)
         self._conns: dict[ConnId, _Conn] = {}
         self._addresses = {a: _Address(a, config.reconnect_min) for a in config.addresses}
@@ -683,7 +694,10 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
                 )
             )
         if redial:
-            self._push_timer(self._now + address.backoff, "redial", address.address)
+            # Jitter (half to all of the back-off) keeps many clients that lost
+            # one execserver from dialling it again in lockstep.
+            delay = address.backoff * (0.5 + 0.5 * self._random.random())
+            self._push_timer(self._now + delay, "redial", address.address)
             address.backoff = min(address.backoff * 2, self.config.reconnect_max)
 
     # -- timers ------------------------------------------------------------------------------
