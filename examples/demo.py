@@ -1,109 +1,250 @@
-"""The demonstration behind ``make demo``: one execserver daemon, two clients.
+"""The demonstration behind ``make demo``: a fylr turns sample files into versions.
 
-It starts the reference daemon (``trio-broker execserver``) with two slots and a
-``resize`` service that runs a real command, then connects two clients:
+It runs the whole reference system on this machine, on free 127.0.0.1 ports, in
+a fresh temporary state folder:
 
-* a background resync that parks eight jobs at priority -2, and
-* an interactive user who arrives a moment later with two jobs at priority 2.
+1. writes the sample inputs (``examples/make_samples.py``) and both example
+   configurations (``examples/execserver.yml``, ``examples/fylr.yml``), made
+   runnable here;
+2. starts one execserver (``trio-broker execserver``) and one fylr
+   (``trio-broker fylr``), which starts its own private PostgreSQL cluster in
+   the state folder;
+3. uploads every sample at mixed priorities (background, normal, interactive)
+   and shows each file's progress until it has ended;
+4. prints each file's versions, checks them against what the example
+   configuration promises (a broken image's picture versions fail with the
+   converter's message, everything else is ``done``), and where to look;
+5. stops everything it started and removes the state folder.
 
-Watch the interactive jobs take the next free slots although they came last,
-the queue positions the execserver reports, the receipts of real processes, and
-finally a graceful drain on SIGTERM with exit status 0.
+Exit status 0 only when every file ended with the expected versions. Ctrl-C
+stops everything too. ``--keep`` keeps the daemons running after the check,
+until Ctrl-C, so that you can look at the pages it prints.
 """
 
 from __future__ import annotations
 
-import signal
+import argparse
+import contextlib
+import os
+import shutil
 import sys
+import tempfile
 import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import httpx
 import trio
-from trio_websocket import WebSocketConnection, open_websocket_url
+import yaml
+from make_samples import localize_execserver_config, make_samples
+from rich.console import Console
 
-from trio_broker import protocol as p
-from trio_broker.testing.processes import open_execserver_process
+from trio_broker.pgcluster import PgCluster, PostgresNotFound, find_pg_bin
+from trio_broker.testing.processes import open_execserver_process, open_fylr_process
+from trio_broker.upload import FileOutcome, upload_files
 
-CONFIG = """\
-listen: 127.0.0.1:0
-name: demo-exec
-slots: 2
-fast_reserve: 0
-unknown_share: 1.0
-services:
-  resize:
-    argv:
-      - "{python}"
-      - "-c"
-      - "import sys, time; time.sleep(0.4); print('resized', sys.argv[1])"
-      - "{{file}}"
-    timeout: 30s
-"""
+EXAMPLES = Path(__file__).resolve().parent
+TIMEOUT = 300.0
+"""Seconds the uploads and their processing may take before the demo gives up."""
+
+PRIORITIES = {
+    "sunset.jpg": 0,
+    "portrait.jpg": 0,
+    "diagram.png": -2,
+    "logo.png": 2,
+    "icon.gif": 3,
+    "notes.txt": 2,
+    "measurements.csv": -2,
+    "broken.png": 0,
+    "archive.bin": -2,
+}
+"""Each sample's priority: background -2, normal 0, interactive 2 (3: its urgent variant)."""
+
+IMAGE_VERSIONS = ("preview", "preview_small", "sha256", "thumbnail")
+EXPECTED: dict[str, dict[str, str]] = {
+    **{name: dict.fromkeys(IMAGE_VERSIONS, "done") for name in
+       ("sunset.jpg", "portrait.jpg", "diagram.png", "logo.png", "icon.gif")},
+    "notes.txt": {"gz": "done", "sha256": "done"},
+    "measurements.csv": {"gz": "done", "sha256": "done"},
+    # a PNG cut short: the converter refuses it, the checksum does not care
+    "broken.png": {"preview": "failed", "preview_small": "failed", "sha256": "done",
+                   "thumbnail": "failed"},
+    "archive.bin": {},
+}  # fmt: skip
+"""Each sample's versions and their API status, as the example configurations promise."""
 
 T0 = time.monotonic()
+console = Console(highlight=False, soft_wrap=True)
 
 
-def say(who: str, text: str) -> None:
-    print(f"{time.monotonic() - T0:6.2f}s  {who:<12} {text}", flush=True)
+def say(text: str) -> None:
+    console.print(f"{time.monotonic() - T0:6.1f}s  {text}", markup=False)
 
 
-async def client(url: str, who: str, priority: int, files: list[str], delay: float) -> None:
-    await trio.sleep(delay)
-    async with open_websocket_url(url) as ws:
-        hello = p.decode(await ws.get_message())
-        assert isinstance(hello, p.Hello)
-        say(who, f"connected: {hello.name} has {hello.processes} slots, {hello.clients} client(s)")
-        await send(ws, p.Register(backend_id=who, name=who, version="demo"))
-        for name in files:
-            await send(ws, p.Want(job_id=name, service="resize", priority=priority))
-        pending = set(files)
-        while pending:
-            message = p.decode(await ws.get_message(), accept=p.EXEC_TO_CLIENT)
-            if isinstance(message, p.Queued):
-                await send(ws, p.Query(job_id=message.job_id))
-            elif isinstance(message, p.Position):
-                say(who, f"{message.job_id}: queued, {message.ahead} ahead of it, "
-                         f"{message.running} running")  # fmt: skip
-            elif isinstance(message, p.Offer):
-                say(who, f"{message.job_id}: got a slot, starting (priority {priority})")
-                await send(
-                    ws,
-                    p.Job(job_id=message.job_id, token=message.token, service="resize",
-                          subject=message.job_id, job={"params": {"file": message.job_id}}),
-                )  # fmt: skip
-            elif isinstance(message, p.Done):
-                r = message.receipt
-                say(who, f"{message.job_id}: {r.status} in {r.duration_s:.2f}s: "
-                         f"{r.stdout_prefix.strip()!r}")  # fmt: skip
-                pending.discard(message.job_id)
-            elif isinstance(message, p.Ping):
-                await send(ws, p.Pong(nonce=message.nonce))
+def write_configs(state: Path) -> tuple[Path, Path]:
+    """The example configurations, runnable from this state folder on free ports."""
+    text = (EXAMPLES / "execserver.yml").read_text(encoding="utf-8")
+    execserver = yaml.safe_load(localize_execserver_config(text))
+    execserver.update(listen="127.0.0.1:0", name="demo-exec")
+    execserver_path = state / "execserver.yml"
+    execserver_path.write_text(yaml.safe_dump(execserver, sort_keys=False), encoding="utf-8")
+    fylr = yaml.safe_load((EXAMPLES / "fylr.yml").read_text(encoding="utf-8"))
+    fylr.update(
+        listen="127.0.0.1:0",
+        name="demo-fylr",
+        state_dir=str(state / "fylr"),
+        database=None,
+        execservers=[],  # filled in once the execserver listens
+    )
+    fylr_path = state / "fylr.yml"
+    fylr_path.write_text(yaml.safe_dump(fylr, sort_keys=False), encoding="utf-8")
+    return execserver_path, fylr_path
 
 
-async def send(ws: WebSocketConnection, message: p.Message) -> None:
-    await ws.send_message(p.encode(message))
+def point_at(fylr_path: Path, address: str) -> None:
+    document = yaml.safe_load(fylr_path.read_text(encoding="utf-8"))
+    document["execservers"] = [address]
+    fylr_path.write_text(yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
 
 
-async def main() -> None:
-    config = CONFIG.format(python=sys.executable)
-    async with open_execserver_process(config) as daemon:
-        say("demo", f"execserver daemon pid {daemon.process.pid} serving {daemon.url}")
-        async with trio.open_nursery() as nursery:
-            files = [f"scan-{n:02d}.tif" for n in range(8)]
-            nursery.start_soon(client, daemon.url, "background", -2, files, 0.0)
-            uploads = ["upload-1.jpg", "upload-2.jpg"]
-            nursery.start_soon(client, daemon.url, "interactive", 2, uploads, 0.3)
-        async with httpx.AsyncClient() as http:
-            page = (await http.get(f"{daemon.http_url}/inspect/system/execserver")).json()
-        resize = page["services"]["resize"]
-        say("demo", f"resize: {resize['completed']} runs, mean {resize['mean_runtime_s']:.2f}s, "
-                    f"classified {resize['kind']}")  # fmt: skip
-        daemon.process.send_signal(signal.SIGTERM)
-        status = await daemon.process.wait()
-        say("demo", f"SIGTERM: the execserver drained and exited with status {status}")
-    if status != 0:
-        raise SystemExit(status)
+def check(outcomes: Sequence[FileOutcome]) -> list[str]:
+    """What differs from :data:`EXPECTED` (empty when everything is as promised)."""
+    problems = []
+    for outcome in outcomes:
+        name = outcome.path.name
+        document = outcome.document
+        if document is None:
+            problems.append(f"{name}: not uploaded: {outcome.error}")
+            continue
+        if document["status"] != "done":
+            problems.append(f"{name}: status {document['status']}, expected done")
+        versions = {v: d["status"] for v, d in (document.get("versions") or {}).items()}
+        if versions != EXPECTED[name]:
+            problems.append(f"{name}: versions {versions}, expected {EXPECTED[name]}")
+    return problems
+
+
+def show(outcome: FileOutcome, base: str) -> None:
+    document = outcome.document
+    if document is None:
+        say(f"{outcome.path.name}: not uploaded ({outcome.error})")
+        return
+    metadata = document.get("metadata") or {}
+    facts = [f"{document['filesize']} bytes", str(document.get("mimetype"))]
+    if "width" in metadata:
+        facts.append(f"{metadata['width']}x{metadata['height']}")
+    say(
+        f"{outcome.path.name} (priority {outcome.priority}): {document['status']},"
+        f" class {document['class']}, {', '.join(facts)}"
+        f"  {base}/api/v1/eas/{document['id']}"
+    )
+    if document.get("error"):
+        say(f"    note: {document['error']}")
+    for name, version in sorted((document.get("versions") or {}).items()):
+        if version["status"] == "done":
+            detail = f"{version['filesize']} bytes {version['mimetype']}  {version['url']}"
+        else:
+            detail = f"{version['status']}: {version['error']}"
+        say(f"    {name:<14} {detail}")
+
+
+async def run(state: Path, keep: bool) -> int:
+    samples = make_samples(state / "samples")
+    execserver_path, fylr_path = write_configs(state)
+    say(f"state folder {state}: samples, configurations, the fylr's files and database")
+    async with open_execserver_process(execserver_path, log_level="warning") as execserver:
+        address = f"{execserver.host}:{execserver.port}"
+        say(f"execserver pid {execserver.process.pid} serving {execserver.url}")
+        point_at(fylr_path, address)
+        say("starting the fylr and its private PostgreSQL cluster (initdb on first start)")
+        async with open_fylr_process(fylr_path, log_level="warning") as fylr:
+            base = fylr.http_url
+            say(f"fylr pid {fylr.process.pid} serving {base}")
+            say("while it runs, look at:")
+            say(f"    {base}/inspect/system/fylr          queue, files, dispatcher, broker client")
+            say(f"    {base}/metrics                      Prometheus metrics of the fylr")
+            say(f"    {execserver.http_url}/inspect/system/execserver  slots, services, receipts")
+            say(f"    {base}/api/v1/eas/<id>              a file, its versions and metadata")
+            files = [(path, PRIORITIES[path.name]) for path in samples]
+            started = time.monotonic()
+            outcomes = await upload_files(base, files, wait=True, console=console, timeout=TIMEOUT)
+            elapsed = time.monotonic() - started
+            say(f"{len(outcomes)} files uploaded and followed to their end in {elapsed:.1f}s:")
+            for outcome in outcomes:
+                show(outcome, base)
+            try:
+                async with httpx.AsyncClient(timeout=30) as http:
+                    page = (await http.get(f"{base}/inspect/system/fylr")).json()
+                    exec_url = f"{execserver.http_url}/inspect/system/execserver"
+                    exec_page = (await http.get(exec_url)).json()
+            except httpx.HTTPError as exc:
+                say(f"cannot read the inspection pages: {exc}")
+            else:
+                summarize(page, exec_page)
+            problems = check(outcomes)
+            for problem in problems:
+                say(f"UNEXPECTED: {problem}")
+            if not problems:
+                say("every file ended with the versions the example configuration promises")
+            if keep:
+                say("--keep: the daemons keep running; press Ctrl-C to stop them")
+                await trio.sleep_forever()
+            say("stopping the fylr (its claimed work goes back to the queue) and the execserver")
+    return 1 if problems else 0
+
+
+def summarize(page: Mapping[str, Any], exec_page: Mapping[str, Any]) -> None:
+    dispatcher = page.get("dispatcher") or {}
+    say(
+        f"fylr: files {page['files']}, queue {page['queue']},"
+        f" {dispatcher.get('completed')} steps completed,"
+        f" peak {dispatcher.get('peak_exec_in_flight')} jobs in flight"
+    )
+    for name, service in sorted(exec_page["services"].items()):
+        mean = service["mean_runtime_s"]
+        say(
+            f"execserver service {name}: {service['completed']} runs,"
+            f" mean {mean:.2f}s, {service['kind']}"
+            if mean is not None
+            else f"execserver service {name}: {service['completed']} runs"
+        )
+
+
+def stop_leftover_cluster(state: Path) -> None:
+    """Stop the fylr's PostgreSQL if the fylr could not (it was killed)."""
+    folder = state / "fylr" / "pg"
+    if not (folder / "data" / "postmaster.pid").exists():
+        return
+    with contextlib.suppress(PostgresNotFound):
+        PgCluster(folder, bin_dir=find_pg_bin()).stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the daemons running after the check"
+    )
+    args = parser.parse_args(argv)
+    state = Path(tempfile.mkdtemp(prefix="trio-broker-demo-"))
+    # the private cluster runs as the 'postgres' user when the demo runs as root
+    os.chmod(state, 0o755)
+    status = 1
+    try:
+        status = trio.run(run, state, args.keep)
+    except* KeyboardInterrupt:
+        say("interrupted: everything the demo started was stopped")
+        status = 130
+    except* RuntimeError as group:  # a daemon did not start: it said why above
+        for problem in group.exceptions:
+            say(f"stopped: {problem}")
+        status = 1
+    finally:
+        stop_leftover_cluster(state)
+        shutil.rmtree(state, ignore_errors=True)
+    say(f"done, exit status {status}")
+    return status
 
 
 if __name__ == "__main__":
-    trio.run(main)
+    sys.exit(main())

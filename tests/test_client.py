@@ -447,6 +447,7 @@ async def test_literal_address_never_grows() -> None:
             trio.open_nursery() as bg,
         ):
             bg.start_soon(client.run, "hold", {"params": {"seconds": 60}})
+            await handle.wait_until(lambda: totals(handle)[2] == 1)
             for _ in range(3):
                 bg.start_soon(client.run, "noop", {})
             await handle.wait_until(lambda: totals(handle)[0] == 3)
@@ -456,4 +457,32 @@ async def test_literal_address_never_grows() -> None:
             assert client.statistics().addresses[0].connections == 1
             assert handle.broker.statistics().counters.get("connections_opened", 2) >= 1
             bg.cancel_scope.cancel()
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_idle_client_sleeps_between_timers() -> None:
+    """With nothing to do, the client's timer task wakes only for its timers: while the
+    execserver sends three PINGs (0.2 s apart) the core is ticked a handful of times, not
+    in a busy loop."""
+    async with trio.open_nursery() as nursery:
+        handle = await start_execserver(nursery, ping_interval="0.2s")
+        async with client_for(handle, ping_interval=0.2) as client:
+            ticks = [0]
+            core_tick = client._core.tick
+
+            def counting_tick(*, now: float) -> None:
+                ticks[0] += 1
+                core_tick(now=now)
+
+            client._core.tick = counting_tick  # type: ignore[method-assign]
+            pings = [0]
+            core_receive = client._core.receive_text
+
+            def counting_receive(conn: int, text: str | bytes, *, now: float) -> None:
+                pings[0] += '"PING"' in str(text)
+                core_receive(conn, text, now=now)
+
+            client._core.receive_text = counting_receive  # type: ignore[method-assign,assignment]
+            await client.wait_until(lambda: pings[0] >= 3, timeout=WAIT)
+            assert ticks[0] < 50
         nursery.cancel_scope.cancel()

@@ -41,6 +41,41 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="write 'HOST PORT' here once listening (for supervisors and tests)",
     )
+    fylr = commands.add_parser(
+        "fylr",
+        help="run the reference fylr (file server)",
+        description=(
+            "Serve the file API (PUT /eas/put, GET /api/v1/eas/ID, downloads), the "
+            "pipes, /healthz, /inspect/system/fylr and /metrics on the configured "
+            "listener; make each file's metadata and versions on the execservers. "
+            "SIGTERM or SIGINT stops gracefully (claimed work goes back to the queue)."
+        ),
+    )
+    fylr.add_argument("--config", required=True, metavar="FILE", help="YAML configuration")
+    fylr.add_argument(
+        "--ready-file",
+        metavar="FILE",
+        help="write 'HOST PORT' here once serving (for supervisors and tests)",
+    )
+    upload = commands.add_parser(
+        "upload",
+        help="upload files to a fylr",
+        description=(
+            "Stream each FILE to a fylr's PUT /eas/put and print its id; with --wait, "
+            "follow every file (with progress bars) until it has ended and print its "
+            "versions. Exit status 0 when every file was uploaded (and ended done)."
+        ),
+    )
+    upload.add_argument("files", nargs="+", metavar="FILE", help="files to upload")
+    upload.add_argument(
+        "--server", required=True, metavar="URL", help="the fylr, e.g. http://127.0.0.1:7400"
+    )
+    upload.add_argument(
+        "--priority", type=int, default=0, metavar="N", help="priority of the files (default 0)"
+    )
+    upload.add_argument(
+        "--wait", action="store_true", help="wait until every file is done or failed"
+    )
     return parser
 
 
@@ -51,6 +86,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if args.command == "upload":
+        logging.basicConfig(level=logging.WARNING)
+        from trio_broker.upload import main as upload_main
+
+        return upload_main(args.server, args.files, priority=args.priority, wait=args.wait)
+    if args.command == "fylr":
+        from trio_broker.logfmt import LogfmtFormatter
+
+        handler = logging.StreamHandler()
+        handler.setFormatter(LogfmtFormatter())
+        logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+        # one warning per failed connection attempt; the store reports an outage itself
+        logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
+        from trio_broker.daemon import run_fylr
+
+        return run_fylr(args.config, ready_file=args.ready_file)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

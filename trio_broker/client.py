@@ -186,8 +186,10 @@ class BrokerClient:
         ssl_context: ssl.SSLContext | None = None,
         local_host: str | None = None,
         pipes: PipeRegistry | None = None,
+        max_frame_bytes: int = 1_048_576,
     ) -> None:
         self.config = config
+        self._max_frame_bytes = max_frame_bytes
         self.pipes = pipes if pipes is not None else PipeRegistry(config.backend_id)
         """The one-time pipes this client's listener serves (see :meth:`pipe_in`)."""
         self._nursery = nursery
@@ -207,6 +209,8 @@ class BrokerClient:
         self._failed = 0
         self._closed = False
         self._failed_dials: set[str] = set()  # addresses whose latest dial failed
+        self._connection_tasks = 0
+        self._no_connection_tasks = trio.Event()
 
     # -- public API --------------------------------------------------------------------------
 
@@ -480,13 +484,22 @@ class BrokerClient:
             self._timer_at = math.inf if deadline is None else deadline
             with trio.move_on_at(self._timer_at):
                 await self._wake.wait()
-            self._timer_at = math.inf
             self._wake = trio.Event()
             core.tick(now=trio.current_time())
             self._flush()
 
     async def _connection(self, conn_id: int, address: str) -> None:
         """Dial one broker connection and feed it to the core until it ends."""
+        self._connection_tasks += 1
+        try:
+            await self._dial_and_serve(conn_id, address)
+        finally:
+            self._connection_tasks -= 1
+            if self._connection_tasks == 0:
+                self._no_connection_tasks.set()
+                self._no_connection_tasks = trio.Event()
+
+    async def _dial_and_serve(self, conn_id: int, address: str) -> None:
         core = self._core
         try:
             host, port = _split_address(address)
@@ -508,6 +521,7 @@ class BrokerClient:
                         "/broker",
                         extra_headers=headers,
                         message_queue_size=256,
+                        max_message_size=self._max_frame_bytes,
                     )
                 except BaseException:
                     with trio.CancelScope(shield=True):
@@ -564,6 +578,12 @@ class BrokerClient:
                 waiter.done.set()
         for link in list(self._links.values()):
             link.scope.cancel()
+        # Let every connection finish its closing handshake (bounded) while
+        # trio-websocket's reader tasks still run; cancelling them first would
+        # make each close wait out CLOSE_TIMEOUT.
+        if self._connection_tasks:
+            with trio.move_on_after(CLOSE_TIMEOUT + 1):
+                await self._no_connection_tasks.wait()
 
 
 def _same_address(seen: str, dialled: str) -> bool:
@@ -589,6 +609,7 @@ async def open_broker_client(
     local_host: str | None = None,
     pipes: PipeRegistry | None = None,
     listen: str | None = None,
+    max_frame_bytes: int = 1_048_576,
     wait_connected: float | None = 10.0,
 ) -> AsyncIterator[BrokerClient]:
     """Open a :class:`BrokerClient` that keeps connections to ``config.addresses``.
@@ -605,6 +626,7 @@ async def open_broker_client(
         listen: serve the pipes and ``/whoami`` on a listener of this client at
             this host (port chosen by the system; ``"0.0.0.0"`` for every
             address) and set ``callback_port`` to it.
+        max_frame_bytes: a larger incoming message closes its connection (1009).
         wait_connected: wait up to this many seconds until every configured
             address has answered a first dial, with a ``HELLO`` or a failure
             (``None`` or ``0``: do not wait). Unreachable addresses keep being
@@ -622,6 +644,7 @@ async def open_broker_client(
             ssl_context=ssl_context,
             local_host=local_host,
             pipes=registry,
+            max_frame_bytes=max_frame_bytes,
         )
         nursery.start_soon(client._timers)
         client._flush()  # the initial Dial effects

@@ -14,7 +14,7 @@ from pathlib import Path
 import attrs
 import trio
 
-__all__ = ["DaemonProcess", "open_execserver_process"]
+__all__ = ["DaemonProcess", "open_execserver_process", "open_fylr_process"]
 
 
 @attrs.frozen
@@ -32,6 +32,7 @@ class DaemonProcess:
 
     @property
     def http_url(self) -> str:
+        """``http://host:port``: the daemon's HTTP API (a fylr's file API)."""
         return f"http://{self.host}:{self.port}"
 
 
@@ -56,21 +57,75 @@ async def open_execserver_process(
         The process and its bound address. If it is still running when the block
         ends it is sent SIGTERM (which drains it) and waited for.
     """
+    async with _open_daemon_process(
+        "execserver",
+        config,
+        log_level=log_level,
+        ready_within=ready_within,
+        stop_within=stop_within,
+    ) as daemon:
+        yield daemon
+
+
+@asynccontextmanager
+async def open_fylr_process(
+    config: str | os.PathLike[str],
+    *,
+    log_level: str = "warning",
+    ready_within: float = 120.0,
+    stop_within: float = 60.0,
+) -> AsyncIterator[DaemonProcess]:
+    """Run ``trio-broker fylr`` in a subprocess until the block ends.
+
+    Like :func:`open_execserver_process`; the fylr's file API is at the
+    :attr:`DaemonProcess.http_url`. It is ready once its database is up and its
+    listener bound (a first start with a private PostgreSQL cluster runs
+    ``initdb``, hence the longer ``ready_within``).
+
+    Args:
+        config: a configuration file, or YAML text (a ``str`` with a newline).
+        log_level: the daemon's ``--log-level``.
+        ready_within: seconds to wait until it serves.
+        stop_within: at the end, seconds to wait after SIGTERM before SIGKILL.
+
+    Yields:
+        The process and its bound address. If it is still running when the block
+        ends it is sent SIGTERM (a graceful stop) and waited for.
+    """
+    async with _open_daemon_process(
+        "fylr",
+        config,
+        log_level=log_level,
+        ready_within=ready_within,
+        stop_within=stop_within,
+    ) as daemon:
+        yield daemon
+
+
+@asynccontextmanager
+async def _open_daemon_process(
+    command: str,
+    config: str | os.PathLike[str],
+    *,
+    log_level: str,
+    ready_within: float,
+    stop_within: float,
+) -> AsyncIterator[DaemonProcess]:
     with tempfile.TemporaryDirectory(prefix="trio-broker-daemon-") as tmp:
         if isinstance(config, str) and "\n" in config:
-            path = Path(tmp) / "execserver.yml"
+            path = Path(tmp) / f"{command}.yml"
             path.write_text(config)
         else:
             path = Path(config)
         ready = Path(tmp) / "ready"
         os.mkfifo(ready)
         process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "trio_broker", "--log-level", log_level, "execserver",
+            [sys.executable, "-m", "trio_broker", "--log-level", log_level, command,
              "--config", str(path), "--ready-file", str(ready)],
         )  # fmt: skip
         try:
             with trio.fail_after(ready_within):
-                text = await _read_fifo(ready, process)
+                text = await _read_fifo(ready, process, command)
             host, port = text.split()
             yield DaemonProcess(process=process, host=host, port=int(port))
         finally:
@@ -84,7 +139,7 @@ async def open_execserver_process(
                 await process.wait()
 
 
-async def _read_fifo(ready: Path, process: trio.Process) -> str:
+async def _read_fifo(ready: Path, process: trio.Process, command: str = "execserver") -> str:
     """The FIFO's contents, or an error if the daemon exits before writing them."""
     result: list[str] = []
     exited: list[int] = []
@@ -105,5 +160,5 @@ async def _read_fifo(ready: Path, process: trio.Process) -> str:
         nursery.start_soon(watch)
     if not result or not result[0].strip():
         status = exited[0] if exited else process.returncode
-        raise RuntimeError(f"the execserver exited with status {status} before listening")
+        raise RuntimeError(f"the {command} exited with status {status} before listening")
     return result[0]
