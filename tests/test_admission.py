@@ -80,14 +80,16 @@ def test_idle_slots_raise_the_limit_only_when_deep_and_nothing_waits() -> None:
     base = 4 + 2
     assert exec_limit(loads, waiting=0, queue_deep=False, config=CONFIG) == base
     assert exec_limit(loads, waiting=0, queue_deep=True, config=CONFIG) == base + 2
-    assert exec_limit(loads, waiting=1, queue_deep=True, config=CONFIG) == base - 1
+    assert exec_limit(loads, waiting=1, queue_deep=True, config=CONFIG) == base  # no idle bonus
     no_idle = AdmissionConfig(use_idle=False)
     assert exec_limit(loads, waiting=0, queue_deep=True, config=no_idle) == base
 
 
-def test_waiting_jobs_lower_the_limit_down_to_zero() -> None:
-    """Each job waiting at an execserver lowers the limit by one, never below zero."""
-    assert exec_limit([load(8, 1)], waiting=3, queue_deep=False, config=CONFIG) == 7
+def test_waiting_jobs_beyond_the_headroom_lower_the_limit_down_to_zero() -> None:
+    """Waiting jobs within the headroom are its pipelining and leave the limit; each one
+    beyond it lowers the limit by one, never below zero."""
+    assert exec_limit([load(8, 1)], waiting=2, queue_deep=False, config=CONFIG) == 10
+    assert exec_limit([load(8, 1)], waiting=3, queue_deep=False, config=CONFIG) == 9
     assert exec_limit([load(8, 1)], waiting=50, queue_deep=False, config=CONFIG) == 0
 
 

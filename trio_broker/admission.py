@@ -22,17 +22,21 @@ rules, all in :func:`exec_limit`:
    Every client sees the same ``idle`` figure, so each takes its share of it,
    ``ceil(idle / clients)`` per instance, not all of it.
 4. **Waiting jobs.** Jobs of this client that wait at the execservers for a slot
-   mean it is already ahead of its share: the limit drops by their number (not
-   below 0).
+   beyond the headroom mean it is already ahead of its share: the limit drops by
+   their number (not below 0). The first ``headroom`` waiting jobs are the
+   pipelining the headroom is for (wants parked ahead of the next freed slot), so
+   they do not lower it: counting them would leave fewer wants parked than the
+   headroom asks for, and a freed slot would wait for the next claim.
 5. **Cap.** ``max_in_flight`` bounds the result; 0 means automatic:
    ``4 × base``, at least 32, at most twice the database pool (every item in
    flight may need a database connection now and then).
 
 Priority bands. Priorities come in bands (background −2, normal 0, interactive 2,
 synchronous 4) and an odd priority is the "high" variant of the band below it.
-A few of the admission slots are reserved for odd priorities
-(:func:`odd_reserve`): even items never hold more than ``limit - reserve`` of
-them, so urgent work is claimed at the next claim even behind a full queue.
+A few admission slots beyond the limit are reserved for odd priorities
+(:func:`odd_reserve`; the dispatcher plans with ``limit + reserve``, of which
+even items hold at most ``limit``), so urgent work is claimed at the next claim
+even behind a full queue, and even items keep their whole share and headroom.
 
 *Local-bound* items (work the client does itself) have their own limit, a
 semaphore of the CPU count; :func:`plan_claims` turns both limits and what is in
@@ -181,7 +185,7 @@ def exec_limit(
     limit = base + config.headroom
     if config.use_idle and queue_deep and waiting == 0:
         limit += sum(math.ceil(load.idle / max(1, load.clients)) for load in loads)
-    limit = max(0, limit - waiting)
+    limit = max(0, limit - max(0, waiting - config.headroom))
     cap = config.max_in_flight or auto_max_in_flight(base, config.db_pool)
     return min(limit, cap)
 

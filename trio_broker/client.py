@@ -34,7 +34,7 @@ import math
 import random
 import secrets
 import ssl
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from typing import Any
 
 import attrs
@@ -485,6 +485,9 @@ class BrokerClient:
             with trio.move_on_at(self._timer_at):
                 await self._wake.wait()
             self._wake = trio.Event()
+            # _timer_at keeps the deadline just served while tick() and _flush()
+            # run: resetting it first would make _flush wake this task at once,
+            # and an idle client would spin.
             core.tick(now=trio.current_time())
             self._flush()
 
@@ -587,9 +590,10 @@ class BrokerClient:
 
 
 def _same_address(seen: str, dialled: str) -> bool:
-    return seen == dialled or seen.replace("[", "").replace("]", "") == dialled.replace(
-        "[", ""
-    ).replace("]", "")
+    def bare(address: str) -> str:
+        return address.replace("[", "").replace("]", "")
+
+    return bare(seen) == bare(dialled)
 
 
 def _describe(exc: BaseException) -> str:
@@ -662,8 +666,3 @@ async def open_broker_client(
             await client._aclose()
             registry.close()
             nursery.cancel_scope.cancel()
-
-
-def addresses_of(items: Sequence[Any]) -> tuple[str, ...]:
-    """``host:port`` strings of things that have ``host`` and ``port`` (handles)."""
-    return tuple(f"{item.host}:{item.port}" for item in items)

@@ -206,7 +206,7 @@ class DispatcherStatistics:
     Attributes:
         backend_id: whose.
         exec_limit: exec-bound items allowed in flight at the last claim decision.
-        odd_reserve: of those, the slots only odd priorities may take.
+        odd_reserve: the slots beyond ``exec_limit`` only odd priorities may take.
         exec_in_flight, odd_in_flight: exec-bound items in flight (all; odd ones).
         peak_exec_in_flight: the most exec-bound items ever in flight at once.
         local_limit, local_in_flight: the local-bound semaphore and its use.
@@ -396,10 +396,14 @@ class Dispatcher:
         limit = exec_limit(
             loads, waiting=waiting, queue_deep=self._queue_deep, config=self._admission
         )
+        # The odd reserve comes on top of the limit: even items keep the whole fair
+        # share and its pipelining headroom (on a small fleet a reserve taken out
+        # of the limit would leave no even want parked ahead of a freed slot), and
+        # odd ones may go ``reserve`` beyond it, waiting ahead of the even wants.
         reserve = odd_reserve(limit, self._admission.odd_reserve)
         self._last_limit, self._last_reserve = limit, reserve
         return plan_claims(
-            exec_limit=limit,
+            exec_limit=limit + reserve,
             reserve=reserve,
             exec_in_flight=self._exec_in_flight,
             even_in_flight=self._exec_in_flight - self._odd_in_flight,
