@@ -828,7 +828,11 @@ async def test_stdout_held_open_by_a_stray_aborts_the_put(
 
 
 async def test_slow_client_after_the_command_ended_gets_everything(
-    jobs_dir: Path, nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    jobs_dir: Path,
+    nursery: trio.Nursery,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    mock_clock: trio.testing.MockClock,
 ) -> None:
     """Output still on its way to a slow client when the command exits is waited for, not cut off.
 
@@ -838,7 +842,16 @@ async def test_slow_client_after_the_command_ended_gets_everything(
     windows for a silent stdout (shortened here) have passed: a rule that gave
     stdout that window, busy or not, would have cut the PUT off by then.
     """
+    mock_clock.rate = 1.0  # real speed, plus the jumps below
     monkeypatch.setattr(runner_module, "_OUTPUT_DRAIN_TIMEOUT", 0.2)
+    draining = trio.Event()  # the runner waits for the end of the output
+    wait_output_end = runner_module._CommandJob.wait_output_end
+
+    async def watched(job: runner_module._CommandJob, within: float) -> None:
+        draining.set()
+        await wait_output_end(job, within)
+
+    monkeypatch.setattr(runner_module._CommandJob, "wait_output_end", watched)
     size = 120 * 1024  # the runner takes 64 KiB, the pipe holds the rest: the command can exit
     release = trio.Event()
     received: list[int] = []
@@ -905,7 +918,13 @@ async def test_slow_client_after_the_command_ended_gets_everything(
             finally:
                 trio.lowlevel.notify_closing(pidfd)
                 os.close(pidfd)
-        await trio.sleep(1.0)  # outlast five shortened windows (a timer under test, no race)
+        with trio.fail_after(WAIT):
+            await draining.wait()
+        # Let five shortened windows pass while the client takes nothing: jump the
+        # clock in steps, letting every task run to its next wait in between.
+        for _ in range(5):
+            mock_clock.jump(0.2)
+            await trio.testing.wait_all_tasks_blocked()
         release.set()
     (receipt,) = receipts
     assert (receipt.status, receipt.error) == ("ok", None)
