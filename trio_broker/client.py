@@ -204,7 +204,7 @@ class BrokerClient:
         self._id_prefix = secrets.token_hex(4)
         self._wake = trio.Event()
         self._timer_at = math.inf
-        self._changed = trio.Event()
+        self._changed: trio.Event | None = None  # made by a waiter, set by _flush
         self._finished = 0
         self._failed = 0
         self._closed = False
@@ -420,6 +420,8 @@ class BrokerClient:
         """
         with trio.fail_after(math.inf if timeout is None else timeout):
             while not predicate():
+                if self._changed is None:
+                    self._changed = trio.Event()
                 await self._changed.wait()
 
     # -- the core's outputs ----------------------------------------------------------------
@@ -437,8 +439,9 @@ class BrokerClient:
         deadline = core.next_deadline()
         if deadline is not None and deadline < self._timer_at:
             self._wake.set()
-        self._changed.set()
-        self._changed = trio.Event()
+        if self._changed is not None:  # only when someone waits: _flush is the hot path
+            self._changed.set()
+            self._changed = None
 
     def _apply(self, effect: ClientEffect) -> None:
         if isinstance(effect, Finished):

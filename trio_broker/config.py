@@ -106,7 +106,7 @@ import string
 from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal
 from pathlib import Path
-from typing import Annotated, Any, Final, Literal, TypeAlias, get_origin
+from typing import Annotated, Any, Final, Literal, TypeAlias, TypeVar, get_origin
 
 import attrs
 import cattrs
@@ -720,13 +720,7 @@ class ExecserverConfig:
         Raises:
             ConfigError: the first problem, with its key path.
         """
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"expected a mapping at the top level, got {_show(data)}")
-        try:
-            config: ExecserverConfig = converter.structure(data, ExecserverConfig)
-        except Exception as exc:
-            raise _locate(exc) from None
-        return config
+        return structure_config(data, ExecserverConfig)
 
     @property
     def host(self) -> str:
@@ -1074,3 +1068,20 @@ def load_yaml_mapping(path: str | os.PathLike[str]) -> Mapping[str, Any]:
     if not isinstance(data, Mapping):
         raise ConfigError(f"expected a mapping at the top level, got {_show(data)}", file=file)
     return data
+
+
+_C = TypeVar("_C")
+
+
+def structure_config(data: object, cls: type[_C]) -> _C:
+    """Validate a parsed configuration document into ``cls`` with the strict converter.
+
+    Raises:
+        ConfigError: not a mapping, or the first problem, with its key path.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"expected a mapping at the top level, got {_show(data)}")
+    try:
+        return converter.structure(data, cls)
+    except Exception as exc:
+        raise _locate(exc) from None

@@ -24,19 +24,18 @@ in one timer task.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import logging
 import math
 import os
 import secrets
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any
 
 import attrs
 import httpx
 import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.applications import Starlette
@@ -59,6 +58,7 @@ from trio_broker.broker import (
 )
 from trio_broker.config import ExecserverConfig, resolve_threads
 from trio_broker.config import cpu_count as config_cpu_count
+from trio_broker.listener import listener_config, serve_app
 from trio_broker.pool import PoolConfig
 from trio_broker.runner import (
     CommandRunner,
@@ -655,13 +655,8 @@ async def serve_execserver(
     core = Broker(broker_config_from(config, instance_id=instance), now=trio.current_time())
     if runner is None:
         runner = command_runner_from(config, instance_id=instance)
-    hyper = HypercornConfig()
-    hyper.bind = [config.listen]
+    hyper = listener_config(config.listen)
     hyper.websocket_max_message_size = config.max_frame_bytes
-    hyper.accesslog = None
-    hyper.errorlog = logging.getLogger("trio_broker.http")  # our handlers, our level
-    hyper.graceful_timeout = 1.0
-    hyper.keep_alive_timeout = 75.0
     if config.tls is not None:
         hyper.certfile = os.fspath(config.tls.cert)
         hyper.keyfile = os.fspath(config.tls.key)
@@ -676,17 +671,12 @@ async def serve_execserver(
         )
         service.nursery = nursery
         nursery.start_soon(service.timers)
-        binds = await nursery.start(
-            lambda task_status: hypercorn_serve(
-                cast(Any, _make_app(service)),
-                hyper,
-                shutdown_trigger=service.drained.wait,
-                task_status=task_status,
+        host, port = await nursery.start(
+            functools.partial(
+                serve_app, _make_app(service), hyper, shutdown_trigger=service.drained.wait
             )
         )
-        bound = binds[0].split("://", 1)[1]
-        host, _, port = bound.rpartition(":")
-        handle = ExecserverHandle(service, host.strip("[]"), int(port), config.tls is not None)
+        handle = ExecserverHandle(service, host, port, config.tls is not None)
         log.info("execserver %s (%s) serving %s", config.name, instance, handle.url)
         task_status.started(handle)
         await service.drained.wait()

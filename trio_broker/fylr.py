@@ -65,6 +65,7 @@ then the database pool and the private cluster.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import mimetypes
@@ -73,8 +74,6 @@ from typing import Any, Final, cast
 
 import attrs
 import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.applications import Starlette
@@ -108,6 +107,7 @@ from trio_broker.files import (
     source_failed,
 )
 from trio_broker.fylr_config import FileClass, FylrConfig, VersionConfig, new_backend_id
+from trio_broker.listener import listener_config, serve_app
 from trio_broker.logfmt import fields
 from trio_broker.pgcluster import open_pg_cluster
 from trio_broker.pipes import OutPipe, PipeRegistry, PipeStatistics, Sink
@@ -1174,33 +1174,6 @@ class FylrHandle:
         await self._service.closed.wait()
 
 
-async def _serve_http(
-    service: _Fylr,
-    listen: str,
-    shutdown: trio.Event,
-    *,
-    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    hyper = HypercornConfig()
-    hyper.bind = [listen]
-    hyper.accesslog = None
-    hyper.errorlog = logging.getLogger("trio_broker.http")
-    hyper.graceful_timeout = 1.0
-    hyper.keep_alive_timeout = 75.0
-    async with trio.open_nursery() as nursery:
-        binds: list[str] = await nursery.start(
-            lambda task_status: hypercorn_serve(
-                cast(Any, service.app()),
-                hyper,
-                shutdown_trigger=shutdown.wait,
-                task_status=task_status,
-            )
-        )
-        bound = binds[0].split("://", 1)[1]
-        host, _, port = bound.rpartition(":")
-        task_status.started((host.strip("[]"), int(port)))
-
-
 async def _wake_on_capacity(client: BrokerClient, dispatcher: Dispatcher) -> None:
     """Claim at once when the execservers' capacity changes (a first HELLO, say)."""
 
@@ -1336,7 +1309,12 @@ async def serve_fylr(
             http_stopped = trio.Event()
             async with trio.open_nursery() as http_nursery:
                 host, port = await http_nursery.start(
-                    _serve_http, service, config.listen, http_stopped
+                    functools.partial(
+                        serve_app,
+                        service.app(),
+                        listener_config(config.listen),
+                        shutdown_trigger=http_stopped.wait,
+                    )
                 )
                 handle = FylrHandle(service, host, port)
                 service.base_url = handle.url

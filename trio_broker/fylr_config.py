@@ -142,6 +142,7 @@ from trio_broker.config import (
     cpu_count,
     load_yaml_mapping,
     parse_duration,
+    structure_config,
 )
 
 __all__ = [
@@ -605,13 +606,7 @@ class FylrConfig:
         Raises:
             ConfigError: the first problem, with its key path.
         """
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"expected a mapping at the top level, got {_show(data)}")
-        try:
-            config: FylrConfig = converter.structure(data, FylrConfig)
-        except Exception as exc:
-            raise _locate(exc) from None
-        return config
+        return structure_config(data, FylrConfig)
 
     @property
     def host(self) -> str:

@@ -49,17 +49,17 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
-from typing import Any, Final, Literal, Self, TypeAlias, cast
+from typing import Final, Literal, Self, TypeAlias, cast
 
 import attrs
 import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
+
+from trio_broker.listener import listener_config, serve_app
 
 __all__ = [
     "InPipe",
@@ -514,18 +514,8 @@ async def serve_pipes(
         host: the address to listen on (``"0.0.0.0"`` or ``"::"`` for every one).
         port: the port; 0 picks a free one.
     """
-    config = HypercornConfig()
     shown = f"[{host}]" if ":" in host else host
-    config.bind = [f"{shown}:{port}"]
-    config.accesslog = None
-    config.errorlog = logging.getLogger("trio_broker.pipes.http")  # our handlers, our level
-    config.graceful_timeout = 1.0
-    app = registry.app()
-
-    async def run(task_status: trio.TaskStatus[Any]) -> None:
-        await hypercorn_serve(cast(Any, app), config, task_status=task_status)
-
+    hyper = listener_config(f"{shown}:{port}", logger="trio_broker.pipes.http")
     async with trio.open_nursery() as nursery:
-        binds: list[str] = await nursery.start(run)
-        bound = binds[0].rsplit(":", 1)[1]
-        task_status.started(int(bound))
+        _, bound = await nursery.start(serve_app, registry.app(), hyper)
+        task_status.started(bound)
