@@ -28,11 +28,11 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 import trio
 from execserver import throughput
+from trio_broker_daemons.haproxy import open_haproxy
+from trio_broker_daemons.processes import DaemonProcess, open_execserver_process
 
-from trio_broker.client import BrokerClient, open_broker_client
-from trio_broker.client_core import ClientConfig
-from trio_broker.testing.haproxy import open_haproxy
-from trio_broker.testing.processes import DaemonProcess, open_execserver_process
+from trio_broker.core.client import ClientConfig
+from trio_broker.trio.client import BrokerClient, open_broker_client
 
 
 def replica_config(slots: int) -> str:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import orjson
 
-from trio_broker import protocol as p
+from trio_broker.core import protocol as p
 
 
 def _job_object(size: int) -> dict[str, object]:

@@ -16,7 +16,7 @@ cycle
     a whole steady-state step around it: the pool releases a random busy slot,
     the decision(s), and a new want parked per grant so the book keeps its size.
 protocol
-    the same through the :class:`~trio_broker.broker.Broker` inputs a real
+    the same through the :class:`~trio_broker.core.broker.Broker` inputs a real
     execserver feeds: ``job_ended`` (its ``DONE`` frame), the grant loop and its
     ``OFFER``, the client's ``JOB`` redeeming the token, and a fresh ``WANT``
     (parked, answered ``QUEUED``). Message values, no JSON (the codec has its own
@@ -35,10 +35,10 @@ import random
 import time
 from collections.abc import Callable
 
-from trio_broker import protocol as p
-from trio_broker.book import WantBook
-from trio_broker.broker import Broker, BrokerConfig, StartJob
-from trio_broker.pool import PoolConfig, SlotPool
+from trio_broker.core import protocol as p
+from trio_broker.core.book import WantBook
+from trio_broker.core.broker import Broker, BrokerConfig, StartJob
+from trio_broker.core.pool import PoolConfig, SlotPool
 from trio_broker.testing.values import receipt
 
 SERVICES = {

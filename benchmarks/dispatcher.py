@@ -44,11 +44,11 @@ from typing import Any
 
 import psycopg
 import trio
+from trio_broker_daemons.pgcluster import PgCluster
 
-from trio_broker.admission import AdmissionConfig, InstanceLoad
-from trio_broker.dispatcher import Action, Dispatcher, DispatcherConfig
-from trio_broker.pgcluster import PgCluster
-from trio_broker.store import (
+from trio_broker.core.admission import AdmissionConfig, InstanceLoad
+from trio_broker.trio.dispatcher import Action, Dispatcher, DispatcherConfig
+from trio_broker.trio.store import (
     _FINISH,  # the dispatcher's own statements, for the floor
     NewItem,
     QueueItem,
@@ -93,8 +93,8 @@ async def dispatcher_worker(dsn: str, backend_id: str, execserver: str | None) -
                 await nursery.start(dispatcher.serve)
                 await _follow_stdin(stdin, dispatcher)
             else:
-                from trio_broker.client import open_broker_client
-                from trio_broker.client_core import ClientConfig
+                from trio_broker.core.client import ClientConfig
+                from trio_broker.trio.client import open_broker_client
 
                 client_config = ClientConfig(
                     backend_id=backend_id, name=backend_id, version="bench", addresses=(execserver,)
@@ -233,7 +233,7 @@ def execserver_process() -> Iterator[str]:
         ready = Path(tmp) / "ready"
         os.mkfifo(ready)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "trio_broker", "--log-level", "warning", "execserver",
+            [sys.executable, "-m", "trio_broker_daemons", "--log-level", "warning", "execserver",
              "--config", str(config), "--ready-file", str(ready)],
         )  # fmt: skip
         try:

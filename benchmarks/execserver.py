@@ -33,10 +33,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import trio
+from trio_broker_daemons.processes import open_execserver_process
 from trio_websocket import WebSocketConnection, open_websocket_url
 
-from trio_broker import protocol as p
-from trio_broker.testing.processes import open_execserver_process
+from trio_broker.core import protocol as p
 
 SLOTS = 16
 

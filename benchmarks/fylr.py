@@ -40,9 +40,8 @@ import trio
 import yaml
 from PIL import Image, ImageDraw
 from rich.console import Console
-
-from trio_broker.testing.processes import open_execserver_process, open_fylr_process
-from trio_broker.upload import upload_files
+from trio_broker_daemons.processes import open_execserver_process, open_fylr_process
+from trio_broker_daemons.upload import upload_files
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 CONVERTER = REPOSITORY / "examples" / "convert_image.py"

@@ -9,7 +9,7 @@ In one run, on one machine:
    command and back out with no HTTP and no broker.
 2. **pipe pair**: the same bytes as a body-mode job through the real execserver
    daemon in its own process (``trio-broker execserver``, service ``cat``). This
-   process is the client: it serves a :class:`~trio_broker.pipes.PipeRegistry` on
+   process is the client: it serves a :class:`~trio_broker.trio.pipes.PipeRegistry` on
    127.0.0.1, places the job over the broker websocket (``WANT``, ``OFFER``, ``JOB``
    with ``stdin_url`` and ``stdout_url``) and waits for ``DONE``. The execserver
    streams the in-pipe into ``cat`` (``GET``) and ``cat``'s output into the
@@ -30,11 +30,11 @@ from collections.abc import AsyncIterator
 
 import psutil
 import trio
+from trio_broker_daemons.processes import open_execserver_process
 from trio_websocket import WebSocketConnection, open_websocket_url
 
-from trio_broker import protocol as p
-from trio_broker.pipes import PipeRegistry, serve_pipes
-from trio_broker.testing.processes import open_execserver_process
+from trio_broker.core import protocol as p
+from trio_broker.trio.pipes import PipeRegistry, serve_pipes
 
 MiB = 1 << 20
 CHUNK = 64 * 1024

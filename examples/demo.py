@@ -39,10 +39,9 @@ import trio
 import yaml
 from make_samples import localize_execserver_config, make_samples
 from rich.console import Console
-
-from trio_broker.pgcluster import PgCluster, PostgresNotFound, find_pg_bin
-from trio_broker.testing.processes import open_execserver_process, open_fylr_process
-from trio_broker.upload import FileOutcome, upload_files
+from trio_broker_daemons.pgcluster import PgCluster, PostgresNotFound, find_pg_bin
+from trio_broker_daemons.processes import open_execserver_process, open_fylr_process
+from trio_broker_daemons.upload import FileOutcome, upload_files
 
 EXAMPLES = Path(__file__).resolve().parent
 TIMEOUT = 300.0

@@ -16,4 +16,4 @@ settings.register_profile("thorough", parent=settings.get_profile("default"), ma
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 # PostgreSQL fixtures (pg_cluster, pg_dsn) for the queue store and dispatcher tests.
-from .pg import pg_cluster, pg_dsn  # noqa: E402, F401
+from tests.support.pg import pg_cluster, pg_dsn  # noqa: E402, F401

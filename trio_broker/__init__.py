@@ -4,7 +4,7 @@ Execservers own pools of execution slots; clients park *wants* on them over one
 persistent websocket each, and every freed slot is offered to exactly one want:
 highest priority first, then round-robin across connections, then FIFO.
 
-Importing this package, or its sans-IO core (:mod:`trio_broker.protocol` and the
+Importing this package, or its sans-IO core (:mod:`trio_broker.core.protocol` and the
 core modules), does not import trio: the trio layer lives in its own modules.
 """
 

@@ -2,7 +2,7 @@
 
 Use them against your own pool configuration::
 
-    from trio_broker.pool import PoolConfig
+    from trio_broker.core.pool import PoolConfig
     from trio_broker.testing.machines import broker_machine, round_robin_machine
 
     TestMyPool = broker_machine(
@@ -10,7 +10,7 @@ Use them against your own pool configuration::
     ).TestCase
     TestMyFairness = round_robin_machine(size=3, connections=4).TestCase
 
-:func:`broker_machine` drives a real :class:`~trio_broker.broker.Broker` and the
+:func:`broker_machine` drives a real :class:`~trio_broker.core.broker.Broker` and the
 naive :class:`~trio_broker.testing.reference.ReferenceBroker` with the same random
 inputs — connections opening and closing, wants, redemptions (right, stale,
 mismatched and foreign tokens), declines, unwants, cancels, queries, job ends with
@@ -52,15 +52,15 @@ from hypothesis.stateful import (
     rule,
 )
 
-from trio_broker import protocol as p
-from trio_broker.broker import (
+from trio_broker.core import protocol as p
+from trio_broker.core.broker import (
     AbortJob,
     Broker,
     BrokerConfig,
     Effect,
     StartJob,
 )
-from trio_broker.pool import PoolConfig
+from trio_broker.core.pool import PoolConfig
 from trio_broker.testing.reference import ReferenceBroker
 from trio_broker.testing.values import receipt as make_receipt
 

@@ -1,7 +1,7 @@
 """An in-memory network between one client core and several execserver cores.
 
-:class:`Network` joins a :class:`~trio_broker.client_core.ClientCore` to
-:class:`~trio_broker.broker.Broker` cores with links that hold every frame until
+:class:`Network` joins a :class:`~trio_broker.core.client.ClientCore` to
+:class:`~trio_broker.core.broker.Broker` cores with links that hold every frame until
 the test releases it, so a test (or a state machine) decides the interleaving:
 which queue delivers next, when a dial completes or fails, when a connection
 breaks, when a run ends, when time passes. Each address maps to a *fleet* of
@@ -15,9 +15,9 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from trio_broker import protocol as p
-from trio_broker.broker import Broker, CloseConnection, StartJob
-from trio_broker.client_core import ClientCore, ClientEffect, Close, Dial
+from trio_broker.core import protocol as p
+from trio_broker.core.broker import Broker, CloseConnection, StartJob
+from trio_broker.core.client import ClientCore, ClientEffect, Close, Dial
 from trio_broker.testing.values import receipt
 
 __all__ = ["Link", "Network"]

@@ -1,7 +1,7 @@
 """A race model: one client parked on several execservers, any interleaving.
 
-:func:`race_machine` wires one :class:`~trio_broker.client_core.ClientCore` to
-two or three :class:`~trio_broker.broker.Broker` cores through an in-memory
+:func:`race_machine` wires one :class:`~trio_broker.core.client.ClientCore` to
+two or three :class:`~trio_broker.core.broker.Broker` cores through an in-memory
 network: every connection is a pair of FIFO queues, and hypothesis chooses which
 queue delivers next, when dials complete or fail, when jobs end, when time
 passes (offers expire), when the caller cancels, and when a connection breaks.
@@ -30,8 +30,8 @@ from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from trio_broker.broker import Broker, BrokerConfig, StartJob
-from trio_broker.client_core import (
+from trio_broker.core.broker import Broker, BrokerConfig, StartJob
+from trio_broker.core.client import (
     Accepted,
     ClientConfig,
     ClientCore,
@@ -39,7 +39,7 @@ from trio_broker.client_core import (
     Failed,
     Finished,
 )
-from trio_broker.pool import PoolConfig
+from trio_broker.core.pool import PoolConfig
 from trio_broker.testing.network import Link, Network
 
 __all__ = ["RaceMachine", "race_machine"]

@@ -1,7 +1,7 @@
 """An obviously-correct execserver model, for differential testing.
 
 :class:`ReferenceBroker` implements the same inputs as
-:class:`trio_broker.broker.Broker` the simplest possible way: the book is a list
+:class:`trio_broker.core.broker.Broker` the simplest possible way: the book is a list
 in arrival order, every limit is recounted from the lists of offers and running
 jobs, every grant scans the whole book. It is slow on purpose and written
 straight from the protocol text, so that a disagreement with the real broker
@@ -26,9 +26,9 @@ from typing import Any
 
 import attrs
 
-from trio_broker import protocol as p
-from trio_broker.broker import AbortJob, CheckCallback, Drained, Effect, StartJob
-from trio_broker.pool import PoolConfig
+from trio_broker.core import protocol as p
+from trio_broker.core.broker import AbortJob, CheckCallback, Drained, Effect, StartJob
+from trio_broker.core.pool import PoolConfig
 
 __all__ = ["ReferenceBroker"]
 

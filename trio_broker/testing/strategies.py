@@ -1,6 +1,6 @@
-"""Hypothesis strategies for the wire messages of :mod:`trio_broker.protocol`.
+"""Hypothesis strategies for the wire messages of :mod:`trio_broker.core.protocol`.
 
-Every strategy generates values that :func:`trio_broker.protocol.encode` accepts
+Every strategy generates values that :func:`trio_broker.core.protocol.encode` accepts
 and that survive a round trip through the codec unchanged.
 """
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from trio_broker import protocol as p
+from trio_broker.core import protocol as p
 
 __all__ = [
     "ids",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trio_broker import protocol as p
+from trio_broker.core import protocol as p
 
 __all__ = ["receipt"]
 

@@ -1,0 +1,950 @@
+"""The reference execserver's configuration: YAML in, frozen values out.
+
+:meth:`ExecserverConfig.from_yaml` reads a file with PyYAML's safe loader and
+:meth:`ExecserverConfig.from_mapping` validates the parsed document through this
+module's one cattrs converter (strict primitives, unknown keys refused). Every
+problem raises :class:`ConfigError`, whose text is one line that starts with the
+dotted key path, then says what was expected and what came::
+
+    services.ffmpeg.max_slots: expected an integer, got 'two'
+
+Only the first problem is reported. An unknown key is reported before any other
+problem of the same mapping (a typo usually explains the rest).
+
+Value conventions:
+
+* **Durations** are strings of one or more ``<number><unit>`` parts, units ``ms``,
+  ``s``, ``m``, ``h``, ``d`` (``"10s"``, ``"30m"``, ``"1h30m"``, ``"1.5s"``,
+  ``"500ms"``), the string ``"0"``, or a plain YAML number of seconds (not a
+  boolean). They are stored as ``float`` seconds; where a key allows "none", a zero
+  duration is stored as ``None``.
+* **Sizes** are a YAML integer of bytes or a string ``<number>[unit]``: ``K``,
+  ``M``, ``G``, ``T``, ``P`` and ``KiB`` … ``PiB`` are powers of 1024 (``"512M"``,
+  ``"1.5GiB"``); ``KB`` … ``PB`` are powers of 1000; ``B`` or no unit is bytes.
+  Units are case-insensitive. Stored as ``int`` bytes, always > 0.
+* ``null`` is accepted only where the documented default is null (``broker_token``,
+  ``tls``, ``temp_dir``, and a service's ``timeout``, ``stall_timeout``,
+  ``memory_limit``), and means that default.
+* Integers are YAML integers: ``"2"``, ``true`` and ``2.5`` are refused. Strings
+  are YAML strings: a number or ``yes`` is refused (quote it).
+
+Top-level keys (:class:`ExecserverConfig`):
+
+``listen`` (``"127.0.0.1:7000"``)
+    ``host:port`` of the one HTTP listener; ``[::1]:7000`` for IPv6; port 0 picks
+    a free port. Parsed as :attr:`ExecserverConfig.host` / :attr:`~ExecserverConfig.port`.
+``name`` (the host name)
+    Announced in ``HELLO.name``; a non-empty string.
+``broker_token`` (null)
+    When set, ``/broker`` requires ``Authorization: Bearer <token>``.
+``tls`` (null)
+    ``{cert: PATH, key: PATH}`` serves https/wss (:class:`TlsConfig`). Paths are
+    kept as written (relative to the working directory) and not opened here.
+``slots`` (0)
+    Size of the one slot pool shared by every service; 0 = :func:`cpu_count`.
+``fast_reserve`` (-1)
+    Slots heavy services never take: -1 = a quarter of the pool, at least 1; 0 =
+    none; N = N. Never the whole pool (see :meth:`ExecserverConfig.resolved_fast_reserve`).
+``heavy_threshold`` (10s, > 0)
+    Rolling-mean runtime at or above which a service is heavy.
+``unknown_share`` (0.5, 0 < x <= 1)
+    Share of the pool that unmeasured services hold together.
+``memory_budget`` (``"auto"``)
+    Bytes or a size string; ``"auto"`` = :func:`detect_memory_budget`.
+``offer_ttl`` (10s, > 0), ``ping_interval`` (5s, > 0)
+    How long an offer holds its slot; how often a connection is pinged.
+``ping_timeout`` (15s, > ``ping_interval``)
+    A connection silent this long is dead.
+``drain_timeout`` (60s, >= 0)
+    On SIGTERM, how long running jobs may finish; ``"0"`` stops them at once.
+``stall_timeout`` (10m)
+    A job without progress this long is stalled; ``"0"`` = no stall supervision.
+``temp_dir`` (null)
+    Parent of the jobs' working directories; null = the system temp dir.
+``max_frame_bytes`` (1048576, >= 1024)
+    Largest websocket frame accepted.
+``env`` ({})
+    Added to every command's environment (string names and values).
+``services`` (required, at least one)
+    Service name (1..200 characters) → :class:`ServiceConfig`.
+
+Service keys (:class:`ServiceConfig`):
+
+``argv`` / ``builtin`` (exactly one)
+    ``argv`` is a non-empty list of strings; each element may hold ``{name}``
+    placeholders filled from ``job.params`` (``{{`` and ``}}`` are literal braces;
+    a placeholder is a bare identifier, no index, attribute, conversion or format
+    spec). The program, ``argv[0]``, is a non-empty string without placeholders so
+    that a job can never choose what runs. ``builtin`` is ``noop`` (ends at once) or
+    ``sleep`` (holds its slot ``params.seconds``).
+``max_slots`` (0)
+    Cap on the service's concurrent jobs; 0 = no cap beyond the pool.
+``threads`` (0)
+    ``FYLR_CONVERT_THREADS``: 0 all CPUs, ``N``, ``-N`` all but N, ``"N%"``,
+    ``"-N%"`` (N from 1 to 100); see :func:`resolve_threads`.
+``timeout`` (none)
+    Wall-clock limit; ``"0"`` = none.
+``timeout_sec`` (legacy)
+    Integer seconds, 0 = none; used only when ``timeout`` is absent or null.
+``stall_timeout`` (null = the top-level one)
+    ``"0"`` = no stall supervision for this service. :meth:`ExecserverConfig.from_mapping`
+    stores the effective value.
+``memory_limit`` (null)
+    This service's own per-job ceiling on process-group RSS, in bytes or a size
+    string, on top of the shared budget. An addition of ours beyond DESIGN.md.
+``env`` ({})
+    Added to this service's commands' environment, after the top-level ``env``.
+"""
+
+import difflib
+import ipaddress
+import math
+import os
+import re
+import socket
+import string
+from collections.abc import Callable, Mapping, Sequence
+from decimal import Decimal
+from pathlib import Path
+from typing import Annotated, Any, Final, Literal, TypeAlias, TypeVar, get_origin
+
+import attrs
+import cattrs
+import yaml
+from cattrs.errors import (
+    AttributeValidationNote,
+    ClassValidationError,
+    ForbiddenExtraKeysError,
+    IterableValidationError,
+    IterableValidationNote,
+)
+from cattrs.gen import make_dict_structure_fn
+
+from trio_broker.trio.host import cpu_count, detect_memory_budget
+
+__all__ = [
+    "DEFAULT_LISTEN",
+    "MAX_SERVICE_NAME_CHARS",
+    "Builtin",
+    "ConfigError",
+    "ExecserverConfig",
+    "ServiceConfig",
+    "ThreadsSpec",
+    "TlsConfig",
+    "converter",
+    "parse_duration",
+    "parse_size",
+    "resolve_threads",
+]
+
+DEFAULT_LISTEN: Final = "127.0.0.1:7000"
+MAX_SERVICE_NAME_CHARS: Final = 200
+
+Builtin: TypeAlias = Literal["noop", "sleep"]
+"""The in-process services."""
+
+ThreadsSpec: TypeAlias = int | str
+"""A ``threads`` value: an int (0, N, -N) or a percentage string (``"N%"``, ``"-N%"``)."""
+
+_Key: TypeAlias = str | int
+_DURATION_HINT: Final = '(use e.g. "10s", "30m", "12h" or a number of seconds)'
+_SIZE_HINT: Final = 'an integer or a string like "512M", "2G", "1.5GiB"'
+
+
+class ConfigError(ValueError):
+    """The configuration is unusable; ``str()`` is one line naming where and why.
+
+    Attributes:
+        keys: the key path to the offending value (strings for mapping keys,
+            integers for list positions); empty for problems of the whole file.
+        reason: what was expected and what came.
+        file: the configuration file, for problems of the file itself (missing,
+            unreadable, not YAML, not a mapping); otherwise ``None``.
+    """
+
+    def __init__(self, reason: str, *, keys: Sequence[_Key] = (), file: str | None = None) -> None:
+        super().__init__(reason, tuple(keys), file)
+        self.reason = reason
+        self.keys: tuple[_Key, ...] = tuple(keys)
+        self.file = file
+
+    @property
+    def path(self) -> str:
+        """The dotted key path, e.g. ``services.ffmpeg.argv[0]``; ``""`` for none."""
+        text = ""
+        for key in self.keys:
+            if isinstance(key, int):
+                text += f"[{key}]"
+            elif _PLAIN_KEY.fullmatch(key):
+                text += f".{key}" if text else key
+            else:
+                text += f"[{key!r}]"
+        return text
+
+    def __str__(self) -> str:
+        where = self.path or self.file
+        return f"{where}: {self.reason}" if where else self.reason
+
+
+_PLAIN_KEY: Final = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _show(value: object) -> str:
+    """A short YAML-ish rendering of an offending value for error messages."""
+    if value is None:
+        return "null"
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    if isinstance(value, str):
+        return repr(value if len(value) <= 40 else value[:37] + "...")
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, list | tuple):
+        return "a list"
+    return repr(value)
+
+
+def _seconds(value: float) -> str:
+    """A duration for error messages: ``5s``, ``0.25s``."""
+    return f"{value:g}s"
+
+
+# -- durations, sizes, threads ----------------------------------------------------
+
+_DURATION_UNITS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION_PART: Final = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_DURATION: Final = re.compile(r"(?:\d+(?:\.\d+)?(?:ms|s|m|h|d))+")
+
+
+def parse_duration(value: object) -> float:
+    """Parse a duration into seconds.
+
+    Args:
+        value: a string of ``<number><unit>`` parts (units ``ms``, ``s``, ``m``,
+            ``h``, ``d``, any order, e.g. ``"1h30m"``, ``"1.5s"``), the string
+            ``"0"``, or a non-negative int or float of seconds (not a bool).
+
+    Returns:
+        The duration in seconds, finite and >= 0. Zero is returned as ``0.0``; what
+        zero means ("none", "at once") is up to the key.
+
+    Raises:
+        ConfigError: with an empty key path, naming the value.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ConfigError(f"expected a duration, got {_show(value)}")
+    if isinstance(value, str):
+        if value == "0":
+            return 0.0
+        if not _DURATION.fullmatch(value):
+            raise ConfigError(f"invalid duration {_show(value)} {_DURATION_HINT}")
+        seconds = sum(
+            float(number) * _DURATION_UNITS[unit] for number, unit in _DURATION_PART.findall(value)
+        )
+    else:
+        seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ConfigError(f"invalid duration {_show(value)} {_DURATION_HINT}")
+    return seconds
+
+
+_SIZE: Final = re.compile(r"(\d+(?:\.\d+)?) ?(?:([kmgtp])(i?b)?|b)?", re.IGNORECASE)
+_SIZE_POWERS: Final = {"k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+
+
+def parse_size(value: object) -> int:
+    """Parse a size into bytes.
+
+    Args:
+        value: a positive int of bytes, or a string ``<number>[unit]``: ``K`` …
+            ``P`` and ``KiB`` … ``PiB`` are powers of 1024, ``KB`` … ``PB`` powers
+            of 1000, ``B`` or nothing is bytes; case-insensitive, one optional space
+            (``"512M"``, ``"1.5GiB"``, ``"100 kB"``). Fractions of a byte are dropped.
+
+    Returns:
+        The size in bytes, > 0.
+
+    Raises:
+        ConfigError: with an empty key path, naming the value.
+    """
+    if type(value) is int:
+        size = value
+    elif isinstance(value, str):
+        match = _SIZE.fullmatch(value)
+        if match is None:
+            raise ConfigError(f"expected a size ({_SIZE_HINT}), got {_show(value)}")
+        number, prefix, suffix = match.groups()
+        factor = 1
+        if prefix is not None:
+            base = 1000 if suffix is not None and suffix.lower() == "b" else 1024
+            factor = base ** _SIZE_POWERS[prefix.lower()]
+        size = int(Decimal(number) * factor)
+    else:
+        raise ConfigError(f"expected a size ({_SIZE_HINT}), got {_show(value)}")
+    if size <= 0:
+        raise ConfigError(f"expected a size greater than 0, got {_show(value)}")
+    return size
+
+
+_THREADS: Final = re.compile(r"(-?)(\d+)(%?)")
+
+
+def _check_threads(value: object) -> ThreadsSpec:
+    """Validate a ``threads`` value; ``"N"`` and ``"-N"`` become ints."""
+    if type(value) is int:
+        return value
+    if isinstance(value, str) and (match := _THREADS.fullmatch(value)):
+        sign, digits, percent = match.groups()
+        if not percent:
+            return int(sign + digits)
+        if not 1 <= int(digits) <= 100:
+            raise ConfigError(f"expected a percentage from 1 to 100, got {_show(value)}")
+        return value
+    raise ConfigError(
+        f'expected an integer, or a string "N", "-N", "N%" or "-N%", got {_show(value)}'
+    )
+
+
+def resolve_threads(spec: ThreadsSpec, cpu_count: int) -> int:
+    """Turn a service's ``threads`` into a thread count.
+
+    Args:
+        spec: ``0`` all CPUs, ``N`` exactly N, ``-N`` all but N, ``"N%"`` that share
+            of the CPUs (rounded down), ``"-N%"`` all but that share (the share
+            rounded up); ``"N"`` and ``"-N"`` strings are read as ints.
+        cpu_count: the CPUs available, >= 1 (usually :func:`cpu_count`).
+
+    Returns:
+        The thread count, always at least 1.
+
+    Raises:
+        ValueError: for a spec the loader would have refused, or ``cpu_count < 1``.
+    """
+    if cpu_count < 1:
+        raise ValueError(f"cpu_count must be at least 1, got {cpu_count}")
+    try:
+        checked = _check_threads(spec)
+    except ConfigError as exc:
+        raise ValueError(f"invalid threads spec: {exc.reason}") from None
+    if isinstance(checked, int):
+        if checked == 0:
+            count = cpu_count
+        elif checked > 0:
+            count = checked
+        else:
+            count = cpu_count + checked
+    else:
+        share = int(checked.strip("-%"))
+        if checked.startswith("-"):
+            count = cpu_count * (100 - share) // 100
+        else:
+            count = cpu_count * share // 100
+    return max(1, count)
+
+
+# -- argv templates and listen addresses -----------------------------------------------
+
+_FORMATTER: Final = string.Formatter()
+
+
+def _placeholders(element: str) -> list[str]:
+    """The placeholder names of one argv element; raises ConfigError on bad syntax."""
+    try:
+        parsed = list(_FORMATTER.parse(element))
+    except ValueError as exc:
+        raise ConfigError(
+            f"invalid template {_show(element)}: {exc} (write {{{{ and }}}} for literal braces)"
+        ) from None
+    names = []
+    for _, name, spec, conversion in parsed:
+        if name is None:
+            continue
+        if not name.isidentifier() or spec or conversion:
+            raise ConfigError(
+                f"invalid placeholder in {_show(element)}: expected {{name}} with an"
+                f" identifier name, got {{{name}{'!' + conversion if conversion else ''}"
+                f"{':' + spec if spec else ''}}}"
+            )
+        names.append(name)
+    return names
+
+
+def _check_argv(value: object) -> tuple[str, ...] | None:
+    """Validate an argv template list."""
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f"expected a list of strings, got {_show(value)}")
+    if not value:
+        raise ConfigError("expected a non-empty list of strings, got an empty list")
+    for index, element in enumerate(value):
+        if type(element) is not str:
+            raise ConfigError(_not_a_string(element).reason, keys=(index,))
+        try:
+            names = _placeholders(element)
+        except ConfigError as exc:
+            raise ConfigError(exc.reason, keys=(index,)) from None
+        if index == 0 and (names or not element):
+            raise ConfigError(
+                f"expected the program as a non-empty string without placeholders,"
+                f" got {_show(element)}",
+                keys=(0,),
+            )
+    return tuple(value)
+
+
+_HOST: Final = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def _parse_listen(value: object) -> tuple[str, int]:
+    """Split ``host:port`` (``[v6]:port`` for IPv6) into host and port."""
+    problem = f'expected host:port (e.g. "127.0.0.1:7000" or "[::1]:7000"), got {_show(value)}'
+    if not isinstance(value, str):
+        raise ConfigError(problem)
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isascii() or not port.isdigit():
+        raise ConfigError(problem)
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ConfigError(problem) from None
+    elif ":" in host:
+        raise ConfigError(f"{problem} (write an IPv6 address in brackets)")
+    elif not _HOST.fullmatch(host):
+        raise ConfigError(problem)
+    if int(port) > 65535:
+        raise ConfigError(f"expected a port from 0 to 65535, got {_show(value)}")
+    return host, int(port)
+
+
+# -- field rules ---------------------------------------------------------------
+
+
+@attrs.frozen
+class _Rule:
+    """``Annotated`` metadata: the function that checks and converts a raw value.
+
+    The function raises :class:`ConfigError` with a key path relative to the field.
+    """
+
+    check: Callable[[Any], Any]
+
+
+def _not_a_string(value: object) -> ConfigError:
+    """The refusal of a non-string, with a hint when YAML read a scalar as non-text."""
+    quote = " (quote it)" if value is not None and not isinstance(value, Mapping | list) else ""
+    return ConfigError(f"expected a string, got {_show(value)}{quote}")
+
+
+def _string(value: object) -> str:
+    if type(value) is not str:
+        raise _not_a_string(value)
+    return value
+
+
+def _nonempty_string(value: object) -> str:
+    if not _string(value):
+        raise ConfigError("expected a non-empty string, got ''")
+    return str(value)
+
+
+def _optional_token(value: object) -> str | None:
+    return None if value is None else _nonempty_string(value)
+
+
+def _path(value: object) -> Path:
+    return Path(_nonempty_string(value))
+
+
+def _optional_path(value: object) -> Path | None:
+    return None if value is None else _path(value)
+
+
+def _integer(minimum: int) -> Callable[[object], int]:
+    def check(value: object) -> int:
+        if type(value) is not int:
+            raise ConfigError(f"expected an integer, got {_show(value)}")
+        if value < minimum:
+            raise ConfigError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    return check
+
+
+def _optional_seconds(value: object) -> int | None:
+    return None if value is None else _integer(0)(value)
+
+
+def _number(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"expected a number, got {_show(value)}")
+    return float(value)
+
+
+def _share(value: object) -> float:
+    share = _number(value)
+    if not 0 < share <= 1:
+        raise ConfigError(f"expected a number greater than 0 and at most 1, got {_show(value)}")
+    return share
+
+
+def _positive_duration(value: object) -> float:
+    seconds = parse_duration(value)
+    if seconds == 0:
+        raise ConfigError(f"expected a duration greater than 0, got {_show(value)}")
+    return seconds
+
+
+def _duration_or_none(value: object) -> float | None:
+    """A duration where zero means none."""
+    return parse_duration(value) or None
+
+
+def _nullable_duration_or_none(value: object) -> float | None:
+    """A duration where zero and null mean none (null: the key's default is none)."""
+    return None if value is None else _duration_or_none(value)
+
+
+def _memory_budget(value: object) -> int | Literal["auto"]:
+    if value == "auto":
+        return "auto"
+    try:
+        return parse_size(value)
+    except ConfigError as exc:
+        if exc.reason.startswith("expected a size ("):
+            raise ConfigError(
+                f'expected "auto" or a size ({_SIZE_HINT}), got {_show(value)}'
+            ) from None
+        raise
+
+
+def _optional_size(value: object) -> int | None:
+    return None if value is None else parse_size(value)
+
+
+def _builtin(value: object) -> Builtin | None:
+    if value is None:
+        return None
+    if value == "noop":
+        return "noop"
+    if value == "sleep":
+        return "sleep"
+    raise ConfigError(f"expected one of noop, sleep, got {_show(value)}")
+
+
+_ENV_NAME: Final = re.compile(r"[^=\x00]+")
+
+
+def _env(value: object) -> dict[str, str]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"expected a mapping of strings, got {_show(value)}")
+    result: dict[str, str] = {}
+    for name, text in value.items():
+        if type(name) is not str or not _ENV_NAME.fullmatch(name):
+            raise ConfigError(
+                f"expected a variable name (a non-empty string without '='), got {_show(name)}"
+            )
+        if type(text) is not str:
+            raise ConfigError(_not_a_string(text).reason, keys=(name,))
+        if "\x00" in text:
+            raise ConfigError("expected a string without NUL characters", keys=(name,))
+        result[name] = text
+    return result
+
+
+def _listen(value: object) -> str:
+    _parse_listen(value)
+    assert isinstance(value, str)
+    return value
+
+
+def _services(value: object) -> dict[str, "ServiceConfig"]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"expected a mapping of service names to services, got {_show(value)}")
+    result: dict[str, ServiceConfig] = {}
+    for name, raw in value.items():
+        if type(name) is not str or not 1 <= len(name) <= MAX_SERVICE_NAME_CHARS:
+            raise ConfigError(
+                f"expected service names of 1 to {MAX_SERVICE_NAME_CHARS} characters,"
+                f" got {_show(name)}"
+            )
+        try:
+            result[name] = _structure_service(raw, ServiceConfig)
+        except Exception as exc:
+            inner = _locate(exc)
+            raise ConfigError(inner.reason, keys=(name, *inner.keys)) from None
+    return result
+
+
+_Name = Annotated[str, _Rule(_nonempty_string)]
+_Token = Annotated[str | None, _Rule(_optional_token)]
+_Listen = Annotated[str, _Rule(_listen)]
+_PathValue = Annotated[Path, _Rule(_path)]
+_OptionalPath = Annotated[Path | None, _Rule(_optional_path)]
+_Count = Annotated[int, _Rule(_integer(0))]
+_Reserve = Annotated[int, _Rule(_integer(-1))]
+_FrameBytes = Annotated[int, _Rule(_integer(1024))]
+_LegacySeconds = Annotated[int | None, _Rule(_optional_seconds)]
+_Share = Annotated[float, _Rule(_share)]
+_Positive = Annotated[float, _Rule(_positive_duration)]
+_Drain = Annotated[float, _Rule(parse_duration)]
+_Stall = Annotated[float | None, _Rule(_duration_or_none)]
+_Timeout = Annotated[float | None, _Rule(_nullable_duration_or_none)]
+_Budget = Annotated[int | Literal["auto"], _Rule(_memory_budget)]
+_Limit = Annotated[int | None, _Rule(_optional_size)]
+_Argv = Annotated[tuple[str, ...] | None, _Rule(_check_argv)]
+_BuiltinValue = Annotated[Builtin | None, _Rule(_builtin)]
+_Threads = Annotated[ThreadsSpec, _Rule(_check_threads)]
+_Env = Annotated[Mapping[str, str], _Rule(_env)]
+
+
+# -- the classes ---------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class TlsConfig:
+    """The certificate chain and private key for https/wss (PEM files)."""
+
+    cert: _PathValue
+    key: _PathValue
+
+
+@attrs.frozen(kw_only=True)
+class ServiceConfig:
+    """One service: a command template or a builtin, with its limits.
+
+    Built by :meth:`ExecserverConfig.from_mapping`, ``timeout`` and
+    ``stall_timeout`` hold the effective values (legacy ``timeout_sec`` and the
+    top-level ``stall_timeout`` folded in). Built by hand, they are taken as given.
+    """
+
+    argv: _Argv = None
+    builtin: _BuiltinValue = None
+    max_slots: _Count = 0
+    threads: _Threads = 0
+    timeout: _Timeout = None
+    timeout_sec: _LegacySeconds = None
+    stall_timeout: _Timeout = 600.0
+    memory_limit: _Limit = None
+    env: _Env = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        if (self.argv is None) == (self.builtin is None):
+            got = "neither" if self.argv is None else "both"
+            raise ConfigError(f"expected exactly one of argv and builtin, got {got}")
+
+    @property
+    def placeholders(self) -> frozenset[str]:
+        """The ``{name}`` placeholders of ``argv``: the job params it needs."""
+        return frozenset(name for element in self.argv or () for name in _placeholders(element))
+
+
+_Services = Annotated[Mapping[str, ServiceConfig], _Rule(_services)]
+
+
+@attrs.frozen(kw_only=True)
+class ExecserverConfig:
+    """The reference execserver's configuration; see the module docstring for keys.
+
+    Construct it from outside data with :meth:`from_yaml` or :meth:`from_mapping`.
+    """
+
+    listen: _Listen = DEFAULT_LISTEN
+    name: _Name = attrs.field(factory=socket.gethostname)
+    broker_token: _Token = None
+    tls: TlsConfig | None = None
+    slots: _Count = 0
+    fast_reserve: _Reserve = -1
+    heavy_threshold: _Positive = 10.0
+    unknown_share: _Share = 0.5
+    memory_budget: _Budget = "auto"
+    offer_ttl: _Positive = 10.0
+    ping_interval: _Positive = 5.0
+    ping_timeout: _Positive = 15.0
+    drain_timeout: _Drain = 60.0
+    stall_timeout: _Stall = 600.0
+    temp_dir: _OptionalPath = None
+    max_frame_bytes: _FrameBytes = 1048576
+    env: _Env = attrs.field(factory=dict)
+    services: _Services
+
+    def __attrs_post_init__(self) -> None:
+        if self.ping_timeout <= self.ping_interval:
+            raise ConfigError(
+                f"expected a duration greater than ping_interval"
+                f" ({_seconds(self.ping_interval)}), got {_seconds(self.ping_timeout)}",
+                keys=("ping_timeout",),
+            )
+        if not self.services:
+            raise ConfigError(
+                "expected at least one service, got an empty mapping", keys=("services",)
+            )
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> "ExecserverConfig":
+        """Load a YAML configuration file.
+
+        Args:
+            path: the file; UTF-8 YAML holding one mapping.
+
+        Returns:
+            The validated configuration.
+
+        Raises:
+            ConfigError: the file is missing or unreadable (``file`` set), is not
+                valid YAML (with line and column), is not a mapping, or any key is
+                wrong (see :meth:`from_mapping`).
+        """
+        return cls.from_mapping(load_yaml_mapping(path))
+
+    @classmethod
+    def from_mapping(cls, data: object) -> "ExecserverConfig":
+        """Validate a parsed configuration document.
+
+        Args:
+            data: the document, usually a ``dict`` from YAML or JSON.
+
+        Returns:
+            The configuration, with each service's ``timeout`` and ``stall_timeout``
+            resolved (legacy ``timeout_sec``, the top-level ``stall_timeout``).
+
+        Raises:
+            ConfigError: the first problem, with its key path.
+        """
+        return structure_config(data, ExecserverConfig)
+
+    @property
+    def host(self) -> str:
+        """The host part of ``listen`` (an IPv6 address without brackets)."""
+        return _parse_listen(self.listen)[0]
+
+    @property
+    def port(self) -> int:
+        """The port part of ``listen``; 0 asks for a free port."""
+        return _parse_listen(self.listen)[1]
+
+    def pool_size(self, *, root: str | os.PathLike[str] = "/") -> int:
+        """The number of slots: ``slots``, or :func:`cpu_count` when it is 0.
+
+        Args:
+            root: where ``/proc`` and ``/sys`` are found (tests point it elsewhere).
+
+        Returns:
+            The pool size, at least 1.
+        """
+        return self.slots or cpu_count(root=root)
+
+    def resolved_fast_reserve(self, *, root: str | os.PathLike[str] = "/") -> int:
+        """The slots heavy services never take.
+
+        ``-1`` is a quarter of the pool (rounded down), at least 1; ``0`` is none;
+        ``N`` is N. Whatever the rule gives is capped at ``pool_size() - 1``, so a
+        heavy service can always run: a pool of 1 has no reserve.
+
+        Args:
+            root: passed to :meth:`pool_size`.
+
+        Returns:
+            The reserve, from 0 to ``pool_size() - 1``.
+        """
+        pool = self.pool_size(root=root)
+        wanted = max(1, pool // 4) if self.fast_reserve == -1 else self.fast_reserve
+        return min(wanted, pool - 1)
+
+    def resolved_memory_budget(self, *, root: str | os.PathLike[str] = "/") -> int:
+        """The memory budget in bytes: ``memory_budget``, or detected when ``auto``.
+
+        Args:
+            root: passed to :func:`detect_memory_budget`.
+
+        Returns:
+            The budget in bytes.
+        """
+        if isinstance(self.memory_budget, int):
+            return self.memory_budget
+        return detect_memory_budget(root=root)
+
+
+# -- YAML loading ----------------------------------------------------------------
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing duplicate mapping keys (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:  # an unhashable key: the base class reports it
+                break
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {_show(key)}", key_node.start_mark
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
+# -- the converter ---------------------------------------------------------------
+
+
+def _rule_of(tp: Any) -> _Rule | None:
+    if get_origin(tp) is Annotated:
+        for meta in tp.__metadata__:
+            if isinstance(meta, _Rule):
+                return meta
+    return None
+
+
+def _rule_hook_factory(tp: Any) -> Callable[[Any, Any], Any]:
+    rule = _rule_of(tp)
+    assert rule is not None
+    check = rule.check
+
+    def structure(value: Any, _: Any) -> Any:
+        return check(value)
+
+    return structure
+
+
+def _class_hook_factory(cls: type[Any], conv: cattrs.Converter) -> Callable[[Any, Any], Any]:
+    """Structure an attrs class from a mapping, refusing any other value."""
+    structure_fields = make_dict_structure_fn(cls, conv)
+
+    def structure(value: Any, _: Any) -> Any:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"expected a mapping, got {_show(value)}")
+        return structure_fields(value, cls)
+
+    return structure
+
+
+def _primitive(kind: type[Any], expected: str) -> Callable[[Any, Any], Any]:
+    def structure(value: Any, _: Any) -> Any:
+        if type(value) is not kind:
+            raise ConfigError(f"expected {expected}, got {_show(value)}")
+        return value
+
+    return structure
+
+
+def _structure_execserver(value: Any, cls: Any) -> ExecserverConfig:
+    """Structure the top level, then fold in each service's inherited values."""
+    config: ExecserverConfig = _structure_top(value, cls)
+    raw_services: Mapping[str, Mapping[str, Any]] = value["services"]
+    services: dict[str, ServiceConfig] = {}
+    for name, service in config.services.items():
+        raw = raw_services[name]
+        if raw.get("stall_timeout") is None:
+            service = attrs.evolve(service, stall_timeout=config.stall_timeout)
+        if raw.get("timeout") is None and service.timeout_sec is not None:
+            service = attrs.evolve(service, timeout=float(service.timeout_sec) or None)
+        services[name] = service
+    return attrs.evolve(config, services=services)
+
+
+def _make_converter() -> cattrs.Converter:
+    conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+    conv.register_structure_hook(str, lambda value, _: _string(value))
+    conv.register_structure_hook(int, _primitive(int, "an integer"))
+    conv.register_structure_hook(bool, _primitive(bool, "true or false"))
+    conv.register_structure_hook(float, lambda value, _: _number(value))
+    conv.register_structure_hook_factory(attrs.has, _class_hook_factory)
+    conv.register_structure_hook_factory(lambda t: _rule_of(t) is not None, _rule_hook_factory)
+    return conv
+
+
+converter: Final = _make_converter()
+"""The cattrs converter for configuration: strict primitives, unknown keys refused."""
+
+_structure_top: Final = _class_hook_factory(ExecserverConfig, converter)
+_structure_service: Final = converter.get_structure_hook(ServiceConfig)
+converter.register_structure_hook(ExecserverConfig, _structure_execserver)
+
+
+def _locate(exc: BaseException) -> ConfigError:
+    """The first problem inside a cattrs error, as a ConfigError with its full key path.
+
+    At each level an unknown key is reported before the other problems.
+    """
+    keys: list[_Key] = []
+    while True:
+        if isinstance(exc, ClassValidationError | IterableValidationError):
+            extra = [e for e in exc.exceptions if isinstance(e, ForbiddenExtraKeysError)]
+            inner = extra[0] if extra else exc.exceptions[0]
+            for note in getattr(inner, "__notes__", ()):
+                if isinstance(note, AttributeValidationNote):
+                    keys.append(note.name)
+                    break
+                if isinstance(note, IterableValidationNote):
+                    keys.append(note.index)
+                    break
+            exc = inner
+        elif isinstance(exc, ForbiddenExtraKeysError):
+            unknown = sorted(exc.extra_fields, key=str)[0]
+            known = [field.name for field in attrs.fields(exc.cl)]
+            close = difflib.get_close_matches(str(unknown), known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            return ConfigError(f"unknown key{hint}", keys=(*keys, unknown))
+        elif isinstance(exc, KeyError):
+            return ConfigError("required key is missing", keys=keys)
+        elif isinstance(exc, ConfigError):
+            return ConfigError(exc.reason, keys=(*keys, *exc.keys))
+        else:
+            return ConfigError(" ".join(str(exc).split()) or type(exc).__name__, keys=keys)
+
+
+def load_yaml_mapping(path: str | os.PathLike[str]) -> Mapping[str, Any]:
+    """Read a YAML file holding one mapping (both daemons' configuration files).
+
+    Raises:
+        ConfigError: the file is missing or unreadable (``file`` set), is not valid
+            YAML (with line and column), or does not hold a mapping.
+    """
+    file = os.fspath(path)
+    try:
+        with open(file, encoding="utf-8") as stream:
+            text = stream.read()
+    except FileNotFoundError:
+        raise ConfigError("no such file", file=file) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"cannot read: not UTF-8 text ({exc.reason})", file=file) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror or exc}", file=file) from None
+    try:
+        data = yaml.load(text, Loader=_Loader)  # a SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = " ".join(f"{exc.context or ''} {exc.problem or ''}".split())
+        raise ConfigError(f"invalid YAML at {where}{problem}", file=file) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"invalid YAML: {' '.join(str(exc).split())}", file=file) from None
+    if data is None:
+        raise ConfigError("expected a mapping at the top level, got an empty file", file=file)
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"expected a mapping at the top level, got {_show(data)}", file=file)
+    return data
+
+
+_C = TypeVar("_C")
+
+
+def structure_config(data: object, cls: type[_C]) -> _C:
+    """Validate a parsed configuration document into ``cls`` with the strict converter.
+
+    Raises:
+        ConfigError: not a mapping, or the first problem, with its key path.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"expected a mapping at the top level, got {_show(data)}")
+    try:
+        return converter.structure(data, cls)
+    except Exception as exc:
+        raise _locate(exc) from None

@@ -1,0 +1,660 @@
+"""The reference fylr daemon's configuration: YAML in, frozen values out.
+
+:meth:`FylrConfig.from_yaml` and :meth:`FylrConfig.from_mapping` follow the
+conventions of :mod:`trio_broker_daemons.config` and share its converter and helpers: strict
+primitives, unknown keys refused, and every problem raised as one
+:class:`~trio_broker_daemons.config.ConfigError` line that starts with the dotted key path::
+
+    classes.image.versions.small.source: expected the name of another version of
+    this class (one of preview, thumb), got 'big'
+
+Durations, sizes, ``null``, integers and strings follow the value conventions of
+:mod:`trio_broker_daemons.config` (``"10s"``, ``"512M"``, quoted numbers refused …).
+
+Top-level keys (:class:`FylrConfig`):
+
+``listen`` (``"127.0.0.1:7100"``)
+    ``host:port`` of the one HTTP listener (file API, pipes, ``/whoami``,
+    inspection); port 0 picks a free port.
+``name`` (the host name)
+    Sent in ``REGISTER.name`` and shown by the inspection pages.
+``backend_id`` (null)
+    Sent in ``REGISTER.backend_id``, answered by ``/whoami`` and written into the
+    claimed queue rows. Null (the default) means a fresh random id for every
+    process start (:func:`new_backend_id`): a backend id names one *running
+    process*, whose pipes live in its memory and whose heartbeat vouches for its
+    claims. A restarted process is a new backend; the rows its predecessor had
+    claimed go back to the queue through the stale-heartbeat sweep. Reusing an id
+    across restarts would let the new process's heartbeat keep the dead one's
+    claims alive. Set a fixed id only for a process that is never run twice at
+    once and whose claims are returned at startup by other means. 1 to 200
+    printable ASCII characters without spaces.
+``state_dir`` (``"fylr-state"``)
+    The daemon's own folder: stored files under ``files/`` (:attr:`FylrConfig.storage_dir`)
+    and the embedded PostgreSQL cluster under ``pg/`` (:attr:`FylrConfig.pg_dir`).
+    Kept as written (relative to the working directory).
+``database`` (null)
+    Null runs a private PostgreSQL cluster in ``state_dir/pg``; otherwise a
+    libpq connection string (``"host=db dbname=fylr"`` or a ``postgresql://``
+    URI) of a server shared by several fylrs. Its syntax is checked here.
+``database_pool`` (20, >= 1)
+    Connections to the database; the automatic ``max_in_flight`` stays at or below
+    twice this.
+``execservers`` (required; may be empty)
+    Addresses (``host:port``, ``[v6]:port``) of the execservers or of balancers in
+    front of them; each is dialled at ``ws://host:port/broker``. No duplicates. An
+    empty list runs local work only; exec-bound work waits.
+``broker_token`` (null)
+    Sent as ``Authorization: Bearer <token>`` when dialling ``/broker``.
+``callback_own_url`` (null)
+    The callback base put into jobs verbatim (``http://host:port``, no query or
+    fragment), overriding the address seen on each broker connection (NAT).
+``connect_timeout`` (60s, > 0)
+    How long a job waits for a slot before it gives up and its item is requeued.
+``ping_interval`` (5s, > 0), ``ping_timeout`` (15s, > ``ping_interval``)
+    Liveness of the broker connections, as on the execserver side.
+``max_frame_bytes`` (1048576, >= 1024)
+    Largest websocket frame accepted from an execserver.
+``pool_grow_interval`` (2s, > 0), ``pool_max`` (16, >= 1), ``pool_reprobe_interval`` (60s, > 0)
+    The client-side connection pool per address (PROTOCOL.md).
+``max_in_flight`` (0, >= 0)
+    Cap on queue items in flight; 0 = automatic (:meth:`FylrConfig.resolved_max_in_flight`).
+``local_workers`` (0, >= 0)
+    Concurrent local-bound actions (sync, checksum, copy); 0 =
+    :func:`~trio_broker.trio.host.cpu_count`.
+``claim_interval`` (1s, > 0)
+    How often the dispatcher claims queue rows when nothing finishes.
+``retry_delay`` (1m, >= 0)
+    How long a requeued item waits (no slot in time, a draining execserver).
+``heartbeat_interval`` (10s, > 0)
+    How often this backend writes its heartbeat.
+``stale_after`` (45s, > 2 × ``heartbeat_interval``)
+    A backend whose heartbeat is older than this is dead; its claimed rows are
+    requeued. More than two intervals, so one late heartbeat never kills a live one.
+``max_upload_size`` (null)
+    Largest upload accepted, bytes or a size string; null = no limit.
+``default_class`` (null)
+    The class of files whose extension no class lists (and of files without one);
+    null = such files have no class: no metadata step and no versions.
+``classes`` ({})
+    File class name (1..200 characters) → :class:`FileClass`.
+
+File class keys (:class:`FileClass`):
+
+``extensions`` ([])
+    File name extensions without the dot, matched case-insensitively (stored in
+    lower case, a leading dot is dropped); several dots are allowed (``tar.gz``,
+    the longest match wins). An extension belongs to at most one class. A class
+    with no extensions must be the ``default_class``.
+``metadata`` (null)
+    The metadata step: ``{service: NAME, params: {...}}`` run on the original after
+    upload; null = none.
+``versions`` ({})
+    Version name → :class:`VersionConfig`. Names are 1 to 200 characters of
+    ``A-Z a-z 0-9 _ . -`` (they appear in download URLs), not ``original``.
+
+Version keys (:class:`VersionConfig`):
+
+``service`` (required)
+    The execserver service that produces it (checked by the execservers, not here).
+``params`` ({})
+    The job's params: names to strings, numbers or booleans (they fill the
+    service's argv template).
+``source`` (null)
+    Null: produced from the original. Otherwise the name of another version of
+    the same class, produced from that version's content; no cycles.
+``mimetype`` (null)
+    The MIME type the stored rendition is labelled with (``image/webp``); null =
+    taken from the produce metadata or ``application/octet-stream``. Not part of
+    the produce hash: changing it does not produce the version again.
+"""
+
+import math
+import os
+import re
+import secrets
+import socket
+import urllib.parse
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Annotated, Any, Final, TypeAlias
+
+import attrs
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+from trio_broker.trio.host import cpu_count
+from trio_broker_daemons.config import (
+    MAX_SERVICE_NAME_CHARS,
+    ConfigError,
+    _integer,
+    _listen,
+    _locate,
+    _nonempty_string,
+    _optional_size,
+    _optional_token,
+    _parse_listen,
+    _path,
+    _positive_duration,
+    _Rule,
+    _show,
+    _string,
+    converter,
+    load_yaml_mapping,
+    parse_duration,
+    structure_config,
+)
+
+__all__ = [
+    "DEFAULT_FYLR_LISTEN",
+    "MAX_BACKEND_ID_CHARS",
+    "MAX_NAME_CHARS",
+    "RESERVED_VERSION_NAMES",
+    "FileClass",
+    "FylrConfig",
+    "MetadataConfig",
+    "ParamValue",
+    "VersionConfig",
+    "new_backend_id",
+]
+
+DEFAULT_FYLR_LISTEN: Final = "127.0.0.1:7100"
+MAX_NAME_CHARS: Final = 200
+"""Longest class or version name."""
+MAX_BACKEND_ID_CHARS: Final = 200
+RESERVED_VERSION_NAMES: Final = frozenset({"original"})
+"""Version names refused: ``original`` names the uploaded file in download URLs."""
+
+ParamValue: TypeAlias = str | int | float | bool
+"""A job parameter value (what an argv placeholder can be filled with)."""
+
+_VERSION_NAME: Final = re.compile(r"[A-Za-z0-9_.-]+")
+_BACKEND_ID: Final = re.compile(r"[!-~]+")  # printable ASCII, no space
+_EXTENSION: Final = re.compile(r"[^\s/\\.]+(?:\.[^\s/\\.]+)*")
+
+
+def new_backend_id(name: str) -> str:
+    """A fresh backend id for one process: the name (cut to 100 characters) and 128 random bits.
+
+    Args:
+        name: the configured ``name``.
+
+    Returns:
+        ``"<name>-<22 URL-safe characters>"`` with spaces and control characters
+        of the name replaced by ``_``; at most :data:`MAX_BACKEND_ID_CHARS` long.
+    """
+    safe = "".join(c if "!" <= c <= "~" else "_" for c in name[:100])
+    return f"{safe}-{secrets.token_urlsafe(16)}"
+
+
+# -- field rules ---------------------------------------------------------------
+
+
+def _bounded_name(what: str) -> Callable[[object], str]:
+    def check(value: object) -> str:
+        if type(value) is not str or not 1 <= len(value) <= MAX_NAME_CHARS:
+            raise ConfigError(
+                f"expected {what} of 1 to {MAX_NAME_CHARS} characters, got {_show(value)}"
+            )
+        return value
+
+    return check
+
+
+def _service_name(value: object) -> str:
+    if type(value) is not str or not 1 <= len(value) <= MAX_SERVICE_NAME_CHARS:
+        raise ConfigError(
+            f"expected a service name of 1 to {MAX_SERVICE_NAME_CHARS} characters,"
+            f" got {_show(value)}"
+        )
+    return value
+
+
+def _optional_name(value: object) -> str | None:
+    return None if value is None else _bounded_name("a name")(value)
+
+
+def _backend_id(value: object) -> str | None:
+    if value is None:
+        return None
+    text = _string(value)
+    if not 1 <= len(text) <= MAX_BACKEND_ID_CHARS or not _BACKEND_ID.fullmatch(text):
+        raise ConfigError(
+            f"expected 1 to {MAX_BACKEND_ID_CHARS} printable ASCII characters without"
+            f" spaces, got {_show(value)}"
+        )
+    return text
+
+
+def _dsn(value: object) -> str | None:
+    if value is None:
+        return None
+    text = _nonempty_string(value)
+    try:
+        conninfo_to_dict(text)
+    except psycopg.Error as exc:
+        # libpq's reason, without echoing the string (it may hold a password)
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise ConfigError(
+            f"expected null or a PostgreSQL connection string (key=value pairs or a"
+            f" postgresql:// URI): {reason}"
+        ) from None
+    return text
+
+
+def _address(value: object) -> str:
+    _listen(value)
+    assert isinstance(value, str)
+    if _parse_listen(value)[1] == 0:
+        raise ConfigError(f"expected a port from 1 to 65535, got {_show(value)}")
+    return value
+
+
+def _addresses(value: object) -> tuple[str, ...]:
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f'expected a list of addresses ("host:port"), got {_show(value)}')
+    seen: set[str] = set()
+    for index, element in enumerate(value):
+        try:
+            _address(element)
+        except ConfigError as exc:
+            raise ConfigError(exc.reason, keys=(index,)) from None
+        if element in seen:
+            raise ConfigError(f"duplicate address {_show(element)}", keys=(index,))
+        seen.add(element)
+    return tuple(value)
+
+
+def _callback_url(value: object) -> str | None:
+    if value is None:
+        return None
+    text = _nonempty_string(value)
+    problem = f'expected null or an http(s) URL like "http://10.0.0.5:7100", got {_show(value)}'
+    try:
+        parts = urllib.parse.urlsplit(text)
+        parts.port  # noqa: B018 - raises ValueError for a bad port
+    except ValueError:
+        raise ConfigError(problem) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(problem)
+    if parts.query or parts.fragment or "?" in text or "#" in text:
+        raise ConfigError(f"expected a URL without query or fragment, got {_show(value)}")
+    return text
+
+
+def _param_value(value: object) -> ParamValue:
+    if type(value) in (str, int, bool):
+        assert isinstance(value, str | int)
+        return value
+    if type(value) is float and math.isfinite(value):
+        return value
+    raise ConfigError(f"expected a string, number or boolean, got {_show(value)}")
+
+
+def _params(value: object) -> dict[str, ParamValue]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"expected a mapping of parameter names to values, got {_show(value)}")
+    result: dict[str, ParamValue] = {}
+    for name, raw in value.items():
+        if type(name) is not str or not 1 <= len(name) <= MAX_NAME_CHARS:
+            raise ConfigError(
+                f"expected parameter names of 1 to {MAX_NAME_CHARS} characters, got {_show(name)}"
+            )
+        try:
+            result[name] = _param_value(raw)
+        except ConfigError as exc:
+            raise ConfigError(exc.reason, keys=(name,)) from None
+    return result
+
+
+def _extension(value: object) -> str:
+    if type(value) is not str:
+        raise ConfigError(f"expected an extension (a string like jpg), got {_show(value)}")
+    text = value[1:] if value.startswith(".") else value
+    if not _EXTENSION.fullmatch(text):
+        raise ConfigError(
+            f"expected an extension like jpg or tar.gz (no spaces, slashes or empty"
+            f" parts), got {_show(value)}"
+        )
+    return text.lower()
+
+
+def _extensions(value: object) -> tuple[str, ...]:
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f"expected a list of extensions, got {_show(value)}")
+    result: list[str] = []
+    for index, element in enumerate(value):
+        try:
+            extension = _extension(element)
+        except ConfigError as exc:
+            raise ConfigError(exc.reason, keys=(index,)) from None
+        if extension in result:
+            raise ConfigError(f"duplicate extension {extension!r}", keys=(index,))
+        result.append(extension)
+    return tuple(result)
+
+
+def _version_name(value: object) -> str:
+    if type(value) is not str or not 1 <= len(value) <= MAX_NAME_CHARS:
+        raise ConfigError(
+            f"expected version names of 1 to {MAX_NAME_CHARS} characters, got {_show(value)}"
+        )
+    if not _VERSION_NAME.fullmatch(value):
+        raise ConfigError(
+            f"expected version names of letters, digits, '_', '.' and '-', got {_show(value)}"
+        )
+    if value in RESERVED_VERSION_NAMES:
+        raise ConfigError(f"the version name {value!r} is reserved for the uploaded file")
+    return value
+
+
+def _structured_mapping(
+    value: object, cls: type[Any], what: str, check_name: Callable[[object], object]
+) -> dict[str, Any]:
+    """A mapping of names to attrs classes, each structured with its key path."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"expected a mapping of {what}, got {_show(value)}")
+    result: dict[str, Any] = {}
+    for name, raw in value.items():
+        try:
+            check_name(name)
+        except ConfigError as exc:
+            raise ConfigError(exc.reason, keys=(name,) if type(name) is str else ()) from None
+        try:
+            result[name] = converter.structure(raw, cls)
+        except Exception as exc:
+            inner = _locate(exc)
+            raise ConfigError(inner.reason, keys=(name, *inner.keys)) from None
+    return result
+
+
+def _versions(value: object) -> dict[str, "VersionConfig"]:
+    return _structured_mapping(value, VersionConfig, "version names to versions", _version_name)
+
+
+def _classes(value: object) -> dict[str, "FileClass"]:
+    return _structured_mapping(
+        value, FileClass, "class names to classes", _bounded_name("class names")
+    )
+
+
+def _metadata(value: object) -> "MetadataConfig | None":
+    if value is None:
+        return None
+    config: MetadataConfig = converter.structure(value, MetadataConfig)
+    return config
+
+
+def _mimetype(value: object) -> str | None:
+    return None if value is None else _nonempty_string(value)
+
+
+_Listen = Annotated[str, _Rule(_listen)]
+_Name = Annotated[str, _Rule(_nonempty_string)]
+_BackendId = Annotated[str | None, _Rule(_backend_id)]
+_PathValue = Annotated[Path, _Rule(_path)]
+_Dsn = Annotated[str | None, _Rule(_dsn)]
+_Addresses = Annotated[tuple[str, ...], _Rule(_addresses)]
+_Token = Annotated[str | None, _Rule(_optional_token)]
+_CallbackUrl = Annotated[str | None, _Rule(_callback_url)]
+_Positive = Annotated[float, _Rule(_positive_duration)]
+_Delay = Annotated[float, _Rule(parse_duration)]
+_Count = Annotated[int, _Rule(_integer(0))]
+_AtLeastOne = Annotated[int, _Rule(_integer(1))]
+_FrameBytes = Annotated[int, _Rule(_integer(1024))]
+_UploadLimit = Annotated[int | None, _Rule(_optional_size)]
+_OptionalName = Annotated[str | None, _Rule(_optional_name)]
+_ServiceName = Annotated[str, _Rule(_service_name)]
+_Params = Annotated[Mapping[str, ParamValue], _Rule(_params)]
+_Extensions = Annotated[tuple[str, ...], _Rule(_extensions)]
+_MimeType = Annotated[str | None, _Rule(_mimetype)]
+
+
+# -- the classes ---------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class MetadataConfig:
+    """A class's metadata step: the service run on each original after upload."""
+
+    service: _ServiceName
+    params: _Params = attrs.field(factory=dict)
+
+
+@attrs.frozen(kw_only=True)
+class VersionConfig:
+    """One wanted version (rendition) of the files of a class.
+
+    Attributes:
+        service: the execserver service that produces it.
+        params: the job's params (fill the service's argv template).
+        source: ``None`` to produce it from the original, or the name of another
+            version of the same class to produce it from.
+        mimetype: the MIME type the rendition is labelled with, if configured.
+    """
+
+    service: _ServiceName
+    params: _Params = attrs.field(factory=dict)
+    source: _OptionalName = None
+    mimetype: _MimeType = None
+
+
+_Versions = Annotated[Mapping[str, VersionConfig], _Rule(_versions)]
+_Metadata = Annotated[MetadataConfig | None, _Rule(_metadata)]
+
+
+@attrs.frozen(kw_only=True)
+class FileClass:
+    """A file class: the extensions it claims, its metadata step and its versions.
+
+    Raises:
+        ConfigError: a ``source`` that names no other version of this class, or a
+            cycle of sources (key path relative to the class).
+    """
+
+    extensions: _Extensions = ()
+    metadata: _Metadata = None
+    versions: _Versions = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        names = sorted(self.versions)
+        for name, version in self.versions.items():
+            if version.source is not None and (
+                version.source == name or version.source not in self.versions
+            ):
+                others = ", ".join(n for n in names if n != name)
+                hint = f"one of {others}" if others else "there is none"
+                raise ConfigError(
+                    f"expected the name of another version of this class ({hint}),"
+                    f" got {_show(version.source)}",
+                    keys=("versions", name, "source"),
+                )
+        for name in self.versions:
+            chain = [name]
+            source = self.versions[name].source
+            while source is not None:
+                if source == name:
+                    raise ConfigError(
+                        f"sources form a cycle: {' -> '.join([*chain, name])}",
+                        keys=("versions", name, "source"),
+                    )
+                if source in chain:  # a cycle that does not pass through `name`
+                    break
+                chain.append(source)
+                source = self.versions[source].source
+
+    def production_order(self) -> tuple[str, ...]:
+        """Version names with every source before the versions made from it.
+
+        Returns:
+            The names, otherwise in configuration order.
+        """
+        order: list[str] = []
+        placed: set[str] = set()
+
+        def place(name: str) -> None:
+            if name in placed:
+                return
+            source = self.versions[name].source
+            if source is not None:
+                place(source)
+            placed.add(name)
+            order.append(name)
+
+        for name in self.versions:
+            place(name)
+        return tuple(order)
+
+
+_Classes = Annotated[Mapping[str, FileClass], _Rule(_classes)]
+
+
+@attrs.frozen(kw_only=True)
+class FylrConfig:
+    """The reference fylr daemon's configuration; see the module docstring for keys.
+
+    Construct it from outside data with :meth:`from_yaml` or :meth:`from_mapping`.
+    """
+
+    listen: _Listen = DEFAULT_FYLR_LISTEN
+    name: _Name = attrs.field(factory=socket.gethostname)
+    backend_id: _BackendId = None
+    state_dir: _PathValue = Path("fylr-state")
+    database: _Dsn = None
+    database_pool: _AtLeastOne = 20
+    execservers: _Addresses
+    broker_token: _Token = None
+    callback_own_url: _CallbackUrl = None
+    connect_timeout: _Positive = 60.0
+    ping_interval: _Positive = 5.0
+    ping_timeout: _Positive = 15.0
+    max_frame_bytes: _FrameBytes = 1048576
+    pool_grow_interval: _Positive = 2.0
+    pool_max: _AtLeastOne = 16
+    pool_reprobe_interval: _Positive = 60.0
+    max_in_flight: _Count = 0
+    local_workers: _Count = 0
+    claim_interval: _Positive = 1.0
+    retry_delay: _Delay = 60.0
+    heartbeat_interval: _Positive = 10.0
+    stale_after: _Positive = 45.0
+    max_upload_size: _UploadLimit = None
+    default_class: _OptionalName = None
+    classes: _Classes = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        if self.ping_timeout <= self.ping_interval:
+            raise ConfigError(
+                f"expected a duration greater than ping_interval"
+                f" ({self.ping_interval:g}s), got {self.ping_timeout:g}s",
+                keys=("ping_timeout",),
+            )
+        if self.stale_after <= 2 * self.heartbeat_interval:
+            raise ConfigError(
+                f"expected a duration greater than twice heartbeat_interval"
+                f" ({2 * self.heartbeat_interval:g}s), got {self.stale_after:g}s",
+                keys=("stale_after",),
+            )
+        if self.default_class is not None and self.default_class not in self.classes:
+            known = ", ".join(sorted(self.classes)) or "none configured"
+            raise ConfigError(
+                f"expected null or the name of a class ({known}), got {_show(self.default_class)}",
+                keys=("default_class",),
+            )
+        owner: dict[str, str] = {}
+        for class_name, file_class in self.classes.items():
+            if not file_class.extensions and class_name != self.default_class:
+                raise ConfigError(
+                    "expected at least one extension (or make this class the default_class)",
+                    keys=("classes", class_name, "extensions"),
+                )
+            for index, extension in enumerate(file_class.extensions):
+                if extension in owner:
+                    raise ConfigError(
+                        f"extension {extension!r} already belongs to class {owner[extension]!r}",
+                        keys=("classes", class_name, "extensions", index),
+                    )
+                owner[extension] = class_name
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> "FylrConfig":
+        """Load a YAML configuration file.
+
+        Args:
+            path: the file; UTF-8 YAML holding one mapping.
+
+        Returns:
+            The validated configuration.
+
+        Raises:
+            ConfigError: the file is missing or unreadable (``file`` set), is not
+                valid YAML (with line and column), is not a mapping, or any key is
+                wrong (see :meth:`from_mapping`).
+        """
+        return cls.from_mapping(load_yaml_mapping(path))
+
+    @classmethod
+    def from_mapping(cls, data: object) -> "FylrConfig":
+        """Validate a parsed configuration document.
+
+        Args:
+            data: the document, usually a ``dict`` from YAML or JSON.
+
+        Returns:
+            The configuration.
+
+        Raises:
+            ConfigError: the first problem, with its key path.
+        """
+        return structure_config(data, FylrConfig)
+
+    @property
+    def host(self) -> str:
+        """The host part of ``listen`` (an IPv6 address without brackets)."""
+        return _parse_listen(self.listen)[0]
+
+    @property
+    def port(self) -> int:
+        """The port part of ``listen``; 0 asks for a free port."""
+        return _parse_listen(self.listen)[1]
+
+    @property
+    def storage_dir(self) -> Path:
+        """Where stored files live: ``state_dir/files``."""
+        return self.state_dir / "files"
+
+    @property
+    def pg_dir(self) -> Path:
+        """Where the embedded PostgreSQL cluster lives: ``state_dir/pg``."""
+        return self.state_dir / "pg"
+
+    def resolved_local_workers(self, *, root: str | os.PathLike[str] = "/") -> int:
+        """Concurrent local-bound actions: ``local_workers``, or the CPU count when 0.
+
+        Args:
+            root: where ``/proc`` and ``/sys`` are found (tests point it elsewhere).
+
+        Returns:
+            The count, at least 1.
+        """
+        return self.local_workers or cpu_count(root=root)
+
+    def resolved_max_in_flight(self, base: int) -> int:
+        """The cap on queue items in flight.
+
+        Args:
+            base: the exec-bound base the dispatcher computed (Σ over connected
+                execserver instances of ``ceil(processes / clients)``), >= 0.
+
+        Returns:
+            ``max_in_flight`` when set; otherwise 4 × ``base``, at least 32, at
+            most 2 × ``database_pool``.
+
+        Raises:
+            ValueError: ``base`` is negative.
+        """
+        if base < 0:
+            raise ValueError(f"base must be >= 0, got {base}")
+        if self.max_in_flight:
+            return self.max_in_flight
+        return min(max(4 * base, 32), 2 * self.database_pool)

@@ -1,0 +1,164 @@
+"""The reference daemons as real processes, for tests, benchmarks and demos (trio)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import attrs
+import trio
+
+__all__ = ["DaemonProcess", "open_execserver_process", "open_fylr_process"]
+
+
+@attrs.frozen
+class DaemonProcess:
+    """A running daemon and where it listens."""
+
+    process: trio.Process
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        """The ``ws://`` address of its ``/broker`` endpoint."""
+        return f"ws://{self.host}:{self.port}/broker"
+
+    @property
+    def http_url(self) -> str:
+        """``http://host:port``: the daemon's HTTP API (a fylr's file API)."""
+        return f"http://{self.host}:{self.port}"
+
+
+@asynccontextmanager
+async def open_execserver_process(
+    config: str | os.PathLike[str],
+    *,
+    log_level: str = "warning",
+    ready_within: float = 60.0,
+    stop_within: float = 60.0,
+) -> AsyncIterator[DaemonProcess]:
+    """Run ``trio-broker execserver`` in a subprocess until the block ends.
+
+    Args:
+        config: a configuration file, or YAML text (a ``str`` with a newline).
+        log_level: the daemon's ``--log-level``.
+        ready_within: seconds to wait for the listener (it reports through a FIFO
+            given as ``--ready-file``, so nothing is polled).
+        stop_within: at the end, seconds to wait after SIGTERM before SIGKILL.
+
+    Yields:
+        The process and its bound address. If it is still running when the block
+        ends it is sent SIGTERM (which drains it) and waited for.
+    """
+    async with _open_daemon_process(
+        "execserver",
+        config,
+        log_level=log_level,
+        ready_within=ready_within,
+        stop_within=stop_within,
+    ) as daemon:
+        yield daemon
+
+
+@asynccontextmanager
+async def open_fylr_process(
+    config: str | os.PathLike[str],
+    *,
+    log_level: str = "warning",
+    ready_within: float = 120.0,
+    stop_within: float = 60.0,
+) -> AsyncIterator[DaemonProcess]:
+    """Run ``trio-broker fylr`` in a subprocess until the block ends.
+
+    Like :func:`open_execserver_process`; the fylr's file API is at the
+    :attr:`DaemonProcess.http_url`. It is ready once its database is up and its
+    listener bound (a first start with a private PostgreSQL cluster runs
+    ``initdb``, hence the longer ``ready_within``).
+
+    Args:
+        config: a configuration file, or YAML text (a ``str`` with a newline).
+        log_level: the daemon's ``--log-level``.
+        ready_within: seconds to wait until it serves.
+        stop_within: at the end, seconds to wait after SIGTERM before SIGKILL.
+
+    Yields:
+        The process and its bound address. If it is still running when the block
+        ends it is sent SIGTERM (a graceful stop) and waited for.
+    """
+    async with _open_daemon_process(
+        "fylr",
+        config,
+        log_level=log_level,
+        ready_within=ready_within,
+        stop_within=stop_within,
+    ) as daemon:
+        yield daemon
+
+
+@asynccontextmanager
+async def _open_daemon_process(
+    command: str,
+    config: str | os.PathLike[str],
+    *,
+    log_level: str,
+    ready_within: float,
+    stop_within: float,
+) -> AsyncIterator[DaemonProcess]:
+    with tempfile.TemporaryDirectory(prefix="trio-broker-daemon-") as tmp:
+        if isinstance(config, str) and "\n" in config:
+            path = Path(tmp) / f"{command}.yml"
+            path.write_text(config)
+        else:
+            path = Path(config)
+        ready = Path(tmp) / "ready"
+        os.mkfifo(ready)
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "trio_broker_daemons", "--log-level", log_level, command,
+             "--config", str(path), "--ready-file", str(ready)],
+        )  # fmt: skip
+        try:
+            with trio.fail_after(ready_within):
+                text = await _read_fifo(ready, process, command)
+            host, port = text.split()
+            yield DaemonProcess(process=process, host=host, port=int(port))
+        finally:
+            with trio.CancelScope(shield=True):
+                if process.returncode is None:
+                    process.send_signal(signal.SIGTERM)
+                    with trio.move_on_after(stop_within):
+                        await process.wait()
+                if process.returncode is None:
+                    process.kill()
+                await process.wait()
+
+
+async def _read_fifo(ready: Path, process: trio.Process, command: str = "execserver") -> str:
+    """The FIFO's contents, or an error if the daemon exits before writing them."""
+    result: list[str] = []
+    exited: list[int] = []
+    async with trio.open_nursery() as nursery:
+
+        async def read() -> None:
+            result.append(await trio.to_thread.run_sync(ready.read_text, abandon_on_cancel=True))
+            nursery.cancel_scope.cancel()
+
+        async def watch() -> None:
+            exited.append(await process.wait())
+            # unblock the reader, which waits for a writer that will never come
+            with contextlib.suppress(OSError):
+                os.close(os.open(ready, os.O_WRONLY | os.O_NONBLOCK))
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(read)
+        nursery.start_soon(watch)
+    if not result or not result[0].strip():
+        status = exited[0] if exited else process.returncode
+        raise RuntimeError(f"the {command} exited with status {status} before listening")
+    return result[0]

@@ -1,0 +1,1 @@
+"""Tests of the sans-IO core (trio_broker/core)."""

@@ -1,0 +1,211 @@
+"""The admission arithmetic: fair shares, headroom, idle slots, waiting jobs, the odd reserve."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from trio_broker.core.admission import (
+    AdmissionConfig,
+    ClaimPlan,
+    InstanceLoad,
+    auto_max_in_flight,
+    exec_limit,
+    fair_share,
+    is_odd,
+    odd_reserve,
+    plan_claims,
+)
+
+CONFIG = AdmissionConfig(headroom=2, odd_reserve=2, max_in_flight=0, db_pool=10)
+
+
+def load(processes: int, clients: int, idle: int = 0, instance_id: str = "a") -> InstanceLoad:
+    return InstanceLoad(instance_id=instance_id, processes=processes, clients=clients, idle=idle)
+
+
+loads_strategy = st.lists(
+    st.builds(
+        InstanceLoad,
+        instance_id=st.text(min_size=1, max_size=4),
+        processes=st.integers(0, 128),
+        clients=st.integers(0, 64),
+        idle=st.integers(0, 128),
+    ),
+    max_size=6,
+)
+configs = st.builds(
+    AdmissionConfig,
+    headroom=st.integers(0, 8),
+    odd_reserve=st.integers(0, 8),
+    max_in_flight=st.integers(0, 200),
+    db_pool=st.integers(1, 64),
+    use_idle=st.booleans(),
+)
+
+
+def test_admission_imports_no_trio() -> None:
+    """The admission module is pure: importing it alone does not import trio."""
+    code = "import sys, trio_broker.core.admission; sys.exit('trio' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_five_clients_on_forty_slots_get_ten_each() -> None:
+    """Forty slots shared by five clients admit 8 + 2 headroom each; with four left, 12."""
+    assert exec_limit([load(40, 5)], waiting=0, queue_deep=True, config=CONFIG) == 10
+    assert exec_limit([load(40, 4)], waiting=0, queue_deep=True, config=CONFIG) == 12
+
+
+def test_fair_share_rounds_up_per_instance() -> None:
+    """Each instance's share is rounded up on its own, and a client count of 0 counts as 1."""
+    assert fair_share([load(10, 3), load(1, 4, instance_id="b")]) == 4 + 1
+    assert fair_share([load(6, 0)]) == 6
+    assert fair_share([]) == 0
+
+
+def test_no_execserver_means_no_exec_admission() -> None:
+    """Without a connected instance (or with only empty pools) nothing exec-bound is admitted."""
+    assert exec_limit([], waiting=0, queue_deep=True, config=CONFIG) == 0
+    assert exec_limit([load(0, 3, idle=5)], waiting=0, queue_deep=True, config=CONFIG) == 0
+
+
+def test_idle_slots_raise_the_limit_only_when_deep_and_nothing_waits() -> None:
+    """Idle slots count (split among the clients) only while the queue is deep and no job waits."""
+    loads = [load(8, 2, idle=3)]
+    base = 4 + 2
+    assert exec_limit(loads, waiting=0, queue_deep=False, config=CONFIG) == base
+    assert exec_limit(loads, waiting=0, queue_deep=True, config=CONFIG) == base + 2
+    assert exec_limit(loads, waiting=1, queue_deep=True, config=CONFIG) == base  # no idle bonus
+    no_idle = AdmissionConfig(use_idle=False)
+    assert exec_limit(loads, waiting=0, queue_deep=True, config=no_idle) == base
+
+
+def test_waiting_jobs_beyond_the_headroom_lower_the_limit_down_to_zero() -> None:
+    """Waiting jobs within the headroom are its pipelining and leave the limit; each one
+    beyond it lowers the limit by one, never below zero."""
+    assert exec_limit([load(8, 1)], waiting=2, queue_deep=False, config=CONFIG) == 10
+    assert exec_limit([load(8, 1)], waiting=3, queue_deep=False, config=CONFIG) == 9
+    assert exec_limit([load(8, 1)], waiting=50, queue_deep=False, config=CONFIG) == 0
+
+
+def test_caps() -> None:
+    """max_in_flight caps the limit; 0 means 4 × base, at least 32, at most 2 × the db pool."""
+    fixed = AdmissionConfig(max_in_flight=5)
+    assert exec_limit([load(40, 1)], waiting=0, queue_deep=False, config=fixed) == 5
+    assert auto_max_in_flight(1, db_pool=100) == 32
+    assert auto_max_in_flight(20, db_pool=100) == 80
+    assert auto_max_in_flight(20, db_pool=10) == 20
+    big = [load(100, 1, idle=100)]
+    assert exec_limit(big, waiting=0, queue_deep=True, config=CONFIG) == 20
+
+
+def test_odd_reserve_keeps_half_for_even() -> None:
+    """The reserve is at most the configured count and at most half the limit."""
+    assert [odd_reserve(n, 2) for n in range(6)] == [0, 0, 1, 1, 2, 2]
+    assert odd_reserve(100, 0) == 0
+
+
+def test_is_odd_covers_negative_bands() -> None:
+    """Odd priorities are the high variants of every band, negative ones included."""
+    assert [p for p in range(-3, 6) if is_odd(p)] == [-3, -1, 1, 3, 5]
+
+
+def test_plan_when_even_items_fill_the_general_slots() -> None:
+    """With even items holding limit - reserve slots, only odd items may be claimed."""
+    plan = plan_claims(
+        exec_limit=10,
+        reserve=2,
+        exec_in_flight=8,
+        even_in_flight=8,
+        local_limit=4,
+        local_in_flight=1,
+    )
+    assert plan == ClaimPlan(general=0, odd_only=2, local=3)
+    assert plan.total == 5
+    assert plan.exec_total == 2
+
+
+def test_plan_rejects_inconsistent_counts() -> None:
+    """A caller passing impossible counts gets an error naming them."""
+    with pytest.raises(ValueError, match="even_in_flight"):
+        plan_claims(
+            exec_limit=4,
+            reserve=0,
+            exec_in_flight=1,
+            even_in_flight=2,
+            local_limit=0,
+            local_in_flight=0,
+        )
+    with pytest.raises(ValueError, match="reserve"):
+        plan_claims(
+            exec_limit=1,
+            reserve=2,
+            exec_in_flight=0,
+            even_in_flight=0,
+            local_limit=0,
+            local_in_flight=0,
+        )
+
+
+@given(loads=loads_strategy, waiting=st.integers(0, 100), deep=st.booleans(), config=configs)
+def test_limit_bounds(
+    loads: list[InstanceLoad], waiting: int, deep: bool, config: AdmissionConfig
+) -> None:
+    """The limit is never negative, never above the cap, and 0 whenever the fair share is 0."""
+    limit = exec_limit(loads, waiting=waiting, queue_deep=deep, config=config)
+    base = fair_share(loads)
+    cap = config.max_in_flight or auto_max_in_flight(base, config.db_pool)
+    assert 0 <= limit <= cap
+    if base == 0:
+        assert limit == 0
+    else:
+        assert limit <= base + config.headroom + sum(
+            math.ceil(x.idle / max(1, x.clients)) for x in loads
+        )
+
+
+@given(loads=loads_strategy, waiting=st.integers(0, 100), config=configs)
+def test_limit_monotone(loads: list[InstanceLoad], waiting: int, config: AdmissionConfig) -> None:
+    """More waiting jobs never raise the limit; a deep queue never lowers it."""
+    for deep in (False, True):
+        more = exec_limit(loads, waiting=waiting + 1, queue_deep=deep, config=config)
+        assert more <= exec_limit(loads, waiting=waiting, queue_deep=deep, config=config)
+    shallow = exec_limit(loads, waiting=waiting, queue_deep=False, config=config)
+    assert exec_limit(loads, waiting=waiting, queue_deep=True, config=config) >= shallow
+
+
+@given(
+    limit=st.integers(0, 60),
+    reserve_conf=st.integers(0, 8),
+    steps=st.lists(st.tuples(st.booleans(), st.lists(st.booleans(), max_size=70)), max_size=20),
+)
+def test_claims_respect_limit_and_reserve(
+    limit: int, reserve_conf: int, steps: list[tuple[bool, list[bool]]]
+) -> None:
+    """Claiming what each plan allows (the queue offering items in any parity), then finishing
+    some, never puts more than the limit in flight nor even items into the reserve."""
+    reserve = odd_reserve(limit, reserve_conf)
+    in_flight: list[bool] = []  # True = odd
+    for finish_one, queue in steps:
+        if finish_one and in_flight:
+            in_flight.pop(0)
+        plan = plan_claims(
+            exec_limit=limit,
+            reserve=reserve,
+            exec_in_flight=len(in_flight),
+            even_in_flight=in_flight.count(False),
+            local_limit=0,
+            local_in_flight=0,
+        )
+        assert plan.exec_total == max(0, limit - len(in_flight))
+        queue = list(queue)
+        general = queue[: plan.general]  # the general claim takes the best items, any parity
+        rest: list[bool] = [odd for odd in queue[plan.general :] if odd]
+        in_flight.extend(general + rest[: plan.odd_only])
+        assert len(in_flight) <= limit
+        assert in_flight.count(False) <= limit - reserve

@@ -1,0 +1,499 @@
+"""The broker core with explicit clocks: HELLO, idle, liveness, positions, limits."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from trio_broker.core import protocol as p
+from trio_broker.core.book import WantBook
+from trio_broker.core.broker import (
+    AbortJob,
+    Broker,
+    BrokerConfig,
+    BrokerUsageError,
+    CloseConnection,
+    Drained,
+    StartJob,
+)
+from trio_broker.core.pool import PoolConfig, SlotPool
+from trio_broker.testing.values import receipt as make_receipt
+
+
+def make_broker(
+    size: int = 2,
+    *,
+    services: dict[str, int] | None = None,
+    now: float = 100.0,
+    **pool: Any,
+) -> Broker:
+    """A broker whose services start unmeasured with the whole pool to share."""
+    tokens = itertools.count()
+    pool.setdefault("unknown_share", 1.0)
+    config = BrokerConfig(
+        instance_id="inst",
+        name="exec",
+        pool=PoolConfig(size=size, max_slots=services or {"s": 0}, **pool),
+        token_factory=lambda: f"token-{next(tokens):016d}",
+    )
+    return Broker(config, now=now)
+
+
+def receipt(status: p.Status = "ok", duration: float = 1.0, peak: int | None = None) -> p.Receipt:
+    return make_receipt(status, duration=duration, peak_memory=peak)
+
+
+class Harness:
+    """A broker plus one registered connection per name, with frames sorted by connection."""
+
+    def __init__(self, broker: Broker, *names: str, now: float = 100.0) -> None:
+        self.broker = broker
+        self.now = now
+        self.conns: dict[str, int] = {}
+        for name in names:
+            self.open(name)
+        self.frames()
+
+    def open(self, name: str, register: bool = True) -> int:
+        conn = self.broker.open_connection("127.0.0.1:7000", now=self.now)
+        self.conns[name] = conn
+        if register:
+            self.send(name, p.Register(backend_id=name, name=name, version="1"))
+        return conn
+
+    def send(self, name: str, message: p.Message | str) -> None:
+        if isinstance(message, str):
+            self.broker.receive_text(self.conns[name], message, now=self.now)
+        else:
+            self.broker.receive(self.conns[name], message, now=self.now)
+
+    def at(self, when: float) -> None:
+        self.now = when
+        self.broker.tick(now=when)
+
+    def frames(self, name: str | None = None) -> list[p.Message]:
+        frames = self.broker.frames_to_send()
+        if name is None:
+            return [m for _, m in frames]
+        return [m for c, m in frames if c == self.conns[name]]
+
+    def want(self, name: str, job_id: str, service: str = "s", priority: int = 0) -> p.Message:
+        self.send(name, p.Want(job_id=job_id, service=service, priority=priority))
+        (answer,) = [m for m in self.frames(name) if not isinstance(m, p.Hello)]
+        return answer
+
+    def start(self, name: str, job_id: str, service: str = "s") -> int:
+        offer = self.want(name, job_id, service)
+        assert isinstance(offer, p.Offer), offer
+        self.send(
+            name, p.Job(job_id=job_id, token=offer.token, service=service, subject=None, job={})
+        )
+        (start,) = [e for e in self.broker.effects() if isinstance(e, StartJob)]
+        return start.run_id
+
+
+# -- HELLO -------------------------------------------------------------------------
+
+
+def test_first_hello_at_once_and_counts_clients() -> None:
+    broker = make_broker()
+    first = broker.open_connection("127.0.0.1:7000", now=100.0)
+    (hello,) = [m for _, m in broker.frames_to_send()]
+    assert isinstance(hello, p.Hello)
+    assert (hello.clients, hello.idle, hello.processes, hello.addr) == (1, 0, 2, "127.0.0.1:7000")
+    second = broker.open_connection("[::1]:7000", now=100.2)
+    frames = broker.frames_to_send()
+    # the newcomer hears at once; the first connection only at the end of its window
+    assert [(c, m.clients) for c, m in frames if isinstance(m, p.Hello)] == [(second, 2)]
+    assert broker.hello_for(second).addr == "[::1]:7000"
+    assert broker.next_deadline() == pytest.approx(101.0)
+    broker.tick(now=101.0)
+    hellos = [(c, m) for c, m in broker.frames_to_send() if isinstance(m, p.Hello)]
+    assert [(c, m.clients, m.idle) for c, m in hellos] == [(first, 2, 2)]
+    broker.tick(now=101.2)  # the newcomer's window ends later; idle changed meanwhile
+    hellos = [(c, m) for c, m in broker.frames_to_send() if isinstance(m, p.Hello)]
+    assert [(c, m.clients, m.idle) for c, m in hellos] == [(second, 2, 2)]
+
+
+def test_changes_inside_the_window_are_coalesced() -> None:
+    """Several changes within one second give one HELLO with the latest content."""
+    h = Harness(make_broker(), "a")
+    for offset in (0.1, 0.2, 0.3):
+        h.now = 100 + offset
+        h.open(f"x{offset}", register=False)
+    assert not [m for m in h.frames("a") if isinstance(m, p.Hello)]
+    h.at(101.0)
+    hellos = [m for m in h.frames("a") if isinstance(m, p.Hello)]
+    assert [m.clients for m in hellos] == [4]
+
+
+def test_a_change_that_reverts_inside_the_window_sends_nothing() -> None:
+    h = Harness(make_broker(), "a")
+    h.at(101.0)
+    h.frames()  # idle became 2 after the first full second
+    h.now = 101.2
+    h.open("b", register=False)
+    h.broker.close_connection(h.conns["b"], now=101.3)
+    h.at(102.5)
+    assert not [m for m in h.frames("a") if isinstance(m, p.Hello)]
+
+
+def test_an_idle_execserver_sends_no_hello() -> None:
+    h = Harness(make_broker(), "a")
+    h.at(101.0)
+    assert [m.idle for m in h.frames("a") if isinstance(m, p.Hello)] == [2]
+    assert h.broker.next_deadline() is not None  # liveness only
+    for second in range(102, 200):
+        h.at(float(second))
+        h.send("a", p.Pong(nonce="x"))
+    assert not [m for m in h.frames("a") if isinstance(m, p.Hello)]
+
+
+def test_draining_hello_goes_out_at_once() -> None:
+    h = Harness(make_broker(), "a")
+    h.now = 100.5
+    h.open("b", register=False)  # a's next HELLO would wait until 101.0
+    h.broker.drain(now=100.6)
+    hellos = [m for m in h.frames("a") if isinstance(m, p.Hello)]
+    assert len(hellos) == 1
+    assert (hellos[0].draining, hellos[0].services, hellos[0].processes) == (True, {}, 0)
+
+
+# -- idle ----------------------------------------------------------------------------
+
+
+def test_idle_is_the_smallest_free_count_of_the_last_second_minus_the_reserve() -> None:
+    h = Harness(make_broker(size=4, fast_reserve=1), "a")
+    assert h.broker.idle() == 0  # until the first full second
+    h.at(100.5)
+    offer = h.want("a", "j1")  # an offered slot is not free
+    assert isinstance(offer, p.Offer)
+    h.send("a", p.Decline(token=offer.token))
+    h.at(101.0)
+    assert h.broker.idle() == 2  # min free 3 during [100, 101), minus the reserve
+    h.at(102.0)
+    assert h.broker.idle() == 3  # all 4 free through [101, 102)
+    h.at(110.0)
+    assert h.broker.idle() == 3
+
+
+def test_idle_never_goes_below_zero() -> None:
+    h = Harness(make_broker(size=2, fast_reserve=1), "a")
+    h.start("a", "j1")
+    h.start("a", "j2")
+    h.at(103.0)
+    assert h.broker.idle() == 0
+
+
+# -- liveness ---------------------------------------------------------------------------
+
+
+def test_ping_after_sending_nothing_for_the_interval() -> None:
+    h = Harness(make_broker(), "a")
+    h.at(101.0)  # the idle figure changes: a HELLO is the last frame sent
+    h.frames()
+    h.at(105.9)
+    assert not [m for m in h.frames("a") if isinstance(m, p.Ping)]
+    h.at(106.0)
+    pings = [m for m in h.frames("a") if isinstance(m, p.Ping)]
+    assert len(pings) == 1
+    h.send("a", p.Ping(nonce="theirs"))
+    assert h.frames("a") == [p.Pong(nonce="theirs")]
+
+
+def test_silent_peer_is_closed_after_ping_timeout() -> None:
+    h = Harness(make_broker(), "a", "b")
+    offer = h.want("a", "j")
+    assert isinstance(offer, p.Offer)
+    h.at(110.0)
+    h.send("b", "not even json")  # any frame is a sign of life
+    h.at(115.0)
+    effects = h.broker.effects()
+    assert effects == [
+        CloseConnection(conn=h.conns["a"], code=1001, reason="nothing received for 15s")
+    ]
+    assert h.conns["a"] not in h.broker.connections()
+    assert h.broker.pool.busy == 0  # its offer was released
+    h.at(125.0)
+    assert [e for e in h.broker.effects() if isinstance(e, CloseConnection)] == [
+        CloseConnection(conn=h.conns["b"], code=1001, reason="nothing received for 15s")
+    ]
+
+
+# -- offers, jobs, positions --------------------------------------------------------------
+
+
+def test_tokens_are_url_safe_128_bit_values() -> None:
+    broker = Broker(
+        BrokerConfig(
+            instance_id="i",
+            name="n",
+            pool=PoolConfig(size=64, max_slots={"s": 0}, unknown_share=1.0),
+        ),
+        now=0.0,
+    )
+    h = Harness(broker, "a", now=0.0)
+    tokens = set()
+    for n in range(64):
+        offer = h.want("a", f"j{n}")
+        assert isinstance(offer, p.Offer)
+        assert len(offer.token) >= 22
+        assert set(offer.token) <= set(
+            "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+        )
+        tokens.add(offer.token)
+    assert len(tokens) == 64
+
+
+def test_position_replays_the_grant_rule() -> None:
+    """ahead counts higher priorities, then the dealing order of the rotation."""
+    h = Harness(make_broker(size=1, unknown_share=1.0), "a", "b", "c")
+    h.start("a", "running")
+    for job_id in ("a1", "a2", "a3"):
+        h.want("a", job_id)
+    h.want("b", "b1")
+    h.want("c", "c1")
+    h.want("c", "c2")
+    h.want("b", "urgent", priority=9)
+    h.send("c", p.Query(job_id="c2"))
+    (position,) = h.frames("c")
+    # urgent; then dealing a1 b1 c1 a2 (b has no second) c2
+    assert position == p.Position(job_id="c2", running=1, ahead=5, capacity=1, eta_s=None)
+    h.send("a", p.Query(job_id="running"))
+    assert h.frames("a") == [
+        p.Position(job_id="running", running=1, ahead=0, capacity=1, eta_s=0.0)
+    ]
+
+
+def test_eta_uses_the_rolling_mean_runtime() -> None:
+    h = Harness(make_broker(size=1, unknown_share=1.0, heavy_threshold=100.0), "a")
+    run = h.start("a", "first")
+    h.broker.job_ended(run, receipt(duration=30.0), now=h.now)
+    h.frames()
+    h.start("a", "second")
+    for job_id in ("w1", "w2", "w3"):
+        h.want("a", job_id)
+    h.send("a", p.Query(job_id="w3"))
+    (position,) = h.frames("a")
+    assert isinstance(position, p.Position)
+    assert (position.ahead, position.capacity, position.eta_s) == (2, 1, 90.0)
+
+
+def test_done_carries_the_receipt_with_our_instance_id() -> None:
+    h = Harness(make_broker(), "a")
+    run = h.start("a", "j")
+    h.broker.job_ended(run, receipt(status="failed"), now=h.now)
+    (done,) = h.frames("a")
+    assert isinstance(done, p.Done)
+    assert (done.job_id, done.receipt.status, done.receipt.instance_id) == ("j", "failed", "inst")
+
+
+def test_cancel_of_running_job_aborts_it_once() -> None:
+    h = Harness(make_broker(), "a")
+    run = h.start("a", "j")
+    h.send("a", p.Cancel(job_id="j"))
+    h.send("a", p.Cancel(job_id="j"))
+    assert h.broker.effects() == [
+        AbortJob(run_id=run, status="cancelled", reason="cancelled by the client")
+    ]
+    assert h.frames("a") == []
+
+
+def test_unwant_of_unknown_ids_and_foreign_tokens_are_silent() -> None:
+    h = Harness(make_broker(size=1), "a", "b")
+    offer = h.want("a", "j")
+    assert isinstance(offer, p.Offer)
+    h.send("b", p.Unwant(job_id="j"))
+    h.send("b", p.Decline(token=offer.token))
+    assert h.frames() == []
+    assert h.broker.pool.busy == 1  # a's offer is untouched
+
+
+# -- the pool ---------------------------------------------------------------------------------
+
+
+def test_classification_and_the_fast_reserve() -> None:
+    """A measured heavy service never takes the last fast_reserve slots; light ones do."""
+    broker = make_broker(
+        size=3, fast_reserve=1, heavy_threshold=10.0, unknown_share=1.0,
+        services={"video": 0, "meta": 0},
+    )  # fmt: skip
+    h = Harness(broker, "a")
+    run = h.start("a", "warm-video", "video")
+    broker.job_ended(run, receipt(duration=60.0), now=h.now)
+    h.frames()
+    run = h.start("a", "warm-meta", "meta")
+    broker.job_ended(run, receipt(duration=0.2), now=h.now)
+    h.frames()
+    assert broker.pool.kind("video") == "heavy"
+    assert broker.pool.kind("meta") == "light"
+    assert isinstance(h.want("a", "v1", "video"), p.Offer)
+    assert isinstance(h.want("a", "v2", "video"), p.Offer)
+    assert isinstance(h.want("a", "v3", "video"), p.Queued)  # the last slot is reserved
+    assert isinstance(h.want("a", "m1", "meta"), p.Offer)  # ... for light work
+
+
+def test_unknown_services_share_a_part_of_the_pool() -> None:
+    h = Harness(make_broker(size=4, unknown_share=0.5), "a")
+    assert isinstance(h.want("a", "u1"), p.Offer)
+    assert isinstance(h.want("a", "u2"), p.Offer)
+    assert isinstance(h.want("a", "u3"), p.Queued)
+
+
+def test_memory_budget_with_learned_footprints() -> None:
+    broker = make_broker(size=4, unknown_share=1.0, memory_budget=1000)
+    h = Harness(broker, "a")
+    run = h.start("a", "measure")
+    broker.job_ended(run, receipt(peak=400), now=h.now)
+    h.frames()
+    assert broker.pool.services["s"].footprint == 400
+    assert isinstance(h.want("a", "m1"), p.Offer)
+    assert isinstance(h.want("a", "m2"), p.Offer)
+    assert isinstance(h.want("a", "m3"), p.Queued)  # 3 x 400 > 1000
+    assert broker.pool.free == 2
+
+
+def test_a_footprint_above_the_budget_still_runs_alone() -> None:
+    pool = SlotPool(PoolConfig(size=2, memory_budget=100, unknown_share=1.0, max_slots={"s": 0}))
+    pool.record("s", receipt(peak=500))
+    assert pool.fits("s")
+    reserved = pool.acquire("s")
+    assert reserved == 500
+    assert not pool.fits("s")
+
+
+def test_max_slots_caps_a_service() -> None:
+    h = Harness(make_broker(size=4, unknown_share=1.0, services={"ffmpeg": 2, "x": 0}), "a")
+    assert isinstance(h.want("a", "f1", "ffmpeg"), p.Offer)
+    assert isinstance(h.want("a", "f2", "ffmpeg"), p.Offer)
+    assert isinstance(h.want("a", "f3", "ffmpeg"), p.Queued)
+    assert isinstance(h.want("a", "x1", "x"), p.Offer)  # no head-of-line blocking
+
+
+# -- draining --------------------------------------------------------------------------------
+
+
+def test_drain_withdraws_offers_then_reports_drained_after_the_last_job() -> None:
+    h = Harness(make_broker(size=2), "a")
+    run = h.start("a", "running")
+    offer = h.want("a", "offered")
+    assert isinstance(offer, p.Offer)
+    h.broker.drain(now=h.now)
+    assert h.broker.pool.busy == 1
+    assert h.broker.effects() == []
+    h.send("a", p.Job(job_id="offered", token=offer.token, service="s", job={}))
+    assert [m for m in h.frames("a") if isinstance(m, p.Error)][-1].code == "draining"
+    h.broker.job_ended(run, receipt(), now=h.now)
+    assert h.broker.effects() == [Drained()]
+    assert h.broker.drained
+
+
+def test_drain_timeout_and_stop() -> None:
+    h = Harness(make_broker(size=2), "a")
+    first = h.start("a", "first")
+    h.broker.drain(now=h.now)
+    for _ in range(6):  # keep the connection alive through the drain timeout
+        h.at(h.now + 10.0)
+        h.send("a", p.Pong(nonce="alive"))
+    assert h.broker.effects() == [
+        AbortJob(run_id=first, status="stopped", reason="drain_timeout of 60s expired")
+    ]
+    h.broker.stop(now=h.now)
+    assert h.broker.effects() == []  # already being stopped: not twice
+
+
+# -- errors and misuse -------------------------------------------------------------------------
+
+
+def test_error_precedence_not_registered_before_draining() -> None:
+    h = Harness(make_broker())
+    h.open("a", register=False)
+    h.broker.drain(now=h.now)
+    h.frames()
+    h.send("a", p.Want(job_id="j", service="s", priority=0))
+    assert h.frames("a") == [
+        p.Error(code="not_registered", message="send REGISTER before WANT", job_id="j")
+    ]
+
+
+def test_caller_misuse_raises() -> None:
+    h = Harness(make_broker(), "a")
+    with pytest.raises(BrokerUsageError, match="time went backwards"):
+        h.broker.tick(now=h.now - 1)
+    with pytest.raises(BrokerUsageError, match="run 99 is not running"):
+        h.broker.job_ended(99, receipt(), now=h.now)
+
+
+# -- the book ------------------------------------------------------------------------------------
+
+
+def test_book_rotation_keeps_places_of_connections_passed_over() -> None:
+    """A connection with nothing that fits keeps its place in the rotation."""
+    book: WantBook[str] = WantBook()
+    book.add("heavy-only", "h1", "heavy", 0)
+    book.add("mixed", "l1", "light", 0)
+    book.add("mixed", "l2", "light", 0)
+    assert book.rotation(0) == ["heavy-only", "mixed"]
+    picked = book.pick({"light"})
+    assert picked is not None
+    assert picked.job_id == "l1"
+    assert book.rotation(0) == ["heavy-only", "mixed"]  # passed over, kept its place
+    picked = book.pick({"light", "heavy"})
+    assert picked is not None
+    assert picked.job_id == "h1"
+    book.check_invariants()
+
+
+def test_book_no_head_of_line_blocking_within_a_connection() -> None:
+    book: WantBook[str] = WantBook()
+    book.add("c", "heavy-first", "heavy", 0)
+    book.add("c", "light-second", "light", 0)
+    picked = book.pick({"light"})
+    assert picked is not None
+    assert picked.job_id == "light-second"
+
+
+def test_book_rotation_stamps_are_renumbered() -> None:
+    """A connection passed over for ever does not let the bitsets grow without bound."""
+    book: WantBook[int] = WantBook()
+    book.add(99, "never-fits", "heavy", 0)
+    for conn in range(10):
+        book.add(conn, "blocked", "heavy", 0)
+        for n in range(200):
+            book.add(conn, f"l{n}", "light", 0)
+    for _ in range(5000):
+        picked = book.pick({"light"})
+        assert picked is not None
+        book.add(picked.conn, f"again-{picked.job_id}-{_}", "light", 0)
+    level = book._levels[0]
+    assert all(bits.bit_length() <= 4 * 11 + 1024 + 1 for bits in level.bits.values())
+    assert book.rotation(0)[0] == 99  # passed over all along: it kept the head
+    book.check_invariants()
+
+
+def test_book_fifo_across_fitting_services_of_one_connection() -> None:
+    """Among a connection's fitting wants the oldest wins, whatever its service."""
+    book: WantBook[str] = WantBook()
+    book.add("c", "first", "x", 0)
+    book.add("c", "second", "y", 0)
+    book.add("c", "third", "x", 0)
+    order = []
+    while (picked := book.pick({"x", "y"})) is not None:
+        order.append(picked.job_id)
+    assert order == ["first", "second", "third"]
+
+
+def test_book_first_connection_in_rotation_across_services() -> None:
+    """The rotation is one order for every service at a priority."""
+    book: WantBook[str] = WantBook()
+    book.add("early", "e1", "x", 0)
+    book.add("late", "l1", "y", 0)
+    book.add("early", "e2", "y", 0)
+    picked = book.pick({"y"})
+    assert picked is not None
+    assert picked.job_id == "e2"  # early is ahead of late in the rotation
+    picked = book.pick({"x", "y"})
+    assert picked is not None
+    assert picked.job_id == "l1"  # early moved to the tail

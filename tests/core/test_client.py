@@ -1,0 +1,343 @@
+"""The client core against real broker cores, with explicit clocks and a held network."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from trio_broker.core import protocol as p
+from trio_broker.core.broker import Broker, BrokerConfig, StartJob
+from trio_broker.core.client import (
+    Accepted,
+    ClientConfig,
+    ClientCore,
+    ClientUsageError,
+    Dial,
+    Failed,
+    Finished,
+)
+from trio_broker.core.pool import PoolConfig
+from trio_broker.testing.network import Network
+from trio_broker.testing.values import receipt
+
+QUIET = 1e6  # liveness is tested on its own; here time jumps far without traffic
+
+
+def broker(name: str, size: int = 1, services: tuple[str, ...] = ("s",)) -> Broker:
+    return Broker(
+        BrokerConfig(
+            instance_id=name,
+            name=name,
+            pool=PoolConfig(size=size, unknown_share=1.0, max_slots=dict.fromkeys(services, 0)),
+            ping_interval=QUIET,
+            ping_timeout=QUIET * 2,
+        ),
+        now=0.0,
+    )
+
+
+class Net(Network):
+    """The shared held network, plus a few shorthands for these tests."""
+
+    def __init__(self, client_config: ClientConfig, fleets: dict[str, list[Broker]]) -> None:
+        super().__init__(ClientCore(client_config, now=0.0), fleets)
+
+    @property
+    def started(self) -> list[tuple[int, StartJob]]:
+        """The runs not ended yet, in the order they started."""
+        return [(server, start) for (server, _), start in self.running.items()]
+
+    def submit(self, job_id: str, service: str = "s", priority: int = 0) -> None:
+        self.client.submit(job_id, service, {"n": 1}, priority=priority, now=self.now)
+        self.route()
+
+    def end(self, index: int = 0) -> None:
+        server, start = self.started[index]
+        self.end_run(server, start.run_id, receipt(duration=0.1))
+
+    def to_server(self, conn: int) -> list[p.Message]:
+        return list(self.links[conn].to_server)
+
+    def of(self, kind: type) -> list[Any]:
+        return [e for e in self.client_effects if isinstance(e, kind)]
+
+
+def config(*addresses: str, **overrides: Any) -> ClientConfig:
+    settings: dict[str, Any] = {"ping_interval": QUIET, "ping_timeout": QUIET * 2, **overrides}
+    return ClientConfig(
+        backend_id="me", name="client", version="1", addresses=addresses, **settings
+    )
+
+
+def test_register_first_then_park_on_every_connection_offering_the_service() -> None:
+    a, b, c = broker("a"), broker("b"), broker("c", services=("other",))
+    net = Net(config("A", "B", "C"), {"A": [a], "B": [b], "C": [c]})
+    net.dial_all()
+    first = [net.to_server(conn)[0] for conn in net.links]
+    assert all(isinstance(m, p.Register) for m in first)
+    net.flush()
+    net.submit("j")
+    parked = {conn for conn, link in net.links.items() if link.to_server}
+    assert net.client.parked_on("j") == frozenset(parked)
+    assert len(parked) == 2  # not on C, which does not offer "s"
+
+
+def test_first_offer_wins_surplus_is_declined_and_others_unwanted() -> None:
+    a, b = broker("a"), broker("b")
+    net = Net(config("A", "B"), {"A": [a], "B": [b]})
+    net.dial_all()
+    net.flush()
+    net.submit("j")
+    conn_a, conn_b = sorted(net.links)
+    net.deliver_to_server(conn_a)
+    net.deliver_to_server(conn_b)  # both execservers offer
+    assert isinstance(net.deliver_to_client(conn_b), p.Offer)  # B's offer arrives first
+    assert net.of(Accepted) == [Accepted(job_id="j", conn=conn_b)]
+    assert [m.TYPE for m in net.to_server(conn_a)] == ["UNWANT"]
+    assert isinstance(net.deliver_to_client(conn_a), p.Offer)  # A's crossed our UNWANT
+    assert [m.TYPE for m in net.to_server(conn_a)] == ["UNWANT", "DECLINE"]
+    net.flush()
+    assert a.pool.busy == 0
+    assert b.pool.busy == 1
+    net.end()
+    net.flush()
+    (finished,) = net.of(Finished)
+    assert finished.job_id == "j"
+    assert finished.receipt.instance_id == "b"
+
+
+def test_expired_offer_is_parked_again() -> None:
+    a = broker("a")
+    net = Net(config("A"), {"A": [a]})
+    net.dial_all()
+    net.flush()
+    net.submit("j")
+    (conn,) = net.links
+    net.deliver_to_server(conn)  # WANT -> OFFER, which stays in flight
+    net.at(10.0)  # the offer expires at the execserver
+    net.deliver_to_client(conn)  # the late OFFER: accepted, JOB sent
+    net.flush()  # JOB -> unknown_token; offer_expired; the client re-parks
+    assert net.client.parked_on("j") or net.started
+    net.flush()
+    assert len(net.started) == 1
+
+
+def test_connect_timeout_unwants_everywhere_and_fails() -> None:
+    a, b = broker("a"), broker("b")
+    net = Net(config("A", "B", connect_timeout=30.0, pool_max=1), {"A": [a], "B": [b]})
+    net.dial_all()
+    net.flush()
+    net.submit("busy-1")
+    net.flush()
+    net.submit("busy-2")
+    net.flush()
+    net.submit("starved")
+    net.flush()
+    assert len(a.book) + len(b.book) == 2
+    net.at(30.0)
+    net.flush()
+    assert net.of(Failed) == [
+        Failed(job_id="starved", reason="no_slot", detail="no slot within connect_timeout (30s)")
+    ]
+    assert len(a.book) + len(b.book) == 0
+
+
+def test_no_execserver_fails_at_once() -> None:
+    net = Net(config("A"), {"A": [broker("a")]})
+    net.submit("j")
+    assert net.of(Failed) == [
+        Failed(job_id="j", reason="no_execserver", detail="no execserver is connected")
+    ]
+
+
+def test_wants_are_parked_again_after_reconnect() -> None:
+    a = broker("a")
+    net = Net(config("A", reconnect_min=0.5), {"A": [a]})
+    net.dial_all()
+    net.flush()
+    net.submit("hold")
+    net.flush()
+    net.submit("waiting")
+    net.flush()
+    (conn,) = net.links
+    net.cut(conn)
+    assert net.of(Failed) == [
+        Failed(
+            job_id="hold",
+            reason="lost",
+            detail="the connection to A closed while the job held its slot",
+        )
+    ]
+    net.at(0.5)
+    net.dial_all()
+    net.flush()
+    assert [start.job_id for _, start in net.started] == ["hold"]
+    net.end(0)  # the execserver stopped the orphaned run: its slot frees
+    net.flush()
+    assert [start.job_id for _, start in net.started] == ["waiting"]
+
+
+def test_pool_grows_through_the_balancer_until_it_meets_a_known_replica() -> None:
+    replicas = [broker("r1"), broker("r2")]
+    net = Net(
+        config("LB", retry_tick=1.0, pool_grow_interval=2.0, pool_reprobe_interval=60.0),
+        {"LB": replicas},
+    )
+    net.dial_all()
+    net.flush()
+    net.submit("busy")
+    net.flush()
+    net.submit("waiting")
+    net.flush()
+    assert len(net.client.pool("LB")) == 1
+    net.at(1.0)  # a whole retry tick without an offer: one more connection
+    assert len(net.dials) == 1
+    net.dial_all()
+    net.flush()
+    assert len(net.started) == 2  # the second replica took the waiting job
+    net.submit("third")
+    net.flush()
+    net.at(3.0)
+    net.dial_all()  # lands on r1 again: a duplicate instance
+    net.flush()
+    assert net.client.covered("LB")
+    assert len(net.client.pool("LB")) == 2
+    net.at(10.0)
+    assert not net.dials  # covered: no growth
+    net.at(63.0)  # re-probe clears the mark
+    assert not net.client.covered("LB")
+
+
+def test_growth_is_capped_by_pool_max() -> None:
+    replicas = [broker(f"r{i}") for i in range(5)]
+    net = Net(config("LB", pool_max=3, pool_grow_interval=1.0), {"LB": replicas})
+    net.dial_all()
+    net.flush()
+    for i in range(10):
+        net.submit(f"j{i}")
+        net.flush()
+    for second in range(1, 20):
+        net.at(float(second))
+        net.dial_all()
+        net.flush()
+    assert len(net.client.pool("LB")) == 3
+
+
+def test_cancel_waiting_and_running() -> None:
+    a = broker("a")
+    net = Net(config("A"), {"A": [a]})
+    net.dial_all()
+    net.flush()
+    net.submit("running")
+    net.flush()
+    net.submit("waiting")
+    net.flush()
+    net.client.cancel("waiting", now=net.now)
+    net.route()
+    net.flush()
+    assert len(a.book) == 0
+    assert Failed(job_id="waiting", reason="cancelled", detail="cancelled by the caller") in (
+        net.client_effects
+    )
+    net.client.cancel("running", now=net.now)
+    net.route()
+    net.flush()
+    (conn,) = net.links
+    assert not net.to_server(conn)
+
+
+def test_draining_execserver_releases_the_wants_parked_there() -> None:
+    a, b = broker("a"), broker("b")
+    net = Net(config("A", "B"), {"A": [a], "B": [b]})
+    net.dial_all()
+    net.flush()
+    net.submit("x")
+    net.flush()
+    net.submit("y")
+    net.flush()
+    net.submit("z")
+    net.flush()
+    a.drain(now=net.now)
+    net.route()
+    net.flush()
+    conn_a = next(c for c, link in net.links.items() if net.brokers[link.server] is a)
+    assert conn_a not in net.client.parked_on("z")
+
+
+def test_duplicate_submit_is_a_usage_error() -> None:
+    net = Net(config("A"), {"A": [broker("a")]})
+    net.dial_all()
+    net.flush()
+    net.submit("j")
+    with pytest.raises(ClientUsageError):
+        net.client.submit("j", "s", {}, now=net.now)
+
+
+def test_unknown_service_and_all_draining_fail_at_once() -> None:
+    """submit() fails at once: unknown_service when no ready execserver announced the
+    service, no_execserver when every ready one drains."""
+    a = broker("a")
+    net = Net(config("A"), {"A": [a]})
+    net.dial_all()
+    net.flush()
+    net.submit("j", service="nobody-offers-this")
+    (failed,) = net.of(Failed)
+    assert (failed.reason, failed.job_id) == ("unknown_service", "j")
+    a.drain(now=net.now)
+    net.route()
+    net.flush()
+    net.submit("k")
+    assert [(f.job_id, f.reason) for f in net.of(Failed)][-1] == ("k", "no_execserver")
+
+
+def test_pipe_urls_are_completed_with_the_winning_connections_callback_base() -> None:
+    """A job's pipe members become URLs under the callback base of the connection whose
+    offer won, built from that connection's local address and the callback port."""
+    net = Net(config("A", callback_port=8123), {"A": [broker("a")]})
+    net.dial_all()
+    net.flush()
+    net.client.submit("j", "s", {"params": {}}, pipes={"stdin_url": "/pipe/x"}, now=net.now)
+    net.route()
+    net.flush()
+    (connection,) = net.brokers[0].statistics().connections
+    assert connection.register is not None
+    assert connection.register.callback_url == "http://10.0.0.2:8123"  # the network's client addr
+    ((_, start),) = net.started
+    assert start.job == {"params": {}, "stdin_url": "http://10.0.0.2:8123/pipe/x"}
+
+
+def test_pipes_need_a_callback_base() -> None:
+    """A job with pipes on a client with neither callback_url nor callback_port is refused."""
+    net = Net(config("A"), {"A": [broker("a")]})
+    net.dial_all()
+    net.flush()
+    with pytest.raises(ClientUsageError, match="callback_port"):
+        net.client.submit("j", "s", {}, pipes={"stdin_url": "/pipe/x"}, now=net.now)
+
+
+def test_reconnect_back_off_doubles_with_jitter_and_resets_on_hello() -> None:
+    """Failed dials are retried after half to all of a back-off that doubles up to
+    reconnect_max; a HELLO resets it to reconnect_min."""
+    core = ClientCore(config("A", reconnect_min=1.0, reconnect_max=4.0), now=0.0)
+    (dial,) = [e for e in core.effects() if isinstance(e, Dial)]
+    now, waits = 0.0, []
+    for _ in range(5):
+        core.dial_failed(dial.conn, now=now)
+        deadline = core.next_deadline()
+        assert deadline is not None
+        waits.append(deadline - now)
+        now = deadline
+        core.tick(now=now)
+        (dial,) = [e for e in core.effects() if isinstance(e, Dial)]
+    for wait, backoff in zip(waits, [1.0, 2.0, 4.0, 4.0, 4.0], strict=True):
+        assert backoff / 2 <= wait <= backoff
+    assert len(set(waits)) == len(waits)  # jittered, not lockstep
+    core.connected(dial.conn, local_addr="127.0.0.1:5", now=now)
+    hello = p.Hello(protocol=1, instance_id="i", name="n", services={}, processes=1,
+                    idle=0, clients=1, draining=False, addr="A")  # fmt: skip
+    core.receive(dial.conn, hello, now=now)
+    core.connection_closed(dial.conn, now=now)
+    deadline = core.next_deadline()
+    assert deadline is not None
+    assert 0.5 <= deadline - now <= 1.0

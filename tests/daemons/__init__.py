@@ -1,0 +1,1 @@
+"""Tests of the reference daemons (daemons/trio_broker_daemons)."""

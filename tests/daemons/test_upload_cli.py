@@ -1,0 +1,270 @@
+"""``trio-broker fylr`` and ``trio-broker upload`` as real processes, end to end.
+
+The execserver, the fylr and the upload command all run as subprocesses of the
+installed command line, against the test session's PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import re
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+import yaml
+from PIL import Image
+from trio_broker_daemons.processes import open_execserver_process, open_fylr_process
+
+REPOSITORY = Path(__file__).resolve().parents[2]
+CONVERTER = REPOSITORY / "examples" / "convert_image.py"
+WAIT = 180.0
+LINE = re.compile(r"^(?P<name>\S+): id (?P<id>\d+) (?P<status>\w+)(?: \((?P<versions>.*)\))?$")
+
+EXECSERVER = {
+    "listen": "127.0.0.1:0",
+    "name": "cli-exec",
+    "slots": 2,
+    "fast_reserve": 0,
+    "unknown_share": 1.0,
+    "services": {
+        "mime": {"argv": ["file", "--mime-type", "--brief", "-"]},
+        "sha256": {"argv": ["sha256sum"]},
+        "gzip": {"argv": ["gzip", "-c", "-n", "-{level}"]},
+        "thumbnail": {
+            "argv": [sys.executable, str(CONVERTER), "thumbnail", "--size", "{size}",
+                     "--format", "png"],
+        },
+    },
+}  # fmt: skip
+
+CLASSES = {
+    "text": {
+        "extensions": ["txt"],
+        "metadata": {"service": "mime"},
+        "versions": {
+            "gz": {"service": "gzip", "params": {"level": 6}, "mimetype": "application/gzip"},
+            "sha256": {"service": "sha256"},
+        },
+    },
+    "image": {
+        "extensions": ["png"],
+        "versions": {
+            "thumbnail": {"service": "thumbnail", "params": {"size": "32x32"}},
+            "sha256": {"service": "sha256"},
+        },
+    },
+    "data": {"extensions": ["bin"], "metadata": {"service": "mime"}},
+}
+EXPECTED_VERSIONS = {
+    "txt": {"gz", "sha256"},
+    "png": {"sha256", "thumbnail"},
+    "bin": set(),
+    "xyz": set(),
+}
+
+
+def trio_broker(*args: str) -> list[str]:
+    return [sys.executable, "-m", "trio_broker_daemons", *args]
+
+
+def fylr_config(dsn: str, state_dir: Path, execserver: str) -> str:
+    return yaml.safe_dump(
+        {
+            "listen": "127.0.0.1:0",
+            "name": "cli-fylr",
+            "state_dir": str(state_dir),
+            "database": dsn,
+            "database_pool": 6,
+            "execservers": [execserver],
+            "heartbeat_interval": "0.5s",
+            "stale_after": "2s",
+            "classes": CLASSES,
+        }
+    )
+
+
+def png(seed: int) -> bytes:
+    image = Image.new("RGB", (64 + seed, 48), (seed * 5 % 256, 120, 200))
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    return out.getvalue()
+
+
+def make_files(folder: Path) -> dict[str, bytes]:
+    """50 files of four kinds: text, images, data, and a class nobody configured."""
+    folder.mkdir()
+    files: dict[str, bytes] = {}
+    for n in range(20):
+        files[f"text-{n:02d}.txt"] = b"".join(b"%d: row %d\n" % (n, i) for i in range(300 + n))
+    for n in range(10):
+        files[f"image-{n:02d}.png"] = png(n)
+    for n in range(12):
+        files[f"data-{n:02d}.bin"] = hashlib.sha256(b"%d" % n).digest() * (50 + n)
+    for n in range(8):
+        files[f"other-{n:02d}.xyz"] = b"unclassified %d\n" % n
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    return files
+
+
+def parse(stdout: str) -> dict[str, tuple[int, str, dict[str, str]]]:
+    """The upload command's lines: name → (id, status, version → status)."""
+    found = {}
+    for line in stdout.splitlines():
+        match = LINE.match(line)
+        assert match is not None, line
+        versions: dict[str, str] = {}
+        if match["versions"]:
+            for item in match["versions"].split(", "):
+                name, _, status = item.partition(" ")
+                versions[name] = status
+        found[match["name"]] = (int(match["id"]), match["status"], versions)
+    return found
+
+
+async def upload_cli(
+    server: str, paths: Sequence[Path], *args: str
+) -> subprocess.CompletedProcess[bytes]:
+    with trio.fail_after(WAIT):
+        return await trio.run_process(
+            trio_broker("upload", *map(str, paths), "--server", server, *args),
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+
+
+async def test_fifty_uploads_of_mixed_classes_end_done_with_their_versions(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """Two upload commands at two priorities send 50 files; each ends done with its versions."""
+    files = make_files(tmp_path / "in")
+    paths = sorted(tmp_path / "in" / name for name in files)
+    async with open_execserver_process(yaml.safe_dump(EXECSERVER)) as execserver:
+        config = fylr_config(pg_dsn, tmp_path / "state", f"{execserver.host}:{execserver.port}")
+        async with open_fylr_process(config) as fylr:
+            results: list[subprocess.CompletedProcess[bytes]] = []
+
+            async def run(batch: Sequence[Path], priority: str) -> None:
+                results.append(
+                    await upload_cli(fylr.http_url, batch, "--priority", priority, "--wait")
+                )
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run, paths[0::2], "0")
+                nursery.start_soon(run, paths[1::2], "2")
+            outcomes: dict[str, tuple[int, str, dict[str, str]]] = {}
+            for result in results:
+                assert result.returncode == 0, result.stderr.decode()
+                outcomes.update(parse(result.stdout.decode()))
+            assert sorted(outcomes) == sorted(files)
+            for name, (_, status, versions) in outcomes.items():
+                assert status == "done", name
+                expected = EXPECTED_VERSIONS[name.rsplit(".", 1)[1]]
+                assert versions == dict.fromkeys(expected, "done"), name
+            async with httpx.AsyncClient(base_url=fylr.http_url, timeout=60) as http:
+                await check_contents(http, files, outcomes)
+                page = (await http.get("/inspect/system/fylr")).json()
+    assert page["files"]["original"] == {"done": 50}
+    assert page["files"]["version"] == {"done": 60}
+    # nothing failed or left to do (the last outcomes may still be being written)
+    assert page["queue"]["failed"] == page["queue"]["ready"] == page["queue"]["delayed"] == 0
+
+
+async def check_contents(
+    http: httpx.AsyncClient,
+    files: Mapping[str, bytes],
+    outcomes: Mapping[str, tuple[int, str, Mapping[str, str]]],
+) -> None:
+    """Spot checks: every version's bytes are what its command makes of the upload."""
+    for name in ("text-00.txt", "text-19.txt", "image-03.png", "data-05.bin"):
+        file_id = outcomes[name][0]
+        document: dict[str, Any] = (await http.get(f"/api/v1/eas/{file_id}")).json()
+        original = (await http.get(f"/api/v1/eas/download/{file_id}/original")).content
+        assert original == files[name]
+        if name.endswith(".txt"):
+            assert document["metadata"] == {"mimetype": "text/plain"}
+            gz = (await http.get(f"/api/v1/eas/download/{file_id}/gz")).content
+            assert gzip.decompress(gz) == files[name]
+        if name.endswith(".png"):
+            thumbnail = (await http.get(f"/api/v1/eas/download/{file_id}/thumbnail")).content
+            image = Image.open(io.BytesIO(thumbnail))
+            assert image.format == "PNG"
+            assert max(image.size) <= 32
+        if name.endswith(".bin"):
+            assert document["metadata"] == {"mimetype": "application/octet-stream"}
+        if "sha256" in document["versions"]:
+            line = (await http.get(f"/api/v1/eas/download/{file_id}/sha256")).content
+            assert line == hashlib.sha256(files[name]).hexdigest().encode() + b"  -\n"
+
+
+async def test_upload_without_wait_prints_each_id_and_url(pg_dsn: str, tmp_path: Path) -> None:
+    """Without --wait the command prints one line per file with its id and exits 0."""
+    (tmp_path / "a.bin").write_bytes(b"a")
+    (tmp_path / "b.xyz").write_bytes(b"b")
+    config = yaml.safe_dump(
+        {"listen": "127.0.0.1:0", "state_dir": str(tmp_path / "state"), "database": pg_dsn,
+         "database_pool": 2, "execservers": [], "classes": {}}
+    )  # fmt: skip
+    async with open_fylr_process(config) as fylr:
+        result = await upload_cli(fylr.http_url, [tmp_path / "a.bin", tmp_path / "b.xyz"])
+    assert result.returncode == 0, result.stderr.decode()
+    lines = result.stdout.decode().splitlines()
+    assert len(lines) == 2
+    for line, name in zip(lines, ("a.bin", "b.xyz"), strict=True):
+        assert re.fullmatch(
+            rf"{re.escape(name)}: id \d+ (pending|sync) {re.escape(fylr.http_url)}/api/v1/eas/\d+",
+            line,
+        ), line
+
+
+async def test_upload_to_an_unreachable_server_exits_1(tmp_path: Path) -> None:
+    """A fylr that cannot be reached makes the command say so for each file and exit 1."""
+    (tmp_path / "a.txt").write_bytes(b"a")
+    listener = trio.socket.socket()
+    with listener:  # a port nobody listens on: bound, never listening
+        await listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        result = await upload_cli(f"http://127.0.0.1:{port}", [tmp_path / "a.txt"], "--wait")
+    assert result.returncode == 1
+    assert result.stdout.decode().startswith("a.txt: not uploaded: cannot reach")
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("execservers: [\n", "line"),
+        ("execservers: []\nlisten: nowhere\n", "listen:"),
+        ("execservers: []\nheartbeat_interval: 10s\nstale_after: 15s\n", "stale_after:"),
+        (
+            "execservers: []\nclasses: {a: {extensions: [x], versions: {v: {service: s,"
+            " source: w}}}}\n",
+            "classes.a.versions.v.source:",
+        ),
+    ],
+    ids=["yaml", "listen", "stale-after", "source"],
+)
+def test_bad_fylr_config_exits_2_naming_the_key(tmp_path: Path, text: str, key: str) -> None:
+    """A bad configuration prints one line naming the key path and exits 2."""
+    config = tmp_path / "fylr.yml"
+    config.write_text(text)
+    result = subprocess.run(
+        trio_broker("fylr", "--config", str(config)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("trio-broker fylr: ")
+    assert key in lines[0]

@@ -1,0 +1,1 @@
+"""Helpers the tests share: a private PostgreSQL, wire peers, worker processes."""

@@ -1,0 +1,1 @@
+"""Tests of the public model-check harness (trio_broker/testing)."""

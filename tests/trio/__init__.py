@@ -1,0 +1,1 @@
+"""Tests of the trio layer (trio_broker/trio)."""

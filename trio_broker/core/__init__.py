@@ -1,0 +1,16 @@
+"""The sans-IO core: every rule of the broker protocol, with no I/O and no clock.
+
+Each object here is fed inputs (frames, timer ticks, job ends, each with ``now``)
+and asked what to do (frames to send, effects to carry out, when to be woken):
+the trio layer (:mod:`trio_broker.trio`) does the waiting and the I/O. Importing
+any module of this folder leaves trio unloaded.
+
+- :mod:`~trio_broker.core.protocol`: the wire messages and their codec.
+- :mod:`~trio_broker.core.book`, :mod:`~trio_broker.core.pool`,
+  :mod:`~trio_broker.core.broker`: the execserver side (want-book, slot pool, broker).
+- :mod:`~trio_broker.core.client`: the client side (pools, first offer wins).
+- :mod:`~trio_broker.core.sansio`, :mod:`~trio_broker.core.liveness`: what both sides share.
+- :mod:`~trio_broker.core.admission`: how much work a dispatcher may have in flight.
+- :mod:`~trio_broker.core.supervision`: the verdicts of a running job's watchdog.
+- :mod:`~trio_broker.core.errors`: every exception the library raises, by blame.
+"""

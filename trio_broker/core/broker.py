@@ -1,0 +1,985 @@
+"""The execserver's broker: the whole protocol as a sans-IO state machine.
+
+Theory of operation
+===================
+
+A :class:`Broker` is the decision logic of one execserver and nothing else. It
+never touches a socket, a process or a clock. The code around it (the trio layer,
+or a test) feeds it *inputs* and drains its *outputs*:
+
+inputs (each takes ``now``, a monotonic time in seconds; it never goes backwards)
+    :meth:`~Broker.open_connection`, :meth:`~Broker.receive_text` /
+    :meth:`~Broker.receive`, :meth:`~Broker.close_connection`,
+    :meth:`~Broker.job_ended`, :meth:`~Broker.callback_checked`,
+    :meth:`~Broker.tick`, :meth:`~Broker.drain`, :meth:`~Broker.stop`.
+
+outputs (drain after every input)
+    :meth:`~Broker.frames_to_send`: ``(connection, message)`` pairs, in order;
+    :meth:`~Broker.effects`: what the runner and the transport must do:
+    :class:`StartJob`, :class:`AbortJob`, :class:`CloseConnection`,
+    :class:`CheckCallback`, :class:`Drained`.
+
+timers
+    :meth:`~Broker.next_deadline` says when :meth:`~Broker.tick` is due next (or
+    None). Offer expiry, the one-second ``HELLO`` window, the per-second ``idle``
+    figure, liveness pings, the ``ping_timeout`` and the drain timeout all live
+    here, so a test drives every one of them with plain numbers.
+
+The life of a slot
+------------------
+
+``WANT`` parks a want in the :class:`~trio_broker.core.book.WantBook`. Whenever a slot
+may have become usable (a want arrived, a job ended, an offer was declined,
+withdrawn or expired, a connection closed), the broker runs the *grant loop*:
+while the :class:`~trio_broker.core.pool.SlotPool` has services that fit, the book
+picks the next want by the grant rule and the broker sends it an ``OFFER`` with a
+fresh single-use token; the slot is busy from that moment. ``JOB`` redeems the
+token and the broker emits :class:`StartJob`; :meth:`~Broker.job_ended` frees the
+slot, teaches the pool the service's runtime and memory, and sends ``DONE``.
+
+Invariants (:meth:`Broker.check_invariants`)
+--------------------------------------------
+
+* busy slots = outstanding offers + running jobs, within every pool limit;
+* *work-conserving*: after every input no free slot coexists with a parked want
+  whose service fits (the grant loop runs to exhaustion);
+* each job_id is live at most once per connection: parked, offered or running;
+* a closed connection leaves no want, offer or token behind; its running jobs are
+  being stopped and their receipts are not delivered.
+
+Errors by blame
+---------------
+
+A peer's bad frame never raises: it becomes an ``ERROR`` frame with the
+protocol's code and changes nothing else. A caller's misuse (an unknown
+connection or run id, time going backwards) raises :class:`BrokerUsageError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import secrets
+from collections import deque
+from collections.abc import Callable, Hashable
+from typing import Any, Final, Literal, TypeAlias
+
+import attrs
+
+from trio_broker.core import protocol as p
+from trio_broker.core.book import WantBook
+from trio_broker.core.liveness import Liveness
+from trio_broker.core.pool import PoolConfig, SlotPool
+from trio_broker.core.sansio import SansIOCore
+
+__all__ = [
+    "AbortJob",
+    "Broker",
+    "BrokerConfig",
+    "BrokerUsageError",
+    "CheckCallback",
+    "CloseConnection",
+    "Drained",
+    "Effect",
+    "StartJob",
+    "new_token",
+]
+
+ConnId: TypeAlias = int
+RunId: TypeAlias = int
+
+HELLO_INTERVAL: Final = 1.0
+"""Re-sent ``HELLO`` frames on one connection are at least this far apart."""
+
+CLOSE_GOING_AWAY: Final = 1001
+
+
+def new_token() -> str:
+    """A fresh offer token: 128 random bits, URL-safe, 22 characters."""
+    return secrets.token_urlsafe(16)
+
+
+class BrokerUsageError(RuntimeError):
+    """The code driving the broker misused it (not a peer's fault)."""
+
+
+# -- configuration and outputs --------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class BrokerConfig:
+    """Everything the broker decides with. Durations are seconds.
+
+    Attributes:
+        instance_id: random per process; lets clients tell replicas apart.
+        name: the host name shown to clients.
+        pool: the slot pool's limits and offered services.
+        offer_ttl: how long an offer waits for its ``JOB``.
+        ping_interval: send ``PING`` after sending nothing for this long.
+        ping_timeout: close a connection that sent nothing for this long.
+        drain_timeout: how long running jobs may finish after :meth:`Broker.drain`.
+        recent_receipts: how many finished jobs :meth:`Broker.statistics` keeps.
+        token_factory: makes offer tokens (tests pass a deterministic one).
+    """
+
+    instance_id: str
+    name: str
+    pool: PoolConfig
+    offer_ttl: float = 10.0
+    ping_interval: float = 5.0
+    ping_timeout: float = 15.0
+    drain_timeout: float = 60.0
+    recent_receipts: int = 100
+    token_factory: Callable[[], str] = new_token
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("offer_ttl", "ping_interval", "ping_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+
+
+@attrs.frozen(kw_only=True)
+class StartJob:
+    """Start a job in the slot its offer reserved; report its end with job_ended."""
+
+    run_id: RunId
+    conn: ConnId
+    job_id: str
+    service: str
+    subject: str | None
+    job: dict[str, Any]
+
+
+@attrs.frozen(kw_only=True)
+class AbortJob:
+    """End a running job now; its receipt still comes through job_ended."""
+
+    run_id: RunId
+    status: Literal["cancelled", "stopped"]
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class CloseConnection:
+    """Close this connection's websocket with this close code."""
+
+    conn: ConnId
+    code: int
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class CheckCallback:
+    """Fetch ``<url>/whoami`` and report with callback_checked."""
+
+    conn: ConnId
+    url: str
+    backend_id: str
+
+
+@attrs.frozen(kw_only=True)
+class Drained:
+    """Draining is complete: no job runs; close every connection (1001) and exit."""
+
+
+Effect: TypeAlias = StartJob | AbortJob | CloseConnection | CheckCallback | Drained
+
+
+# -- statistics snapshots ---------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class ServiceSnapshot:
+    name: str
+    kind: p.Kind
+    max_slots: int
+    capacity: int
+    running: int
+    offered: int
+    parked: int
+    completed: int
+    mean_runtime: float | None
+    peak_memory: int | None
+    footprint: int | None
+
+
+@attrs.frozen(kw_only=True)
+class ConnectionSnapshot:
+    conn: ConnId
+    addr: str
+    opened_at: float
+    register: p.Register | None
+    callback_check: str | None
+    parked: int
+    offered: int
+    running: int
+
+
+@attrs.frozen(kw_only=True)
+class FinishedJob:
+    job_id: str
+    service: str
+    subject: str | None
+    conn: ConnId
+    backend_id: str | None
+    delivered: bool
+    receipt: p.Receipt
+
+
+@attrs.frozen(kw_only=True)
+class BrokerStatistics:
+    """A frozen snapshot for inspection pages and metrics."""
+
+    instance_id: str
+    name: str
+    slots: int
+    fast_reserve: int
+    unknown_cap: int
+    memory_budget: int | None
+    memory_reserved: int
+    busy: int
+    idle: int
+    draining: bool
+    services: tuple[ServiceSnapshot, ...]
+    connections: tuple[ConnectionSnapshot, ...]
+    recent: tuple[FinishedJob, ...]
+    counters: dict[str, int]
+
+
+# -- internal records ---------------------------------------------------------------
+
+
+class _Offer:
+    __slots__ = ("conn", "expires_at", "job_id", "priority", "reserved", "service", "token")
+
+    def __init__(
+        self,
+        token: str,
+        conn: ConnId,
+        job_id: str,
+        service: str,
+        priority: int,
+        expires_at: float,
+        reserved: int,
+    ) -> None:
+        self.token = token
+        self.conn = conn
+        self.job_id = job_id
+        self.service = service
+        self.priority = priority
+        self.expires_at = expires_at
+        self.reserved = reserved
+
+
+class _Run:
+    __slots__ = ("aborting", "conn", "job_id", "reserved", "run_id", "service", "subject")
+
+    def __init__(
+        self,
+        run_id: RunId,
+        conn: ConnId,
+        job_id: str,
+        service: str,
+        subject: str | None,
+        reserved: int,
+    ) -> None:
+        self.run_id = run_id
+        self.conn = conn
+        self.job_id = job_id
+        self.service = service
+        self.subject = subject
+        self.reserved = reserved
+        self.aborting: str | None = None
+
+
+class _Conn:
+    __slots__ = (
+        "addr",
+        "callback_check",
+        "hello_scheduled",
+        "hello_sent_at",
+        "hello_told",
+        "id",
+        "last_recv",
+        "last_sent",
+        "offers",
+        "opened_at",
+        "register",
+        "runs",
+    )
+
+    def __init__(self, conn_id: ConnId, addr: str, now: float) -> None:
+        self.id = conn_id
+        self.addr = addr
+        self.opened_at = now
+        self.register: p.Register | None = None
+        self.callback_check: str | None = None
+        self.last_recv = now
+        self.last_sent = now
+        self.hello_told: Hashable = None
+        self.hello_sent_at = now
+        self.hello_scheduled = False
+        self.offers: dict[str, _Offer] = {}
+        self.runs: dict[str, _Run] = {}
+
+
+_TimerKind: TypeAlias = Literal["offer", "ping", "dead", "hello", "second", "drain"]
+
+
+# -- the broker ------------------------------------------------------------------------
+
+
+class Broker(SansIOCore[Effect, _TimerKind]):
+    """The execserver side of the protocol. See the module docstring.
+
+    Outputs are drained with :meth:`frames_to_send` and :meth:`effects`;
+    :meth:`next_deadline` says when :meth:`tick` is due.
+    """
+
+    usage_error = BrokerUsageError
+
+    def __init__(self, config: BrokerConfig, *, now: float) -> None:
+        super().__init__(now=now, liveness=Liveness(config.ping_interval, config.ping_timeout))
+        self.config = config
+        self.pool = SlotPool(config.pool)
+        self.book: WantBook[ConnId] = WantBook()
+        self._now = now
+        self._conns: dict[ConnId, _Conn] = {}
+        self._conn_ids = itertools.count(1)
+        self._run_ids = itertools.count(1)
+        self._offers: dict[str, _Offer] = {}
+        self._runs: dict[RunId, _Run] = {}
+        self._recent: deque[FinishedJob] = deque(maxlen=config.recent_receipts)
+        self.counters: dict[str, int] = dict.fromkeys(
+            (
+                "wants",
+                "offers",
+                "offers_redeemed",
+                "offers_declined",
+                "offers_expired",
+                "offers_withdrawn",
+                "jobs_started",
+                "jobs_ended",
+                "errors_sent",
+                "connections_opened",
+                "connections_closed",
+            ),
+            0,
+        )
+        self.draining = False
+        self._stopping = False
+        self._drained_sent = False
+        # idle: the smallest free count of each second, minus the fast reserve
+        self._idle = 0
+        self._second_end = now + 1.0
+        self._min_free = self.pool.free
+        self._second_scheduled = False
+        self._hello_shared: Hashable = None
+        self._hello_shared = self._shared_hello()
+        self._schedule_second()
+
+    # -- inputs -----------------------------------------------------------------------
+
+    def open_connection(self, addr: str, *, now: float) -> ConnId:
+        """A websocket was accepted on local address ``addr`` (``host:port``).
+
+        Sends the first ``HELLO`` at once. Drain frames afterwards.
+        """
+        self._enter(now)
+        conn = _Conn(next(self._conn_ids), addr, now)
+        self._conns[conn.id] = conn
+        self.counters["connections_opened"] += 1
+        self._send_hello(conn)
+        self._watch(conn)
+        self._leave()
+        return conn.id
+
+    def close_connection(self, conn_id: ConnId, *, now: float) -> None:
+        """The connection is gone (closed by the peer, the network or us).
+
+        Its parked wants leave the book, its offers are released and its running
+        jobs are stopped (:class:`AbortJob`); their receipts will not be delivered.
+        Unknown or already closed connections are ignored. Drain frames and effects.
+        """
+        self._enter(now)
+        if conn_id in self._conns:
+            self._drop_connection(conn_id)
+        self._leave()
+
+    def receive_text(self, conn_id: ConnId, text: str | bytes, *, now: float) -> None:
+        """A frame arrived (``bytes`` = a binary frame). Decodes, then :meth:`receive`."""
+        try:
+            message = p.decode(text, accept=p.CLIENT_TO_EXEC)
+        except p.ProtocolError as exc:
+            self._enter(now)
+            conn = self._conns.get(conn_id)
+            if conn is not None:
+                conn.last_recv = now
+                self._error(conn, exc.code, exc.message, exc.job_id)
+            self._leave()
+            return
+        self.receive(conn_id, message, now=now)
+
+    def receive(self, conn_id: ConnId, message: p.Message, *, now: float) -> None:
+        """A decoded frame arrived on a connection. Drain frames and effects.
+
+        Frames for a connection that is already closed are ignored (the reader may
+        have had one in hand when the close happened).
+        """
+        self._enter(now)
+        conn = self._conns.get(conn_id)
+        if conn is not None:
+            conn.last_recv = now
+            self._dispatch(conn, message)
+        self._leave()
+
+    def job_ended(self, run_id: RunId, receipt: p.Receipt, *, now: float) -> None:
+        """The runner finished a job started by :class:`StartJob`.
+
+        Frees its slot, updates the service's statistics, offers the slot to the
+        next want, then sends ``DONE`` when the connection is still open (in that
+        order, so a waiting client can redeem at once). Drain frames and effects.
+
+        Raises:
+            BrokerUsageError: the run id is not running.
+        """
+        self._enter(now)
+        run = self._runs.pop(run_id, None)
+        if run is None:
+            raise BrokerUsageError(f"run {run_id} is not running")
+        receipt = attrs.evolve(receipt, instance_id=self.config.instance_id)
+        self.pool.release(run.service, run.reserved)
+        self.pool.record(run.service, receipt)
+        self.counters["jobs_ended"] += 1
+        conn = self._conns.get(run.conn)
+        delivered = conn is not None and conn.runs.get(run.job_id) is run
+        if delivered:
+            assert conn is not None
+            del conn.runs[run.job_id]
+        # The freed slot is offered before DONE goes out: the next job's client
+        # can answer with JOB without first reading the receipt.
+        self._grant()
+        backend_id = None
+        if delivered:
+            assert conn is not None
+            self._send(conn, p.Done(job_id=run.job_id, receipt=receipt))
+            backend_id = conn.register.backend_id if conn.register else None
+        self._recent.append(
+            FinishedJob(
+                job_id=run.job_id,
+                service=run.service,
+                subject=run.subject,
+                conn=run.conn,
+                backend_id=backend_id,
+                delivered=delivered,
+                receipt=receipt,
+            )
+        )
+        self._leave()
+
+    def callback_checked(self, conn_id: ConnId, result: str, *, now: float) -> None:
+        """Record the outcome of a :class:`CheckCallback` ("ok" or what went wrong)."""
+        self._enter(now)
+        conn = self._conns.get(conn_id)
+        if conn is not None:
+            conn.callback_check = result
+        self._leave()
+
+    def drain(self, *, now: float) -> None:
+        """Begin draining (SIGTERM): stop taking work, let running jobs finish.
+
+        Sends a draining ``HELLO`` on every connection at once, empties the book,
+        withdraws outstanding offers, and stops running jobs still running after
+        ``drain_timeout``. :class:`Drained` follows when no job runs any more.
+        Calling it again has no effect.
+        """
+        self._enter(now)
+        if not self.draining:
+            self.draining = True
+            self.book.clear()
+            for offer in list(self._offers.values()):
+                self._release_offer(offer)
+                self.counters["offers_withdrawn"] += 1
+            # A draining HELLO goes out at once, whatever the one-second window.
+            self._hello_shared = self._shared_hello()
+            for conn in self._conns.values():
+                self._send_hello(conn)
+            self._push_timer(now + self.config.drain_timeout, "drain", None)
+        self._leave()
+
+    def stop(self, *, now: float) -> None:
+        """Stop at once (a second signal): drain, and stop every running job now."""
+        self.drain(now=now)
+        self._enter(now)
+        self._stop_runs("the execserver is stopping")
+        self._leave()
+
+    # -- queries ----------------------------------------------------------------------------
+
+    @property
+    def drained(self) -> bool:
+        """True once draining is complete (no job runs any more)."""
+        return self.draining and not self._runs
+
+    def connections(self) -> list[ConnId]:
+        return list(self._conns)
+
+    def running(self) -> int:
+        """How many jobs run (started and not ended), orphans included."""
+        return len(self._runs)
+
+    def idle(self) -> int:
+        """The ``idle`` figure of the last full second."""
+        return 0 if self.draining else self._idle
+
+    def hello_for(self, conn_id: ConnId) -> p.Hello:
+        """The ``HELLO`` this connection would be sent now."""
+        return self._hello(self._conns[conn_id])
+
+    def statistics(self) -> BrokerStatistics:
+        """A frozen snapshot of the pool, the services, connections and receipts."""
+        pool = self.pool
+        parked_by_service: dict[str, int] = {}
+        for want in self.book.wants():
+            parked_by_service[want.service] = parked_by_service.get(want.service, 0) + 1
+        offered_by_service: dict[str, int] = {}
+        for offer in self._offers.values():
+            offered_by_service[offer.service] = offered_by_service.get(offer.service, 0) + 1
+        services = tuple(
+            ServiceSnapshot(
+                name=name,
+                kind=pool.kind(name),
+                max_slots=pool.config.max_slots[name],
+                capacity=pool.capacity(name),
+                running=stats.busy - offered_by_service.get(name, 0),
+                offered=offered_by_service.get(name, 0),
+                parked=parked_by_service.get(name, 0),
+                completed=stats.completed,
+                mean_runtime=stats.mean_runtime,
+                peak_memory=stats.peak_memory,
+                footprint=stats.footprint,
+            )
+            for name, stats in pool.services.items()
+        )
+        connections = tuple(
+            ConnectionSnapshot(
+                conn=conn.id,
+                addr=conn.addr,
+                opened_at=conn.opened_at,
+                register=conn.register,
+                callback_check=conn.callback_check,
+                parked=len(self.book.connection_wants(conn.id)),
+                offered=len(conn.offers),
+                running=len(conn.runs),
+            )
+            for conn in self._conns.values()
+        )
+        return BrokerStatistics(
+            instance_id=self.config.instance_id,
+            name=self.config.name,
+            slots=pool.size,
+            fast_reserve=pool.config.fast_reserve,
+            unknown_cap=pool.config.unknown_cap,
+            memory_budget=pool.config.memory_budget,
+            memory_reserved=pool.memory_reserved,
+            busy=pool.busy,
+            idle=self.idle(),
+            draining=self.draining,
+            services=services,
+            connections=connections,
+            recent=tuple(self._recent),
+            counters=dict(self.counters),
+        )
+
+    # -- frame handling -------------------------------------------------------------------
+
+    def _dispatch(self, conn: _Conn, message: p.Message) -> None:
+        if isinstance(message, p.Ping):
+            self._send(conn, p.Pong(nonce=message.nonce))
+            return
+        if isinstance(message, p.Pong):
+            return
+        if isinstance(message, p.Register):
+            if conn.register is not None:
+                self._error(conn, "already_registered", "this connection already registered")
+                return
+            conn.register = message
+            if message.callback_url is not None:
+                self._effects.append(
+                    CheckCallback(
+                        conn=conn.id, url=message.callback_url, backend_id=message.backend_id
+                    )
+                )
+            return
+        if conn.register is None:
+            job_id = getattr(message, "job_id", None)
+            self._error(conn, "not_registered", f"send REGISTER before {message.TYPE}", job_id)
+            return
+        if isinstance(message, p.Want):
+            self._on_want(conn, message)
+        elif isinstance(message, p.Job):
+            self._on_job(conn, message)
+        elif isinstance(message, p.Unwant):
+            self._withdraw(conn, message.job_id)
+        elif isinstance(message, p.Decline):
+            offer = self._offers.get(message.token)
+            if offer is not None and offer.conn == conn.id:
+                self._release_offer(offer)
+                self.counters["offers_declined"] += 1
+        elif isinstance(message, p.Cancel):
+            self._on_cancel(conn, message.job_id)
+        elif isinstance(message, p.Query):
+            self._on_query(conn, message.job_id)
+        else:  # pragma: no cover - decode(accept=CLIENT_TO_EXEC) rules these out
+            self._error(conn, "unknown_type", f"type {message.TYPE!r} is not accepted here")
+
+    def _on_want(self, conn: _Conn, want: p.Want) -> None:
+        job_id = want.job_id
+        if self.draining:
+            self._error(conn, "draining", "this execserver is draining", job_id)
+        elif not self.pool.offers(want.service):
+            self._error(
+                conn, "unknown_service", f"service {want.service!r} is not offered here", job_id
+            )
+        elif self._is_live(conn, job_id):
+            self._error(conn, "duplicate_job", f"job_id {job_id!r} is already live", job_id)
+        else:
+            self.counters["wants"] += 1
+            self.book.add(conn.id, job_id, want.service, want.priority)
+            self._grant()
+            if (conn.id, job_id) in self.book:
+                self._send(conn, p.Queued(job_id=job_id))
+
+    def _on_job(self, conn: _Conn, job: p.Job) -> None:
+        job_id = job.job_id
+        if self.draining:
+            self._error(conn, "draining", "this execserver is draining", job_id)
+            return
+        if not self.pool.offers(job.service):
+            self._error(
+                conn, "unknown_service", f"service {job.service!r} is not offered here", job_id
+            )
+            return
+        offer = self._offers.get(job.token)
+        if offer is None or offer.conn != conn.id:
+            self._error(
+                conn,
+                "unknown_token",
+                "the token is expired, used, or was never offered on this connection",
+                job_id,
+            )
+            return
+        if offer.job_id != job_id or offer.service != job.service:
+            self._error(
+                conn,
+                "token_mismatch",
+                f"the token was offered for job {offer.job_id!r} of service {offer.service!r}",
+                job_id,
+            )
+            return
+        del self._offers[offer.token]
+        del conn.offers[offer.job_id]
+        run = _Run(next(self._run_ids), conn.id, job_id, offer.service, job.subject, offer.reserved)
+        self._runs[run.run_id] = run
+        conn.runs[job_id] = run
+        self.counters["offers_redeemed"] += 1
+        self.counters["jobs_started"] += 1
+        self._effects.append(
+            StartJob(
+                run_id=run.run_id,
+                conn=conn.id,
+                job_id=job_id,
+                service=offer.service,
+                subject=job.subject,
+                job=job.job,
+            )
+        )
+
+    def _withdraw(self, conn: _Conn, job_id: str) -> bool:
+        """UNWANT semantics: remove a parked want or release its offer."""
+        if self.book.remove(conn.id, job_id) is not None:
+            return True
+        offer = conn.offers.get(job_id)
+        if offer is not None:
+            self._release_offer(offer)
+            self.counters["offers_declined"] += 1
+            return True
+        return False
+
+    def _on_cancel(self, conn: _Conn, job_id: str) -> None:
+        run = conn.runs.get(job_id)
+        if run is not None:
+            if run.aborting is None:
+                run.aborting = "cancelled"
+                self._effects.append(
+                    AbortJob(
+                        run_id=run.run_id, status="cancelled", reason="cancelled by the client"
+                    )
+                )
+        elif not self._withdraw(conn, job_id):
+            self._error(conn, "unknown_job", f"job_id {job_id!r} is not live", job_id)
+
+    def _on_query(self, conn: _Conn, job_id: str) -> None:
+        want = self.book.get(conn.id, job_id)
+        if want is not None:
+            service = want.service
+            ahead = self.book.ahead_of(want)
+        elif job_id in conn.offers:
+            service, ahead = conn.offers[job_id].service, 0
+        elif job_id in conn.runs:
+            service, ahead = conn.runs[job_id].service, 0
+        else:
+            self._error(conn, "unknown_job", f"job_id {job_id!r} is not live", job_id)
+            return
+        capacity = self.pool.capacity(service)
+        mean = self.pool.mean_runtime(service)
+        eta: float | None
+        if want is None:
+            eta = 0.0
+        elif mean is None or capacity == 0:
+            eta = None
+        else:
+            eta = mean * (ahead // capacity + 1)
+        self._send(
+            conn,
+            p.Position(
+                job_id=job_id, running=self.pool.busy, ahead=ahead, capacity=capacity, eta_s=eta
+            ),
+        )
+
+    # -- slots ---------------------------------------------------------------------------
+
+    def _grant(self) -> None:
+        """The grant loop: offer free slots to wants until nothing fits."""
+        if self.draining:
+            return
+        pool, book = self.pool, self.book
+        while len(book):
+            fitting = pool.fitting()
+            if not fitting:
+                return
+            want = book.pick(fitting)
+            if want is None:
+                return
+            conn = self._conns[want.conn]
+            token = self.config.token_factory()
+            if token in self._offers:  # pragma: no cover - 128 random bits
+                raise BrokerUsageError("token_factory returned a token that is still live")
+            reserved = pool.acquire(want.service)
+            offer = _Offer(
+                token,
+                conn.id,
+                want.job_id,
+                want.service,
+                want.priority,
+                self._now + self.config.offer_ttl,
+                reserved,
+            )
+            self._offers[token] = offer
+            conn.offers[want.job_id] = offer
+            self.counters["offers"] += 1
+            self._push_timer(offer.expires_at, "offer", token)
+            self._send(conn, p.Offer(job_id=want.job_id, token=token))
+
+    def _release_offer(self, offer: _Offer) -> None:
+        del self._offers[offer.token]
+        conn = self._conns.get(offer.conn)
+        if conn is not None:
+            del conn.offers[offer.job_id]
+        self.pool.release(offer.service, offer.reserved)
+
+    def _is_live(self, conn: _Conn, job_id: str) -> bool:
+        return (conn.id, job_id) in self.book or job_id in conn.offers or job_id in conn.runs
+
+    def _stop_runs(self, reason: str) -> None:
+        for run in self._runs.values():
+            if run.aborting != "stopped":
+                run.aborting = "stopped"
+                self._effects.append(AbortJob(run_id=run.run_id, status="stopped", reason=reason))
+
+    def _drop_connection(self, conn_id: ConnId) -> None:
+        conn = self._conns.pop(conn_id)
+        self.counters["connections_closed"] += 1
+        self.book.remove_connection(conn_id)
+        for offer in list(conn.offers.values()):
+            self._release_offer(offer)
+        for run in conn.runs.values():
+            if run.aborting != "stopped":
+                run.aborting = "stopped"
+                self._effects.append(
+                    AbortJob(
+                        run_id=run.run_id, status="stopped", reason="the client connection closed"
+                    )
+                )
+        conn.runs.clear()
+
+    # -- timers ----------------------------------------------------------------------------
+
+    def _fire(self, kind: _TimerKind, key: Any, now: float) -> None:
+        config = self.config
+        conn: _Conn | None
+        if kind == "offer":
+            offer = self._offers.get(key)
+            if offer is not None and offer.expires_at <= now:
+                self._release_offer(offer)
+                self.counters["offers_expired"] += 1
+                self._error(
+                    self._conns[offer.conn],
+                    "offer_expired",
+                    f"the offer for {offer.job_id!r} expired unredeemed; park a new WANT",
+                    offer.job_id,
+                )
+        elif kind == "ping" or kind == "dead":
+            conn = self._conns.get(key)
+            if conn is not None and self._liveness_timer(kind, conn, now):
+                self._effects.append(
+                    CloseConnection(
+                        conn=conn.id, code=CLOSE_GOING_AWAY, reason=self._liveness.reason
+                    )
+                )
+                self._drop_connection(conn.id)
+        elif kind == "hello":
+            conn = self._conns.get(key)
+            if conn is not None:
+                conn.hello_scheduled = False
+                if conn.hello_told != self._hello_shared:
+                    self._send_hello(conn)
+        elif kind == "second":
+            self._second_scheduled = False
+        elif kind == "drain":
+            self._stop_runs(f"drain_timeout of {config.drain_timeout:g}s expired")
+
+    # -- HELLO and idle ----------------------------------------------------------------------
+
+    def _shared_hello(self) -> Hashable:
+        """The HELLO members every connection shares (all but addr)."""
+        if self.draining:
+            return ((), 0, 0, len(self._conns), True)
+        return (self.pool.kinds(), self.pool.size, self._idle, len(self._conns), False)
+
+    def _hello(self, conn: _Conn) -> p.Hello:
+        if self.draining:
+            services: dict[str, p.ServiceInfo] = {}
+        else:
+            max_slots = self.pool.config.max_slots
+            services = {
+                name: p.ServiceInfo(max_slots=max_slots[name], kind=kind)
+                for name, kind in self.pool.kinds()
+            }
+        return p.Hello(
+            protocol=p.PROTOCOL_VERSION,
+            instance_id=self.config.instance_id,
+            name=self.config.name,
+            services=services,
+            processes=0 if self.draining else self.pool.size,
+            idle=self.idle(),
+            clients=len(self._conns),
+            draining=self.draining,
+            addr=conn.addr,
+        )
+
+    def _send_hello(self, conn: _Conn) -> None:
+        conn.hello_told = self._shared_hello()
+        conn.hello_sent_at = self._now
+        self._send(conn, self._hello(conn))
+
+    def _schedule_second(self) -> None:
+        """Wake at the end of this second only if the idle figure may change then."""
+        if self._second_scheduled or self.draining:
+            return
+        reserve = self.pool.config.fast_reserve
+        if max(0, self._min_free - reserve) != self._idle or (
+            max(0, self.pool.free - reserve) != self._idle
+        ):
+            self._second_scheduled = True
+            self._push_timer(self._second_end, "second", None)
+
+    def _roll_seconds(self, now: float) -> None:
+        """Close every second that ended by ``now`` and compute its idle figure."""
+        if now < self._second_end:
+            return
+        reserve = self.pool.config.fast_reserve
+        self._idle = max(0, self._min_free - reserve)
+        elapsed = math.floor(now - self._second_end) + 1
+        if elapsed > 1:
+            # Whole seconds passed without any input: the free count was constant.
+            self._idle = max(0, self.pool.free - reserve)
+        self._second_end += elapsed
+        self._min_free = self.pool.free
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def _enter(self, now: float) -> None:
+        self._advance(now)
+        self._roll_seconds(now)
+
+    def _leave(self) -> None:
+        """After every input: grant, track idle, spread HELLO changes."""
+        self._grant()
+        free = self.pool.free
+        if free < self._min_free:
+            self._min_free = free
+        self._schedule_second()
+        shared = self._shared_hello()
+        if shared != self._hello_shared:
+            # Something every connection was told changed: each hears of it at
+            # once, or at the end of its one-second window.
+            self._hello_shared = shared
+            now = self._now
+            for conn in self._conns.values():
+                if conn.hello_told != shared and not conn.hello_scheduled:
+                    due = conn.hello_sent_at + HELLO_INTERVAL
+                    if due <= now:
+                        self._send_hello(conn)
+                    else:
+                        conn.hello_scheduled = True
+                        self._push_timer(due, "hello", conn.id)
+        if self.draining and not self._runs and not self._drained_sent:
+            self._drained_sent = True
+            self._effects.append(Drained())
+
+    def _error(
+        self, conn: _Conn, code: p.ErrorCode, message: str, job_id: str | None = None
+    ) -> None:
+        self.counters["errors_sent"] += 1
+        self._send(conn, p.Error(code=code, message=message, job_id=job_id))
+
+    # -- checks ------------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any invariant of the module docstring is broken."""
+        pool = self.pool
+        pool.check_invariants()
+        self.book.check_invariants()
+        assert pool.busy == len(self._offers) + len(self._runs), "busy != offers + runs"
+        assert pool.memory_reserved == sum(o.reserved for o in self._offers.values()) + sum(
+            r.reserved for r in self._runs.values()
+        )
+        for service, stats in pool.services.items():
+            held = sum(1 for o in self._offers.values() if o.service == service) + sum(
+                1 for r in self._runs.values() if r.service == service
+            )
+            assert stats.busy == held, f"{service}: busy {stats.busy} != held {held}"
+        if not self.draining and len(self.book):
+            fitting = set(pool.fitting())
+            for want in self.book.wants():
+                assert want.service not in fitting, f"work not conserved: {want} fits"
+        for conn in self._conns.values():
+            for job_id, offer in conn.offers.items():
+                assert self._offers[offer.token] is offer
+                assert offer.job_id == job_id
+                assert (conn.id, job_id) not in self.book
+                assert job_id not in conn.runs
+            for job_id, run in conn.runs.items():
+                assert self._runs[run.run_id] is run
+                assert run.job_id == job_id
+                assert (conn.id, job_id) not in self.book
+        for offer in self._offers.values():
+            assert offer.conn in self._conns, "offer of a closed connection"
+        for want in self.book.wants():
+            assert want.conn in self._conns, "want of a closed connection"
+        if self.draining:
+            assert not self._offers
+            assert not len(self.book)

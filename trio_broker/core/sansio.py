@@ -1,0 +1,139 @@
+"""What the two sans-IO cores share: outputs, timers, time and liveness.
+
+:class:`~trio_broker.core.broker.Broker` (the execserver side) and
+:class:`~trio_broker.core.client.ClientCore` (the client side) are driven the
+same way: inputs carry ``now``, which never goes backwards; frames and effects
+pile up while an input is handled and are drained afterwards; timers sit in a
+lazy heap whose earliest entry is :meth:`SansIOCore.next_deadline`, and ``tick``
+fires the due ones. A timer whose reason went away stays in the heap and does
+nothing when it fires, so pushing is the only bookkeeping.
+
+Both sides also follow the same liveness rule (:class:`~trio_broker.core.liveness.Liveness`)
+per connection; :meth:`SansIOCore._liveness_timer` applies it at the ``"ping"``
+and ``"dead"`` timers and leaves only the closing to the side.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar, cast
+
+from trio_broker.core import protocol as p
+from trio_broker.core.liveness import Liveness
+
+__all__ = ["Peer", "SansIOCore"]
+
+E = TypeVar("E")
+K = TypeVar("K", bound=str)
+
+
+class Peer(Protocol):
+    """What the shared plumbing needs of a core's connection record."""
+
+    id: int
+    last_sent: float
+    last_recv: float
+
+
+class SansIOCore(ABC, Generic[E, K]):
+    """Output queues, the timer heap, the clock check and liveness timers.
+
+    Type parameters: ``E`` is the side's effect type, ``K`` its timer kinds (which
+    include ``"ping"`` and ``"dead"``).
+    """
+
+    usage_error: ClassVar[type[Exception]] = RuntimeError
+    """Raised when the driving code misuses the core (time going backwards)."""
+
+    def __init__(self, *, now: float, liveness: Liveness) -> None:
+        self._now = now
+        self._liveness = liveness
+        self._nonces = itertools.count(1)
+        self._frames: list[tuple[int, p.Message]] = []
+        self._effects: list[E] = []
+        self._timers: list[tuple[float, int, K, Any]] = []
+        self._timer_seq = itertools.count()
+
+    # -- outputs ---------------------------------------------------------------------
+
+    def frames_to_send(self) -> list[tuple[int, p.Message]]:
+        """Drain the frames to send, in order, as (connection, message) pairs."""
+        frames, self._frames = self._frames, []
+        return frames
+
+    def effects(self) -> list[E]:
+        """Drain the effects for the code around the core, in order."""
+        effects, self._effects = self._effects, []
+        return effects
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`tick` is due next; None when no timer is pending."""
+        return self._timers[0][0] if self._timers else None
+
+    # -- the timer input -----------------------------------------------------------------
+
+    def tick(self, *, now: float) -> None:
+        """Run every timer due at ``now``. Drain frames and effects afterwards."""
+        self._enter(now)
+        while (timer := self._pop_due(now)) is not None:
+            self._fire(*timer, now)
+        self._leave()
+
+    def _enter(self, now: float) -> None:
+        """Before an input: take the time (sides add their own bookkeeping)."""
+        self._advance(now)
+
+    def _leave(self) -> None:
+        """After an input: the side's follow-up work (grants, growth...)."""
+
+    @abstractmethod
+    def _fire(self, kind: K, key: Any, now: float) -> None:
+        """Act on one due timer."""
+
+    # -- plumbing for the sides ----------------------------------------------------------
+
+    def _advance(self, now: float) -> None:
+        """Take ``now`` as the current time; it must not go backwards."""
+        if now < self._now:
+            raise self.usage_error(f"time went backwards: {now} < {self._now}")
+        self._now = now
+
+    def _send(self, conn: Peer, message: p.Message) -> None:
+        conn.last_sent = self._now
+        self._frames.append((conn.id, message))
+
+    def _push_timer(self, when: float, kind: K, key: Any) -> None:
+        heapq.heappush(self._timers, (when, next(self._timer_seq), kind, key))
+
+    def _pop_due(self, now: float) -> tuple[K, Any] | None:
+        """The earliest timer due at ``now`` (removed), or None."""
+        timers = self._timers
+        if timers and timers[0][0] <= now:
+            _, _, kind, key = heapq.heappop(timers)
+            return kind, key
+        return None
+
+    def _watch(self, conn: Peer) -> None:
+        """Start the liveness timers of a connection that just opened."""
+        self._push_timer(self._now + self._liveness.ping_interval, cast(K, "ping"), conn.id)
+        self._push_timer(self._now + self._liveness.ping_timeout, cast(K, "dead"), conn.id)
+
+    def _liveness_timer(self, kind: Literal["ping", "dead"], conn: Peer, now: float) -> bool:
+        """Apply the liveness rule at a timer; True when the peer is dead now.
+
+        Sends the ``PING`` that is due and re-arms the timer; closing a dead
+        connection is the caller's business.
+        """
+        if kind == "ping":
+            send, due = self._liveness.ping(conn.last_sent, now)
+            if send:
+                self._send(conn, p.Ping(nonce=str(next(self._nonces))))
+            self._push_timer(due, cast(K, "ping"), conn.id)
+            return False
+        later = self._liveness.dead(conn.last_recv, now)
+        if later is None:
+            return True
+        self._push_timer(later, cast(K, "dead"), conn.id)
+        return False

@@ -1,0 +1,9 @@
+"""The trio layer: sockets, processes, the database and time around the core.
+
+It owns no policy: every decision comes from :mod:`trio_broker.core`. Here live
+the execserver service (:mod:`~trio_broker.trio.execserver`), the client
+(:mod:`~trio_broker.trio.client`), the one-time pipes (:mod:`~trio_broker.trio.pipes`),
+the runner contract and the reference command runner (:mod:`~trio_broker.trio.runner`),
+process groups and host probes, the PostgreSQL queue (:mod:`~trio_broker.trio.store`)
+and its dispatcher (:mod:`~trio_broker.trio.dispatcher`).
+"""

@@ -1,0 +1,671 @@
+"""The client's trio layer: :class:`BrokerClient` runs jobs on a fleet of execservers.
+
+Theory of operation
+===================
+
+Every decision is made by the sans-IO :class:`~trio_broker.core.client.ClientCore`;
+this module only dials, reads, writes and sleeps for it:
+
+- one task per broker connection (``Dial`` effect): it opens the TCP (and TLS)
+  stream, upgrades to the websocket at ``/broker``, reports
+  :meth:`~ClientCore.connected` with the socket's local address, then feeds every
+  frame to the core until the connection ends. A second task per connection
+  writes what the core wants sent, in order;
+- one timer task sleeps until :meth:`~ClientCore.next_deadline` (or until an input
+  moves it earlier) and calls :meth:`~ClientCore.tick`;
+- :meth:`BrokerClient.run` submits a job and waits for its effect
+  (``Finished``/``Failed``); a cancelled caller withdraws the want or ``CANCEL``\\ s
+  the running job.
+
+After every input the layer drains the core's frames and effects at once
+(:meth:`BrokerClient._flush`), so the order of frames on each connection is
+exactly the order the core decided them in.
+
+Use :func:`open_broker_client`; everything runs inside its nursery and stops
+when the ``async with`` block ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import random
+import secrets
+import ssl
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
+from typing import Any
+
+import attrs
+import trio
+from trio_websocket import (
+    ConnectionClosed,
+    ConnectionRejected,
+    HandshakeError,
+    WebSocketConnection,
+    wrap_client_stream,
+)
+
+from trio_broker.core import protocol as p
+from trio_broker.core.admission import InstanceLoad
+from trio_broker.core.client import (
+    ClientConfig,
+    ClientCore,
+    ClientEffect,
+    Close,
+    Dial,
+    Failed,
+    Finished,
+    PeerError,
+    PositionReport,
+)
+from trio_broker.core.errors import (
+    BrokerError,
+    ClientClosed,
+    JobLost,
+    NoExecserver,
+    NoSlot,
+    UnknownService,
+)
+from trio_broker.trio.pipes import InPipe, OutPipe, PipeRegistry, Sink, serve_pipes
+
+__all__ = [
+    "AddressState",
+    "BrokerClient",
+    "ClientStatistics",
+    "open_broker_client",
+]
+
+log = logging.getLogger("trio_broker.trio.client")
+
+DIAL_TIMEOUT = 10.0
+"""Seconds a TCP connect plus websocket upgrade may take before the dial fails."""
+
+CLOSE_TIMEOUT = 2.0
+"""Seconds the closing handshake of one connection may take."""
+
+
+@attrs.frozen(kw_only=True)
+class AddressState:
+    """What the client knows about one configured address (inspection).
+
+    Attributes:
+        address: the dialled ``host:port``.
+        connections: open broker connections to it (ready or not).
+        instances: the distinct execserver ``instance_id``\\ s reached through it.
+        covered: the pool found a duplicate instance and stopped growing.
+        balanced: the address fronts a fleet: an execserver's ``HELLO.addr``
+            differs from the dialled address.
+        names: the execservers' names, by instance id.
+    """
+
+    address: str
+    connections: int
+    instances: tuple[str, ...]
+    covered: bool
+    balanced: bool
+    names: Mapping[str, str]
+
+
+@attrs.frozen(kw_only=True)
+class ClientStatistics:
+    """A snapshot of one client (``BrokerClient.statistics()``).
+
+    Attributes:
+        addresses: one :class:`AddressState` per configured address.
+        waiting: jobs waiting for a slot.
+        running: jobs holding a slot (their ``JOB`` went out).
+        finished, failed: jobs ended since the client started (receipts of any
+            status count as finished; ``failed`` counts the exceptions raised).
+        surplus_offers: offers declined because another execserver was faster.
+    """
+
+    addresses: tuple[AddressState, ...]
+    waiting: int
+    running: int
+    finished: int
+    failed: int
+    surplus_offers: int
+
+
+class _Waiter:
+    __slots__ = ("done", "error", "receipt")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.receipt: p.Receipt | None = None
+        self.error: BrokerError | None = None
+
+
+class _Link:
+    """One open broker connection: its websocket and its outgoing queue."""
+
+    __slots__ = ("close_with", "outbox", "scope", "ws")
+
+    def __init__(self, ws: WebSocketConnection, outbox: trio.MemorySendChannel[str]) -> None:
+        self.ws = ws
+        self.outbox = outbox
+        self.scope = trio.CancelScope()
+        self.close_with: tuple[int, str] | None = None
+
+
+_FAILURES: Mapping[str, type[BrokerError]] = {
+    "no_slot": NoSlot,
+    "no_execserver": NoExecserver,
+    "unknown_service": UnknownService,
+    "lost": JobLost,
+}
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"an execserver address is host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def _format_address(sockname: Any) -> str:
+    host, port = sockname[0], sockname[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class BrokerClient:
+    """Runs jobs on the best free slot of a fleet of execservers.
+
+    Create it with :func:`open_broker_client`. All methods are for the trio
+    thread that opened it.
+    """
+
+    def __init__(
+        self,
+        config: ClientConfig,
+        nursery: trio.Nursery,
+        *,
+        broker_token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        local_host: str | None = None,
+        pipes: PipeRegistry | None = None,
+        max_frame_bytes: int = 1_048_576,
+    ) -> None:
+        self.config = config
+        self._max_frame_bytes = max_frame_bytes
+        self.pipes = pipes if pipes is not None else PipeRegistry(config.backend_id)
+        """The one-time pipes this client's listener serves (see :meth:`pipe_in`)."""
+        self._nursery = nursery
+        self._token = broker_token
+        self._ssl = ssl_context
+        self._local_host = local_host
+        self._core = ClientCore(config, now=trio.current_time(), random=random.Random())
+        self._links: dict[int, _Link] = {}
+        self._waiters: dict[str, _Waiter] = {}
+        self._positions: dict[str, tuple[trio.MemorySendChannel[p.Position], int]] = {}
+        self._ids = itertools.count(1)
+        self._id_prefix = secrets.token_hex(4)
+        self._wake = trio.Event()
+        self._timer_at = math.inf
+        self._changed: trio.Event | None = None  # made by a waiter, set by _flush
+        self._finished = 0
+        self._failed = 0
+        self._closed = False
+        self._failed_dials: set[str] = set()  # addresses whose latest dial failed
+        self._connection_tasks = 0
+        self._no_connection_tasks = trio.Event()
+
+    # -- public API --------------------------------------------------------------------------
+
+    async def run(
+        self,
+        service: str,
+        job: Mapping[str, Any],
+        *,
+        priority: int = 0,
+        subject: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 (a per-job limit the caller sets)
+        job_id: str | None = None,
+        stdin: InPipe | None = None,
+        stdout: OutPipe | None = None,
+        pipes: Mapping[str, str] | None = None,
+    ) -> p.Receipt:
+        """Get one job run on the first free slot of the fleet and return its receipt.
+
+        The want is parked on every connection whose execserver announced the
+        service; the first ``OFFER`` wins, later ones are declined, the other
+        wants withdrawn. A receipt of any status is returned (check
+        ``receipt.status``); only a job that could not run to a known end raises.
+
+        Args:
+            service: the service name, as the execservers announce it.
+            job: the ``JOB`` object (``{"params": {...}}`` for the reference runner).
+            priority: higher wins (32-bit signed).
+            subject: a free label shown by the execserver's inspection pages.
+            timeout: seconds for the whole call (waiting and running); on expiry
+                the job is withdrawn or cancelled and :class:`trio.TooSlowError`
+                is raised. ``None``: only ``connect_timeout`` bounds the wait.
+            job_id: the wire job id; by default a fresh unique one.
+            stdin: a pipe from :meth:`pipe_in`: the job reads its stdin from it
+                (``job.stdin_url``). Closed when the call ends.
+            stdout: a pipe from :meth:`pipe_out`: the job streams its stdout into
+                it (``job.stdout_url``). Closed when the call ends; await
+                ``stdout.wait()`` or read ``stdout.outcome()`` to learn whether
+                the whole stream arrived.
+            pipes: more job object members to fill with pipe URLs, as paths on
+                this client's listener; see :meth:`~ClientCore.submit`.
+
+        Raises:
+            NoSlot: no slot within ``connect_timeout``.
+            NoExecserver: no execserver is connected (or all drain).
+            ClientClosed: the client was closed before the job ended.
+            UnknownService: no connected execserver offers ``service``.
+            JobLost: the connection holding the job's slot closed before its end.
+            trio.TooSlowError: ``timeout`` expired.
+        """
+        if self._closed:
+            raise ClientClosed("this BrokerClient is closed")
+        if job_id is None:
+            job_id = f"{self._id_prefix}-{next(self._ids)}"
+        members = dict(pipes or {})
+        if stdin is not None:
+            members["stdin_url"] = stdin.path
+        if stdout is not None:
+            members["stdout_url"] = stdout.path
+        waiter = _Waiter()
+        self._waiters[job_id] = waiter
+        ended = False
+        try:
+            self._core.submit(
+                job_id,
+                service,
+                dict(job),
+                priority=priority,
+                subject=subject,
+                pipes=members or None,
+                now=trio.current_time(),
+            )
+            self._flush()
+            with trio.fail_after(math.inf if timeout is None else timeout):
+                await waiter.done.wait()
+            ended = True
+        finally:
+            del self._waiters[job_id]
+            if not ended and not self._closed:
+                # Cancelled or timed out: withdraw the want, or CANCEL the job.
+                self._core.cancel(job_id, now=trio.current_time())
+                self._flush()
+            for pipe in (stdin, stdout):
+                if pipe is not None:
+                    pipe.close()
+        if waiter.error is not None:
+            self._failed += 1
+            raise waiter.error
+        assert waiter.receipt is not None
+        self._finished += 1
+        return waiter.receipt
+
+    def pipe_in(self, source: AsyncIterable[bytes]) -> InPipe:
+        """A one-time stdin pipe for one job; pass it as ``run(..., stdin=pipe)``.
+
+        The execserver that runs the job fetches ``source`` from this client's
+        listener, at the address it reached this client from.
+        """
+        return self.pipes.pipe_in(source)
+
+    def pipe_out(self, sink: Sink) -> OutPipe:
+        """A one-time stdout pipe for one job; pass it as ``run(..., stdout=pipe)``.
+
+        ``sink`` is awaited once per chunk as the job's output arrives, with
+        back-pressure. A command that fails with at most 4000 bytes of output never
+        opens it (the receipt's ``stdout_prefix`` has the output).
+        """
+        return self.pipes.pipe_out(sink)
+
+    async def position(
+        self,
+        job_id: str,
+        *,
+        timeout: float = 5.0,  # noqa: ASYNC109 (answers that come later are not waited for)
+    ) -> list[p.Position]:
+        """Ask every execserver where the job waits (or runs) for its position.
+
+        Returns the answers that came within ``timeout`` seconds, one per
+        execserver where the job is parked (one when it runs); ``[]`` for a job
+        this client does not know.
+        """
+        targets = len(self._core.parked_on(job_id))
+        if targets == 0 and any(j == job_id and s == "accepted" for j, s, _ in self._core.jobs()):
+            targets = 1
+        if targets == 0 or job_id in self._positions:
+            return []
+        send, receive = trio.open_memory_channel[p.Position](math.inf)
+        self._positions[job_id] = (send, targets)
+        answers: list[p.Position] = []
+        try:
+            self._core.query(job_id, now=trio.current_time())
+            self._flush()
+            with trio.move_on_after(timeout):
+                while len(answers) < targets:
+                    answers.append(await receive.receive())
+        finally:
+            del self._positions[job_id]
+        return answers
+
+    def instance_loads(self) -> list[InstanceLoad]:
+        """One load per reachable, non-draining execserver instance (admission input)."""
+        seen: dict[str, InstanceLoad] = {}
+        for conn_id in self._core.ready_connections():
+            hello = self._core.hello(conn_id)
+            if hello is None or hello.draining or hello.instance_id in seen:
+                continue
+            seen[hello.instance_id] = InstanceLoad(
+                instance_id=hello.instance_id,
+                processes=hello.processes,
+                clients=hello.clients,
+                idle=hello.idle,
+            )
+        return list(seen.values())
+
+    def waiting(self) -> int:
+        """How many of this client's jobs wait for a slot right now."""
+        return len(self._core.waiting())
+
+    def offers(self, service: str) -> bool:
+        """Whether some connected, non-draining execserver announced ``service``."""
+        for conn_id in self._core.ready_connections():
+            hello = self._core.hello(conn_id)
+            if hello is not None and not hello.draining and service in hello.services:
+                return True
+        return False
+
+    def statistics(self) -> ClientStatistics:
+        """A frozen snapshot of the pools and the jobs in flight."""
+        core = self._core
+        addresses = []
+        for address in self.config.addresses:
+            conns = core.pool(address)
+            hellos = [h for h in (core.hello(c) for c in conns) if h is not None]
+            addresses.append(
+                AddressState(
+                    address=address,
+                    connections=len(conns),
+                    instances=tuple(sorted({h.instance_id for h in hellos})),
+                    covered=core.covered(address),
+                    balanced=any(_same_address(h.addr, address) is False for h in hellos),
+                    names={h.instance_id: h.name for h in hellos},
+                )
+            )
+        states = [state for _, state, _ in core.jobs()]
+        return ClientStatistics(
+            addresses=tuple(addresses),
+            waiting=states.count("waiting"),
+            running=states.count("accepted"),
+            finished=self._finished,
+            failed=self._failed,
+            surplus_offers=core.surplus_offers,
+        )
+
+    def callback_base(self, conn_id: int) -> str | None:
+        """The callback base one connection registered (``None`` when unset)."""
+        return self._core.callback_base(conn_id)
+
+    async def wait_until(
+        self,
+        predicate: Callable[[], bool],
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (tests and tools bound their waits)
+    ) -> None:
+        """Return once ``predicate()`` is true; it is re-checked after every input.
+
+        Raises:
+            trio.TooSlowError: ``timeout`` seconds passed first.
+        """
+        with trio.fail_after(math.inf if timeout is None else timeout):
+            while not predicate():
+                if self._changed is None:
+                    self._changed = trio.Event()
+                await self._changed.wait()
+
+    # -- the core's outputs ----------------------------------------------------------------
+
+    def _flush(self) -> None:
+        if self._closed:
+            return
+        core = self._core
+        for conn_id, message in core.frames_to_send():
+            link = self._links.get(conn_id)
+            if link is not None:
+                link.outbox.send_nowait(p.encode(message))
+        for effect in core.effects():
+            self._apply(effect)
+        deadline = core.next_deadline()
+        if deadline is not None and deadline < self._timer_at:
+            self._wake.set()
+        if self._changed is not None:  # only when someone waits: _flush is the hot path
+            self._changed.set()
+            self._changed = None
+
+    def _apply(self, effect: ClientEffect) -> None:
+        if isinstance(effect, Finished):
+            waiter = self._waiters.get(effect.job_id)
+            if waiter is not None:
+                waiter.receipt = effect.receipt
+                waiter.done.set()
+        elif isinstance(effect, Failed):
+            waiter = self._waiters.get(effect.job_id)
+            kind = _FAILURES.get(effect.reason)
+            if waiter is not None and kind is not None:
+                waiter.error = kind(f"job {effect.job_id}: {effect.detail}")
+                waiter.done.set()
+        elif isinstance(effect, Dial):
+            self._nursery.start_soon(self._connection, effect.conn, effect.address)
+        elif isinstance(effect, Close):
+            link = self._links.get(effect.conn)
+            if link is not None:
+                link.close_with = (effect.code, effect.reason)
+                link.scope.cancel()
+        elif isinstance(effect, PositionReport):
+            entry = self._positions.get(effect.job_id)
+            if entry is not None:
+                entry[0].send_nowait(effect.position)
+        elif isinstance(effect, PeerError):
+            if effect.error.code == "offer_expired":
+                log.info("an offer for job %r expired", effect.error.job_id)
+            else:
+                log.warning(
+                    "execserver refused a frame on connection %d: %s: %s (job %r)",
+                    effect.conn,
+                    effect.error.code,
+                    effect.error.message,
+                    effect.error.job_id,
+                )
+
+    # -- tasks -------------------------------------------------------------------------------
+
+    async def _timers(self) -> None:
+        core = self._core
+        while True:
+            deadline = core.next_deadline()
+            self._timer_at = math.inf if deadline is None else deadline
+            with trio.move_on_at(self._timer_at):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            # _timer_at keeps the deadline just served while tick() and _flush()
+            # run: resetting it first would make _flush wake this task at once,
+            # and an idle client would spin.
+            core.tick(now=trio.current_time())
+            self._flush()
+
+    async def _connection(self, conn_id: int, address: str) -> None:
+        """Dial one broker connection and feed it to the core until it ends."""
+        self._connection_tasks += 1
+        try:
+            await self._dial_and_serve(conn_id, address)
+        finally:
+            self._connection_tasks -= 1
+            if self._connection_tasks == 0:
+                self._no_connection_tasks.set()
+                self._no_connection_tasks = trio.Event()
+
+    async def _dial_and_serve(self, conn_id: int, address: str) -> None:
+        core = self._core
+        try:
+            host, port = _split_address(address)
+            with trio.fail_after(DIAL_TIMEOUT):
+                stream: trio.SocketStream | trio.SSLStream[trio.SocketStream]
+                tcp = await trio.open_tcp_stream(host, port, local_address=self._local_host)
+                local_addr = _format_address(tcp.socket.getsockname())
+                stream = tcp
+                if self._ssl is not None:
+                    stream = trio.SSLStream(tcp, self._ssl, server_hostname=host)
+                headers = []
+                if self._token is not None:
+                    headers.append((b"authorization", f"Bearer {self._token}".encode()))
+                try:
+                    ws = await wrap_client_stream(
+                        self._nursery,
+                        stream,
+                        host,
+                        "/broker",
+                        extra_headers=headers,
+                        message_queue_size=256,
+                        max_message_size=self._max_frame_bytes,
+                    )
+                except BaseException:
+                    with trio.CancelScope(shield=True):
+                        await stream.aclose()
+                    raise
+        except (OSError, ValueError, trio.TooSlowError, HandshakeError, ConnectionRejected) as exc:
+            log.info("dialling %s failed: %s", address, _describe(exc))
+            self._failed_dials.add(address)
+            core.dial_failed(conn_id, now=trio.current_time())
+            self._flush()
+            return
+        self._failed_dials.discard(address)
+        outbox, inbox = trio.open_memory_channel[str](math.inf)
+        link = _Link(ws, outbox)
+        self._links[conn_id] = link
+        try:
+            with link.scope:
+                core.connected(conn_id, local_addr=local_addr, now=trio.current_time())
+                self._flush()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._writer, ws, inbox)
+                    await self._reader(conn_id, ws)
+                    nursery.cancel_scope.cancel()
+        finally:
+            del self._links[conn_id]
+            with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
+                code, reason = link.close_with or (1000, "client closing")
+                with contextlib.suppress(Exception):
+                    await ws.aclose(code, reason)
+                # trio-websocket leaves the stream open when the peer closed first.
+                with contextlib.suppress(Exception):
+                    await stream.aclose()
+            core.connection_closed(conn_id, now=trio.current_time())
+            self._flush()
+
+    async def _reader(self, conn_id: int, ws: WebSocketConnection) -> None:
+        core = self._core
+        with contextlib.suppress(ConnectionClosed):
+            while True:
+                text = await ws.get_message()
+                core.receive_text(conn_id, text, now=trio.current_time())
+                self._flush()
+
+    async def _writer(self, ws: WebSocketConnection, inbox: trio.MemoryReceiveChannel[str]) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            async for text in inbox:
+                await ws.send_message(text)
+
+    async def _aclose(self) -> None:
+        self._closed = True
+        for job_id, waiter in self._waiters.items():
+            if not waiter.done.is_set():
+                waiter.error = ClientClosed(f"job {job_id}: the broker client closed")
+                waiter.done.set()
+        for link in list(self._links.values()):
+            link.scope.cancel()
+        # Let every connection finish its closing handshake (bounded) while
+        # trio-websocket's reader tasks still run; cancelling them first would
+        # make each close wait out CLOSE_TIMEOUT.
+        if self._connection_tasks:
+            with trio.move_on_after(CLOSE_TIMEOUT + 1):
+                await self._no_connection_tasks.wait()
+
+
+def _same_address(seen: str, dialled: str) -> bool:
+    def bare(address: str) -> str:
+        return address.replace("[", "").replace("]", "")
+
+    return bare(seen) == bare(dialled)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, ConnectionRejected):
+        return f"upgrade refused with HTTP {exc.status_code}"
+    if isinstance(exc, trio.TooSlowError):
+        return f"no answer within {DIAL_TIMEOUT:g}s"
+    return f"{type(exc).__name__}: {exc}"
+
+
+@contextlib.asynccontextmanager
+async def open_broker_client(
+    config: ClientConfig,
+    *,
+    broker_token: str | None = None,
+    ssl_context: ssl.SSLContext | None = None,
+    local_host: str | None = None,
+    pipes: PipeRegistry | None = None,
+    listen: str | None = None,
+    max_frame_bytes: int = 1_048_576,
+    wait_connected: float | None = 10.0,
+) -> AsyncIterator[BrokerClient]:
+    """Open a :class:`BrokerClient` that keeps connections to ``config.addresses``.
+
+    Args:
+        config: addresses, identity, timeouts and pool limits.
+        broker_token: sent as ``Authorization: Bearer`` when the execservers need it.
+        ssl_context: dial ``wss://`` with this context (``None``: plain ``ws://``).
+        local_host: the local address to dial from (for example ``127.0.0.2``);
+            by default the system picks it.
+        pipes: the registry whose pipes :meth:`BrokerClient.pipe_in`/``pipe_out``
+            create, when you serve it yourself (mount ``pipes.routes()`` in your
+            app and set ``config.callback_port`` to its port).
+        listen: serve the pipes and ``/whoami`` on a listener of this client at
+            this host (port chosen by the system; ``"0.0.0.0"`` for every
+            address) and set ``callback_port`` to it.
+        max_frame_bytes: a larger incoming message closes its connection (1009).
+        wait_connected: wait up to this many seconds until every configured
+            address has answered a first dial, with a ``HELLO`` or a failure
+            (``None`` or ``0``: do not wait). Unreachable addresses keep being
+            dialled in the background; the client is usable either way.
+    """
+    async with trio.open_nursery() as nursery:
+        registry = pipes if pipes is not None else PipeRegistry(config.backend_id)
+        if listen is not None:
+            port: int = await nursery.start(serve_pipes, registry, listen, 0)
+            config = attrs.evolve(config, callback_port=port)
+        client = BrokerClient(
+            config,
+            nursery,
+            broker_token=broker_token,
+            ssl_context=ssl_context,
+            local_host=local_host,
+            pipes=registry,
+            max_frame_bytes=max_frame_bytes,
+        )
+        nursery.start_soon(client._timers)
+        client._flush()  # the initial Dial effects
+        if wait_connected:
+            with trio.move_on_after(wait_connected):
+                await client.wait_until(
+                    lambda: all(
+                        a.instances or a.address in client._failed_dials
+                        for a in client.statistics().addresses
+                    )
+                )
+        try:
+            yield client
+        finally:
+            await client._aclose()
+            registry.close()
+            nursery.cancel_scope.cancel()

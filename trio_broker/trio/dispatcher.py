@@ -1,0 +1,653 @@
+"""The dispatcher: drains the PostgreSQL queue into actions, within admission limits.
+
+Theory of operation
+===================
+
+One :class:`Dispatcher` per client process (the reference ``fylr`` daemon) turns
+``file_queue`` rows into running work. It is generic: every action is registered
+as an :class:`Action` with a handler that does the work. An *exec-bound* handler
+runs its command through the broker client itself (``await client.run(…)``); a
+*local-bound* one works in this process.
+
+Tasks, all in one nursery (:meth:`Dispatcher.serve`):
+
+- **claimer**: once per ``tick_interval`` (one second), and at once when an item
+  finishes or :meth:`Dispatcher.wake` is called, it asks the admission
+  arithmetic (:mod:`trio_broker.core.admission`) how many items of each kind may
+  start, and claims them in *one* statement (:meth:`Store.claim_batch`). With
+  nothing free it sends nothing; with an empty queue it sends one claim per
+  tick. Claims never overlap: wakes that arrive during a claim cause one more.
+- **one task per claimed item** runs its handler; local-bound handlers also hold
+  a slot of a CPU-count :class:`trio.CapacityLimiter`.
+- **writer**: records outcomes, batched, in one statement each
+  (:meth:`Store.finish`), retrying until the database takes them.
+- **heartbeat**: every ``heartbeat_interval`` it marks this backend alive and
+  requeues the rows of backends silent for ``stale_after`` (any survivor does
+  this for a dispatcher that was killed).
+
+Outcomes. The handler returns: the item is complete (its row is deleted). It
+raises :class:`~trio_broker.core.errors.NoSlot`: requeued after ``no_slot_delay``
+(a minute). :class:`~trio_broker.core.errors.NoExecserver`: requeued at once (no
+exec-bound item is claimed while no execserver is connected, so it waits).
+:class:`RetryLater` (for example a ``stopped`` receipt of a draining
+execserver): requeued after its delay. :class:`~trio_broker.trio.store.StoreUnavailable`
+(the handler's own database work failed): requeued at once. Any other exception:
+the item fails with the exception's text. An exception group of a single exception counts as that
+exception.
+
+Admission. Exec-bound items in flight are bounded by
+:func:`~trio_broker.core.admission.exec_limit` over the client's
+:meth:`ExecClient.instance_loads` and :meth:`ExecClient.waiting`, with the
+odd-priority reserve; local-bound items by ``local_workers``. An item is in
+flight from its claim until its handler ends.
+
+Failures. A database call that fails (:class:`~trio_broker.trio.store.StoreUnavailable`)
+is retried after a back-off that doubles from ``retry_min`` to ``retry_max``.
+Outcomes are fenced to their claim, so a retried outcome never touches a row
+claimed again since. A claim whose reply was lost may have claimed rows this
+process does not know: before its next claim the dispatcher returns every row
+it holds except the ones it knows (``return_claimed(keep=…)``). So a database
+restart loses and duplicates nothing.
+
+Shutdown (the ``serve`` task is cancelled): running handlers are cancelled (an
+exec-bound job is withdrawn or cancelled by the client), outcomes already known
+are written, and every row still claimed is returned to the queue at once; the
+backend is unregistered. All of that is shielded and bounded by
+``shutdown_timeout``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+import attrs
+import trio
+
+from trio_broker.core.admission import (
+    AdmissionConfig,
+    ClaimPlan,
+    InstanceLoad,
+    exec_limit,
+    is_odd,
+    odd_reserve,
+    plan_claims,
+)
+from trio_broker.core.errors import NoExecserver, NoSlot
+from trio_broker.trio.host import cpu_count
+from trio_broker.trio.store import ClaimRequest, Outcome, QueueItem, Store, StoreUnavailable
+
+__all__ = [
+    "Action",
+    "Dispatcher",
+    "DispatcherConfig",
+    "DispatcherStatistics",
+    "ExecClient",
+    "RetryLater",
+    "serve_dispatcher",
+]
+
+log = logging.getLogger("trio_broker.trio.dispatcher")
+
+Handler = Callable[[QueueItem], Awaitable[None]]
+
+
+class RetryLater(Exception):
+    """Raised by a handler: requeue the item after ``delay`` seconds.
+
+    For a ``stopped`` receipt (the execserver drained before the job ended), or
+    any other temporary reason the handler knows of.
+
+    Args:
+        delay: seconds before the item may be claimed again (at least 0).
+        reason: stored as the item's ``last_error``.
+    """
+
+    def __init__(self, delay: float, reason: str) -> None:
+        super().__init__(delay, reason)
+        self.delay = max(0.0, float(delay))
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"retry in {self.delay:g} s: {self.reason}"
+
+
+class ExecClient(Protocol):
+    """What the dispatcher needs of the broker client.
+
+    :class:`~trio_broker.trio.client.BrokerClient` is the real one.
+    """
+
+    def instance_loads(self) -> Sequence[InstanceLoad]:
+        """One load per connected, non-draining execserver instance."""
+        ...
+
+    def waiting(self) -> int:
+        """This client's jobs now waiting at execservers for a slot."""
+        ...
+
+
+@attrs.frozen
+class Action:
+    """A kind of queue item and what to do with it.
+
+    Attributes:
+        name: the ``action`` column of the rows it handles.
+        exec_bound: whether the work holds an execserver slot (admission by the
+            execservers) or runs locally (the CPU-count semaphore).
+        handler: ``async (QueueItem) -> None``; see the module docstring for how
+            its end maps to the item's outcome.
+    """
+
+    name: str
+    exec_bound: bool
+    handler: Handler
+
+
+def _not_negative(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if value < 0:
+        raise ValueError(f"{attribute.name} must be at least 0, got {value}")
+
+
+def _positive(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"{attribute.name} must be more than 0, got {value}")
+
+
+@attrs.frozen(kw_only=True)
+class DispatcherConfig:
+    """How a dispatcher claims, heartbeats and retries. Durations are seconds.
+
+    Attributes:
+        backend_id: this process's id in ``claimed_by`` and ``backends``; unique
+            among the live processes on one database.
+        name: shown beside the backend id.
+        tick_interval: claim at least this often.
+        heartbeat_interval: mark this backend alive (and sweep stale ones) this often.
+        stale_after: a backend silent this long has its rows requeued (with the
+            default heartbeat, a killed process's rows are back within a minute).
+        local_workers: local-bound items in flight at most; 0 = the CPUs this
+            process may use (affinity and cgroup quota).
+        admission: headroom, odd reserve, ``max_in_flight`` (0 = automatic),
+            whether idle slots count; its ``db_pool`` is replaced by the store's
+            pool size.
+        no_slot_delay: requeue delay after :class:`~trio_broker.core.errors.NoSlot`.
+        retry_min, retry_max: the back-off range after a database error.
+        shutdown_timeout: bound on writing outcomes and returning rows at shutdown.
+    """
+
+    backend_id: str
+    name: str = ""
+    tick_interval: float = attrs.field(default=1.0, validator=_positive)
+    heartbeat_interval: float = attrs.field(default=10.0, validator=_positive)
+    stale_after: float = attrs.field(default=45.0, validator=_positive)
+    local_workers: int = attrs.field(default=0, validator=_not_negative)
+    admission: AdmissionConfig = attrs.field(factory=AdmissionConfig)
+    no_slot_delay: float = attrs.field(default=60.0, validator=_not_negative)
+    retry_min: float = attrs.field(default=0.1, validator=_positive)
+    retry_max: float = attrs.field(default=5.0, validator=_positive)
+    shutdown_timeout: float = attrs.field(default=10.0, validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.backend_id:
+            raise ValueError("backend_id must not be empty")
+        if self.stale_after <= self.heartbeat_interval:
+            raise ValueError(
+                f"stale_after ({self.stale_after:g}) must exceed heartbeat_interval "
+                f"({self.heartbeat_interval:g}), or live backends would be swept"
+            )
+
+
+@attrs.frozen(kw_only=True)
+class DispatcherStatistics:
+    """A snapshot of a dispatcher (:meth:`Dispatcher.statistics`).
+
+    Attributes:
+        backend_id: whose.
+        exec_limit: exec-bound items allowed in flight at the last claim decision.
+        odd_reserve: the slots beyond ``exec_limit`` only odd priorities may take.
+        exec_in_flight, odd_in_flight: exec-bound items in flight (all; odd ones).
+        peak_exec_in_flight: the most exec-bound items ever in flight at once.
+        local_limit, local_in_flight: the local-bound semaphore and its use.
+        queue_deep: whether the last claim got all the exec-bound items it asked for.
+        ticks: claim decisions taken.
+        claims: claim statements sent.
+        claimed: items claimed.
+        completed, requeued, failed: outcomes recorded.
+        fenced: outcomes that no longer counted (the row was requeued meanwhile).
+        returned: rows returned to the queue (reconciliation after a lost claim
+            reply, and shutdown).
+        stale_requeued: rows of stale backends this dispatcher's sweeps requeued.
+        store_errors: database calls that failed.
+        pending_outcomes: outcomes known but not yet written.
+    """
+
+    backend_id: str
+    exec_limit: int
+    odd_reserve: int
+    exec_in_flight: int
+    odd_in_flight: int
+    peak_exec_in_flight: int
+    local_limit: int
+    local_in_flight: int
+    queue_deep: bool
+    ticks: int
+    claims: int
+    claimed: int
+    completed: int
+    requeued: int
+    failed: int
+    fenced: int
+    returned: int
+    stale_requeued: int
+    store_errors: int
+    pending_outcomes: int
+
+
+def _sole(exc: BaseException) -> BaseException:
+    """The one exception inside nested single-exception groups, else ``exc``."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class Dispatcher:
+    """Drains ``file_queue`` into registered actions (see the module docstring).
+
+    Args:
+        store: the queue database (opened).
+        actions: the actions this process handles; rows of other actions are
+            never claimed by it.
+        config: identity, intervals, admission.
+        exec_client: the broker client exec-bound admission follows (``None``:
+            no execserver, so exec-bound actions are never claimed).
+
+    Raises:
+        ValueError: two actions share a name.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        actions: Iterable[Action],
+        config: DispatcherConfig,
+        *,
+        exec_client: ExecClient | None = None,
+    ) -> None:
+        self._store = store
+        self.config = config
+        self._exec = exec_client
+        self._actions: dict[str, Action] = {}
+        for action in actions:
+            if action.name in self._actions:
+                raise ValueError(f"action {action.name!r} is registered twice")
+            self._actions[action.name] = action
+        self._exec_names = tuple(sorted(a.name for a in self._actions.values() if a.exec_bound))
+        self._local_names = tuple(
+            sorted(a.name for a in self._actions.values() if not a.exec_bound)
+        )
+        self._admission = attrs.evolve(config.admission, db_pool=store.pool_size)
+        self._local_limit = config.local_workers or cpu_count()
+        self._local_slots = trio.CapacityLimiter(self._local_limit)
+        # claimed rows whose outcome is not written yet, by (id, attempts)
+        self._unwritten: dict[tuple[int, int], QueueItem] = {}
+        self._pending: list[Outcome] = []
+        self._exec_in_flight = 0
+        self._odd_in_flight = 0
+        self._local_in_flight = 0
+        self._peak_exec = 0
+        self._last_limit = 0
+        self._last_reserve = 0
+        self._queue_deep = False
+        self._reconcile = False
+        self._claim_wanted = trio.Event()
+        self._outcome_ready = trio.Event()
+        self._changed = trio.Event()
+        self._counters = dict.fromkeys(
+            (
+                "ticks",
+                "claims",
+                "claimed",
+                "completed",
+                "requeued",
+                "failed",
+                "fenced",
+                "returned",
+                "stale_requeued",
+                "store_errors",
+            ),
+            0,
+        )
+        self._store_down = False
+
+    # -- public API ------------------------------------------------------------------------
+
+    async def serve(
+        self, *, task_status: trio.TaskStatus[Dispatcher] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Register, then claim and run items until cancelled.
+
+        Reports itself to ``task_status.started()`` once registered in the
+        database (waiting, with back-off, while the database is unreachable).
+        On cancellation it returns every row it holds to the queue.
+        """
+        await self._register()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._writer)
+                nursery.start_soon(self._heartbeats)
+                nursery.start_soon(self._claimer, nursery)
+                task_status.started(self)
+        finally:
+            with trio.CancelScope(shield=True) as scope:
+                scope.deadline = trio.current_time() + self.config.shutdown_timeout
+                await self._shutdown()
+
+    def wake(self) -> None:
+        """Claim now instead of at the next tick (after enqueueing urgent work)."""
+        self._claim_wanted.set()
+
+    def statistics(self) -> DispatcherStatistics:
+        """A frozen snapshot of the counters and what is in flight."""
+        c = self._counters
+        return DispatcherStatistics(
+            backend_id=self.config.backend_id,
+            exec_limit=self._last_limit,
+            odd_reserve=self._last_reserve,
+            exec_in_flight=self._exec_in_flight,
+            odd_in_flight=self._odd_in_flight,
+            peak_exec_in_flight=self._peak_exec,
+            local_limit=self._local_limit,
+            local_in_flight=self._local_in_flight,
+            queue_deep=self._queue_deep,
+            ticks=c["ticks"],
+            claims=c["claims"],
+            claimed=c["claimed"],
+            completed=c["completed"],
+            requeued=c["requeued"],
+            failed=c["failed"],
+            fenced=c["fenced"],
+            returned=c["returned"],
+            stale_requeued=c["stale_requeued"],
+            store_errors=c["store_errors"],
+            pending_outcomes=len(self._pending),
+        )
+
+    async def wait_until(self, predicate: Callable[[DispatcherStatistics], bool]) -> None:
+        """Wait until ``predicate(self.statistics())`` holds; re-checked after every change."""
+        while not predicate(self.statistics()):
+            await self._changed.wait()
+
+    # -- claiming --------------------------------------------------------------------------
+
+    def plan(self) -> ClaimPlan:
+        """How many items of each kind a claim would ask for right now."""
+        if self._exec is not None and self._exec_names:
+            loads: Sequence[InstanceLoad] = self._exec.instance_loads()
+            waiting = self._exec.waiting()
+        else:
+            loads, waiting = (), 0
+        limit = exec_limit(
+            loads, waiting=waiting, queue_deep=self._queue_deep, config=self._admission
+        )
+        # The odd reserve comes on top of the limit: even items keep the whole fair
+        # share and its pipelining headroom (on a small fleet a reserve taken out
+        # of the limit would leave no even want parked ahead of a freed slot), and
+        # odd ones may go ``reserve`` beyond it, waiting ahead of the even wants.
+        reserve = odd_reserve(limit, self._admission.odd_reserve)
+        self._last_limit, self._last_reserve = limit, reserve
+        return plan_claims(
+            exec_limit=limit + reserve,
+            reserve=reserve,
+            exec_in_flight=self._exec_in_flight,
+            even_in_flight=self._exec_in_flight - self._odd_in_flight,
+            local_limit=self._local_limit if self._local_names else 0,
+            local_in_flight=self._local_in_flight,
+        )
+
+    async def _claimer(self, nursery: trio.Nursery) -> None:
+        backoff = self.config.retry_min
+        deadline = trio.current_time()
+        while True:
+            with trio.move_on_at(deadline):
+                await self._claim_wanted.wait()
+            self._claim_wanted = trio.Event()
+            deadline = trio.current_time() + self.config.tick_interval
+            self._counters["ticks"] += 1
+            try:
+                if self._reconcile:
+                    await self._return_unknown()
+                plan = self.plan()
+                if plan.total:
+                    items = await self._claim(plan)
+                    self._start(nursery, items, plan)
+            except StoreUnavailable as exc:
+                self._store_failed("claim", exc)
+                deadline = trio.current_time() + backoff
+                backoff = min(backoff * 2, self.config.retry_max)
+            else:
+                backoff = self.config.retry_min
+                self._store_ok()
+            self._notify()
+
+    async def _claim(self, plan: ClaimPlan) -> list[QueueItem]:
+        requests = [
+            ClaimRequest(limit=plan.general, actions=self._exec_names),
+            ClaimRequest(limit=plan.odd_only, actions=self._exec_names, odd_only=True),
+            ClaimRequest(limit=plan.local, actions=self._local_names),
+        ]
+        self._counters["claims"] += 1
+        try:
+            return await self._store.claim_batch(self.config.backend_id, requests)
+        except StoreUnavailable:
+            # the claim may have taken rows whose reply never came
+            self._reconcile = True
+            raise
+
+    async def _return_unknown(self) -> None:
+        keep = {item_id for item_id, _ in self._unwritten}
+        returned = await self._store.return_claimed(self.config.backend_id, keep=keep)
+        self._reconcile = False
+        if returned:
+            log.info("returned %d rows claimed by a claim whose reply was lost", returned)
+            self._counters["returned"] += returned
+
+    def _start(self, nursery: trio.Nursery, items: Sequence[QueueItem], plan: ClaimPlan) -> None:
+        exec_items = 0
+        for item in items:
+            action = self._actions[item.action]
+            self._unwritten[item.id, item.attempts] = item
+            if action.exec_bound:
+                exec_items += 1
+                self._exec_in_flight += 1
+                if is_odd(item.priority):
+                    self._odd_in_flight += 1
+            else:
+                self._local_in_flight += 1
+            nursery.start_soon(self._run_item, item, action)
+        self._peak_exec = max(self._peak_exec, self._exec_in_flight)
+        self._counters["claimed"] += len(items)
+        if plan.general:
+            self._queue_deep = exec_items >= plan.general
+
+    # -- running ---------------------------------------------------------------------------
+
+    async def _run_item(self, item: QueueItem, action: Action) -> None:
+        outcome: Outcome | None = None
+        try:
+            try:
+                if action.exec_bound:
+                    await action.handler(item)
+                else:
+                    async with self._local_slots:
+                        await action.handler(item)
+            except Exception as raised:
+                outcome = self._outcome_of(item, _sole(raised))
+            else:
+                outcome = Outcome(item_id=item.id, attempts=item.attempts, kind="complete")
+        finally:
+            # on cancellation (shutdown) there is no outcome: the row is returned
+            if action.exec_bound:
+                self._exec_in_flight -= 1
+                if is_odd(item.priority):
+                    self._odd_in_flight -= 1
+            else:
+                self._local_in_flight -= 1
+            if outcome is not None:
+                self._pending.append(outcome)
+                self._outcome_ready.set()
+            self._claim_wanted.set()
+            self._notify()
+
+    def _outcome_of(self, item: QueueItem, exc: BaseException) -> Outcome:
+        def requeue(delay: float, error: str) -> Outcome:
+            return Outcome(
+                item_id=item.id, attempts=item.attempts, kind="requeue", delay=delay, error=error
+            )
+
+        if isinstance(exc, NoSlot):
+            return requeue(self.config.no_slot_delay, _describe(exc))
+        if isinstance(exc, NoExecserver | StoreUnavailable):
+            return requeue(0.0, _describe(exc))
+        if isinstance(exc, RetryLater):
+            return requeue(exc.delay, exc.reason)
+        log.info("item %d (%s) failed: %s", item.id, item.action, _describe(exc))
+        return Outcome(item_id=item.id, attempts=item.attempts, kind="fail", error=_describe(exc))
+
+    # -- writing outcomes ------------------------------------------------------------------
+
+    async def _writer(self) -> None:
+        backoff = self.config.retry_min
+        while True:
+            if not self._pending:
+                await self._outcome_ready.wait()
+                self._outcome_ready = trio.Event()
+                continue
+            try:
+                await self._write_pending()
+            except StoreUnavailable as exc:
+                self._store_failed("outcome", exc)
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, self.config.retry_max)
+            else:
+                backoff = self.config.retry_min
+                self._store_ok()
+
+    async def _write_pending(self) -> None:
+        batch, self._pending = self._pending, []
+        try:
+            applied = await self._store.finish(self.config.backend_id, batch)
+        except BaseException:
+            self._pending[:0] = batch
+            raise
+        for outcome in batch:
+            self._unwritten.pop((outcome.item_id, outcome.attempts), None)
+            if outcome.item_id not in applied:
+                self._counters["fenced"] += 1
+            elif outcome.kind == "complete":
+                self._counters["completed"] += 1
+            elif outcome.kind == "requeue":
+                self._counters["requeued"] += 1
+            else:
+                self._counters["failed"] += 1
+        self._notify()
+
+    # -- heartbeats ------------------------------------------------------------------------
+
+    async def _register(self) -> None:
+        backoff = self.config.retry_min
+        while True:
+            try:
+                await self._store.register_backend(self.config.backend_id, self.config.name)
+                # rows held under this id by an earlier life of this process
+                returned = await self._store.return_claimed(self.config.backend_id)
+            except StoreUnavailable as exc:
+                self._store_failed("register", exc)
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, self.config.retry_max)
+            else:
+                self._store_ok()
+                if returned:
+                    log.info("returned %d rows left claimed by an earlier start", returned)
+                    self._counters["returned"] += returned
+                return
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await trio.sleep(self.config.heartbeat_interval)
+            try:
+                existed = await self._store.heartbeat(self.config.backend_id, self.config.name)
+                if not existed:
+                    log.warning(
+                        "backend %s was swept as stale: its rows went back to the queue",
+                        self.config.backend_id,
+                    )
+                requeued = await self._store.requeue_stale(self.config.stale_after)
+            except StoreUnavailable as exc:
+                self._store_failed("heartbeat", exc)
+                continue
+            self._store_ok()
+            if requeued:
+                log.info("requeued %d rows of stale backends", requeued)
+                self._counters["stale_requeued"] += requeued
+                self._claim_wanted.set()
+            self._notify()
+
+    # -- shutdown --------------------------------------------------------------------------
+
+    async def _shutdown(self) -> None:
+        backend_id = self.config.backend_id
+        try:
+            if self._pending:
+                await self._write_pending()
+            returned = await self._store.return_claimed(backend_id)
+            self._counters["returned"] += returned
+            await self._store.unregister_backend(backend_id)
+        except StoreUnavailable as exc:
+            log.warning(
+                "could not return the rows of %s at shutdown (%s): they go back to the "
+                "queue when its heartbeat is stale",
+                backend_id,
+                exc,
+            )
+        self._notify()
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _store_failed(self, what: str, exc: StoreUnavailable) -> None:
+        self._counters["store_errors"] += 1
+        if not self._store_down:
+            self._store_down = True
+            log.warning("queue database unavailable (%s): %s; retrying", what, exc)
+        else:
+            log.debug("queue database still unavailable (%s): %s", what, exc)
+
+    def _store_ok(self) -> None:
+        if self._store_down:
+            self._store_down = False
+            log.info("queue database reachable again")
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+
+async def serve_dispatcher(
+    store: Store,
+    actions: Iterable[Action],
+    config: DispatcherConfig,
+    *,
+    exec_client: ExecClient | None = None,
+    task_status: trio.TaskStatus[Dispatcher] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run a :class:`Dispatcher` until cancelled; ``task_status.started()`` gets it.
+
+    ``dispatcher = await nursery.start(serve_dispatcher, store, actions, config)``.
+    """
+    await Dispatcher(store, actions, config, exec_client=exec_client).serve(task_status=task_status)

@@ -1,0 +1,637 @@
+"""The execserver on trio: the broker core on a websocket, a runner for its jobs.
+
+:func:`serve_execserver` runs one HTTP listener (hypercorn, trio worker) with a
+small starlette app:
+
+``GET /broker``
+    the broker websocket of the protocol. Each connection has one reader (this
+    endpoint's task) and one writer task; both only move frames between the
+    socket and the :class:`~trio_broker.core.broker.Broker` core.
+``GET /healthz``
+    200 ``{"status": "serving"}``, or 503 ``{"status": "draining"}``.
+``GET /inspect/system/execserver``
+    JSON: the pool, the reserve, each service, each connection, recent receipts.
+``GET /metrics``
+    the same figures as Prometheus text.
+
+Everything that decides lives in the core. This module feeds it inputs with
+``now = trio.current_time()`` (so a ``MockClock`` drives every timeout), carries
+its frames to the writers, runs its :class:`~trio_broker.core.broker.StartJob` effects
+on the runner, and sleeps until :meth:`~trio_broker.core.broker.Broker.next_deadline`
+in one timer task.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hmac
+import logging
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import httpx
+import trio
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route, WebSocketRoute
+from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.websockets import WebSocket
+
+from trio_broker.core import protocol as p
+from trio_broker.core.broker import (
+    AbortJob,
+    Broker,
+    BrokerConfig,
+    BrokerStatistics,
+    CheckCallback,
+    CloseConnection,
+    Drained,
+    StartJob,
+)
+from trio_broker.trio.listener import ListenerSettings, listener_config, serve_app
+from trio_broker.trio.runner import (
+    CommandRunner,
+    JobControl,
+    JobRequest,
+    Runner,
+    RunnerStatistics,
+)
+
+__all__ = [
+    "ExecserverHandle",
+    "serve_execserver",
+]
+
+log = logging.getLogger("trio_broker.trio.execserver")
+
+CLOSE_GOING_AWAY = 1001
+CLOSE_POLICY = 1008
+CLOSE_TOO_BIG = 1009
+DEFAULT_MAX_FRAME_BYTES = 1_048_576
+SEND_QUEUE_FRAMES = 4096
+"""Frames queued for one connection before it counts as not reading (closed, 1008)."""
+
+
+@attrs.frozen
+class _Close:
+    code: int
+    reason: str
+
+
+class _Connection:
+    """One accepted broker websocket, as the service sees it."""
+
+    __slots__ = ("conn_id", "outbox", "scope")
+
+    def __init__(
+        self,
+        conn_id: int,
+        outbox: trio.MemorySendChannel[str | _Close],
+        scope: trio.CancelScope,
+    ) -> None:
+        self.conn_id = conn_id
+        self.outbox = outbox
+        self.scope = scope
+
+
+class ExecserverHandle:
+    """What :func:`serve_execserver` hands to ``task_status.started()``.
+
+    Attributes:
+        host, port: where the listener is bound (the real port when 0 was asked).
+        url: ``ws://host:port/broker`` (``wss://`` with TLS).
+        broker: the core (read-only use: statistics, draining state).
+    """
+
+    def __init__(self, service: _Service, host: str, port: int, secure: bool) -> None:
+        self._service = service
+        self.host = host
+        self.port = port
+        scheme = "wss" if secure else "ws"
+        shown = f"[{host}]" if ":" in host else host
+        self.url = f"{scheme}://{shown}:{port}/broker"
+        self.http_url = f"{'https' if secure else 'http'}://{shown}:{port}"
+
+    @property
+    def broker(self) -> Broker:
+        return self._service.core
+
+    def drain(self) -> None:
+        """Begin draining (what SIGTERM does): finish running jobs, then exit."""
+        self._service.drain()
+
+    def stop(self) -> None:
+        """Stop now (a second signal): running jobs end with status ``stopped``."""
+        self._service.stop()
+
+    def statistics(self) -> dict[str, Any]:
+        """The inspection document of ``/inspect/system/execserver``."""
+        return self._service.inspect()
+
+    async def wait_until(self, predicate: Callable[[], bool]) -> None:
+        """Wait until ``predicate()`` holds; it is re-checked after every core input."""
+        service = self._service
+        while not predicate():
+            if service.changed is None:
+                service.changed = trio.Event()
+            await service.changed.wait()
+
+    async def wait_closed(self) -> None:
+        """Wait until draining finished and every connection was closed."""
+        await self._service.closed.wait()
+
+
+class _Service:
+    """The trio side of one execserver: connections, timers, jobs."""
+
+    def __init__(
+        self,
+        core: Broker,
+        runner: Runner,
+        *,
+        broker_token: str | None,
+        max_frame_bytes: int,
+        http: httpx.AsyncClient,
+    ) -> None:
+        self.core = core
+        self.runner = runner
+        self.broker_token = broker_token
+        self.max_frame_bytes = max_frame_bytes
+        self.http = http
+        self.conns: dict[int, _Connection] = {}
+        self.controls: dict[int, JobControl] = {}
+        self.nursery: trio.Nursery | None = None
+        self.wake = trio.Event()
+        self.armed: float | None = None
+        self.changed: trio.Event | None = None  # created only when someone waits
+        self.drained = trio.Event()
+        self.all_closed = trio.Event()
+        self.closed = trio.Event()
+
+    # -- feeding the core ---------------------------------------------------------
+
+    def flush(self) -> None:
+        """Carry out everything the core wants after an input."""
+        core = self.core
+        for conn_id, message in core.frames_to_send():
+            conn = self.conns.get(conn_id)
+            if conn is not None:
+                self._enqueue(conn, p.encode(message))
+        for effect in core.effects():
+            if isinstance(effect, StartJob):
+                assert self.nursery is not None
+                self.controls[effect.run_id] = JobControl()
+                self.nursery.start_soon(self._run_job, effect)
+            elif isinstance(effect, AbortJob):
+                control = self.controls.get(effect.run_id)
+                if control is not None:
+                    control.abort(effect.status, effect.reason)
+            elif isinstance(effect, CloseConnection):
+                conn = self.conns.get(effect.conn)
+                if conn is not None:
+                    log.info("closing connection %d: %s", effect.conn, effect.reason)
+                    self._close(conn, effect.code, effect.reason)
+            elif isinstance(effect, CheckCallback):
+                assert self.nursery is not None
+                self.nursery.start_soon(self._check_callback, effect)
+            elif isinstance(effect, Drained):
+                log.info("drained: closing %d connections", len(self.conns))
+                for conn in list(self.conns.values()):
+                    self._close(conn, CLOSE_GOING_AWAY, "the execserver is shutting down")
+                self.drained.set()
+                if not self.conns:
+                    self.all_closed.set()
+        deadline = core.next_deadline()
+        if deadline is not None and (self.armed is None or deadline < self.armed):
+            self.wake.set()
+        if self.changed is not None:
+            self.changed.set()
+            self.changed = None
+
+    def _enqueue(self, conn: _Connection, item: str | _Close) -> None:
+        try:
+            conn.outbox.send_nowait(item)
+        except trio.WouldBlock:
+            log.warning("connection %d does not read its frames: closing it", conn.conn_id)
+            conn.scope.cancel()
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass
+
+    def _close(self, conn: _Connection, code: int, reason: str) -> None:
+        self._enqueue(conn, _Close(code, reason))
+
+    def drain(self) -> None:
+        log.info("draining")
+        self.core.drain(now=trio.current_time())
+        self.flush()
+
+    def stop(self) -> None:
+        log.info("stopping: running jobs end now")
+        self.core.stop(now=trio.current_time())
+        self.flush()
+
+    # -- tasks ----------------------------------------------------------------------
+
+    async def timers(self) -> None:
+        """Sleep until the core's next deadline (or an earlier one appears), tick."""
+        while True:
+            self.armed = self.core.next_deadline()
+            deadline = math.inf if self.armed is None else self.armed
+            with trio.move_on_at(deadline):
+                await self.wake.wait()
+            self.wake = trio.Event()
+            self.core.tick(now=trio.current_time())
+            self.flush()
+
+    async def _run_job(self, effect: StartJob) -> None:
+        control = self.controls[effect.run_id]
+        request = JobRequest(
+            job_id=effect.job_id, service=effect.service, subject=effect.subject, job=effect.job
+        )
+        started = trio.current_time()
+        try:
+            receipt = await self.runner.run(request, control)
+        except Exception as exc:
+            log.exception("the runner failed on job %r", effect.job_id)
+            receipt = p.Receipt(
+                status="error",
+                error=f"the runner failed: {type(exc).__name__}: {exc}",
+                stdout_prefix="",
+                stdout_bytes=0,
+                stdin_bytes=0,
+                started_at=0.0,
+                duration_s=trio.current_time() - started,
+                instance_id="",
+            )
+        finally:
+            del self.controls[effect.run_id]
+        self.core.job_ended(effect.run_id, receipt, now=trio.current_time())
+        self.flush()
+
+    async def _check_callback(self, effect: CheckCallback) -> None:
+        url = effect.url.rstrip("/") + "/whoami"
+        try:
+            response = await self.http.get(url)
+            response.raise_for_status()
+            answer = response.json()
+            seen = answer.get("backend_id") if isinstance(answer, dict) else None
+            if seen == effect.backend_id:
+                result = "ok"
+            else:
+                result = (
+                    f"mismatch: {url} answered backend_id {seen!r}, "
+                    f"not {effect.backend_id!r} (a balancer in front of several clients?)"
+                )
+        except (httpx.HTTPError, ValueError) as exc:
+            result = f"failed: {url}: {type(exc).__name__}: {exc}"
+        if result != "ok":
+            log.warning("callback check of connection %d: %s", effect.conn, result)
+        self.core.callback_checked(effect.conn, result, now=trio.current_time())
+        self.flush()
+
+    # -- the websocket endpoint ----------------------------------------------------------
+
+    def authorized(self, headers: Mapping[str, str]) -> bool:
+        if self.broker_token is None:
+            return True
+        given = headers.get("authorization", "")
+        expected = f"Bearer {self.broker_token}"
+        return hmac.compare_digest(given.encode(), expected.encode())
+
+    async def broker_endpoint(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ``/broker`` websocket, as a plain ASGI application.
+
+        It talks ASGI directly rather than through starlette's ``WebSocket``: every
+        frame of every connection goes through here, and the wrappers cost more
+        than the broker core itself.
+        """
+        if (await receive())["type"] != "websocket.connect":
+            return
+        headers = {
+            name.decode("latin-1").lower(): value.decode("latin-1")
+            for name, value in scope["headers"]
+        }
+        if not self.authorized(headers):
+            await send(
+                {
+                    "type": "websocket.http.response.start",
+                    "status": 401,
+                    "headers": [
+                        (b"content-type", b"text/plain; charset=utf-8"),
+                        (b"www-authenticate", b"Bearer"),
+                    ],
+                }
+            )
+            await send(
+                {"type": "websocket.http.response.body", "body": b"a broker token is required\n"}
+            )
+            return
+        await send({"type": "websocket.accept"})
+        host, port = scope.get("server") or ("", 0)
+        addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        conn_id = self.core.open_connection(addr, now=trio.current_time())
+        outbox, inbox = trio.open_memory_channel[str | _Close](SEND_QUEUE_FRAMES)
+        with trio.CancelScope() as cancel_scope:
+            conn = _Connection(conn_id, outbox, cancel_scope)
+            self.conns[conn_id] = conn
+            try:
+                self.flush()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._writer, send, inbox, nursery.cancel_scope)
+                    await self._reader(receive, send, conn)
+                    nursery.cancel_scope.cancel()
+            finally:
+                del self.conns[conn_id]
+                if not self.conns and self.drained.is_set():
+                    self.all_closed.set()
+                outbox.close()
+                self.core.close_connection(conn_id, now=trio.current_time())
+                self.flush()
+        if cancel_scope.cancelled_caught:
+            with trio.move_on_after(1) as cleanup:
+                cleanup.shield = True
+                await _close_quietly(send, CLOSE_POLICY, "frames are not being read")
+
+    async def _reader(self, receive: Receive, send: Send, conn: _Connection) -> None:
+        limit = self.max_frame_bytes
+        core = self.core
+        while True:
+            message = await receive()
+            if message["type"] != "websocket.receive":
+                return  # websocket.disconnect
+            data: str | bytes | None = message.get("text")
+            if data is None:
+                data = message.get("bytes") or b""
+            size = len(data) if isinstance(data, bytes) else _utf8_size(data, limit)
+            if size > limit:
+                log.info("connection %d sent a %d-byte frame: closing (1009)", conn.conn_id, size)
+                await _close_quietly(send, CLOSE_TOO_BIG, "frame too big")
+                return
+            core.receive_text(conn.conn_id, data, now=trio.current_time())
+            self.flush()
+
+    async def _writer(
+        self,
+        send: Send,
+        inbox: trio.MemoryReceiveChannel[str | _Close],
+        reader_scope: trio.CancelScope,
+    ) -> None:
+        async with inbox:
+            async for item in inbox:
+                if isinstance(item, _Close):
+                    await _close_quietly(send, item.code, item.reason)
+                    reader_scope.cancel()
+                    return
+                try:
+                    await send({"type": "websocket.send", "text": item})
+                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    reader_scope.cancel()  # the peer is gone; the reader ends the connection
+                    return
+
+    # -- inspection -------------------------------------------------------------------
+
+    def inspect(self) -> dict[str, Any]:
+        stats = self.core.statistics()
+        runner_stats = self.runner.statistics() if isinstance(self.runner, CommandRunner) else None
+        return _inspection(stats, runner_stats)
+
+    def metrics(self) -> bytes:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Collector(self))
+        return generate_latest(registry)
+
+
+def _utf8_size(text: str, limit: int) -> int:
+    """The UTF-8 size of text, computed only when the character count can't decide."""
+    if len(text) * 4 <= limit:
+        return len(text)
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+async def _close_quietly(send: Send, code: int, reason: str) -> None:
+    # the peer may already be gone, or the socket already closing
+    with contextlib.suppress(OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+        await send({"type": "websocket.close", "code": code, "reason": reason})
+
+
+def _inspection(stats: BrokerStatistics, runner: RunnerStatistics | None) -> dict[str, Any]:
+    running_jobs = {job.job_id: job for job in runner.running} if runner else {}
+    return {
+        "instance_id": stats.instance_id,
+        "name": stats.name,
+        "draining": stats.draining,
+        "pool": {
+            "slots": stats.slots,
+            "fast_reserve": stats.fast_reserve,
+            "unknown_cap": stats.unknown_cap,
+            "busy": stats.busy,
+            "idle": stats.idle,
+            "memory_budget": stats.memory_budget,
+            "memory_reserved": stats.memory_reserved,
+            "memory_used": runner.memory_used if runner else None,
+        },
+        "services": {
+            s.name: {
+                "kind": s.kind,
+                "max_slots": s.max_slots,
+                "capacity": s.capacity,
+                "running": s.running,
+                "offered": s.offered,
+                "parked": s.parked,
+                "completed": s.completed,
+                "mean_runtime_s": s.mean_runtime,
+                "peak_memory": s.peak_memory,
+                "footprint": s.footprint,
+            }
+            for s in stats.services
+        },
+        "connections": [
+            {
+                "id": c.conn,
+                "addr": c.addr,
+                "backend_id": c.register.backend_id if c.register else None,
+                "name": c.register.name if c.register else None,
+                "version": c.register.version if c.register else None,
+                "callback_url": c.register.callback_url if c.register else None,
+                "callback_check": c.callback_check,
+                "parked": c.parked,
+                "offered": c.offered,
+                "running": c.running,
+            }
+            for c in stats.connections
+        ],
+        "running": [
+            {
+                "job_id": job.job_id,
+                "service": job.service,
+                "pid": job.pid,
+                "rss": job.rss,
+                "peak_memory": job.peak_memory,
+            }
+            for job in running_jobs.values()
+        ],
+        "recent": [
+            {
+                "job_id": f.job_id,
+                "service": f.service,
+                "subject": f.subject,
+                "backend_id": f.backend_id,
+                "delivered": f.delivered,
+                "receipt": p.converter.unstructure(f.receipt),
+            }
+            for f in reversed(stats.recent)
+        ],
+        "counters": stats.counters,
+    }
+
+
+class _Collector:
+    """Prometheus metrics read from a statistics snapshot at scrape time."""
+
+    def __init__(self, service: _Service) -> None:
+        self.service = service
+
+    def collect(self) -> list[Metric]:
+        stats = self.service.core.statistics()
+        pool = [
+            ("slots", "Slots in the pool.", stats.slots),
+            ("busy", "Slots running a job or holding an offer.", stats.busy),
+            ("idle", "Slots outside the fast reserve free through the last second.", stats.idle),
+            ("fast_reserve", "Slots heavy services never take.", stats.fast_reserve),
+            ("connections", "Open broker connections.", len(stats.connections)),
+            ("draining", "1 while the execserver drains.", int(stats.draining)),
+        ]
+        metrics: list[Metric] = [
+            GaugeMetricFamily(f"trio_broker_execserver_{name}", text, value=value)
+            for name, text, value in pool
+        ]
+        per_service: list[tuple[str, str, Callable[[Any], float | None]]] = [
+            ("running", "Running jobs of the service.", lambda s: s.running),
+            ("offered", "Outstanding offers of the service.", lambda s: s.offered),
+            ("parked", "Parked wants of the service.", lambda s: s.parked),
+            ("mean_runtime_seconds", "Rolling mean runtime.", lambda s: s.mean_runtime),
+            ("footprint_bytes", "Learned memory footprint.", lambda s: s.footprint),
+        ]
+        for name, text, read in per_service:
+            family = GaugeMetricFamily(
+                f"trio_broker_execserver_service_{name}", text, labels=["service"]
+            )
+            for s in stats.services:
+                value = read(s)
+                if value is not None:
+                    family.add_metric([s.name], value)
+            metrics.append(family)
+        completed = CounterMetricFamily(
+            "trio_broker_execserver_service_jobs_completed",
+            "Jobs of the service that ran to a measured end.",
+            labels=["service"],
+        )
+        for s in stats.services:
+            completed.add_metric([s.name], s.completed)
+        metrics.append(completed)
+        for name, value in stats.counters.items():
+            metrics.append(
+                CounterMetricFamily(
+                    f"trio_broker_execserver_{name}", f"Count of {name}.", value=value
+                )
+            )
+        return metrics
+
+
+def _make_app(service: _Service) -> ASGIApp:
+    async def healthz(request: Request) -> Response:
+        if service.core.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "serving"})
+
+    async def inspect(request: Request) -> Response:
+        return JSONResponse(service.inspect())
+
+    async def metrics(request: Request) -> Response:
+        return Response(service.metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def not_found(websocket: WebSocket) -> None:
+        await websocket.send_denial_response(PlainTextResponse("not found\n", status_code=404))
+
+    pages = Starlette(
+        routes=[
+            Route("/healthz", healthz),
+            Route("/inspect/system/execserver", inspect),
+            Route("/metrics", metrics),
+            WebSocketRoute("/{path:path}", not_found),
+        ]
+    )
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket" and scope["path"] == "/broker":
+            await service.broker_endpoint(scope, receive, send)
+        else:
+            await pages(scope, receive, send)
+
+    return app
+
+
+async def serve_execserver(
+    config: BrokerConfig,
+    runner: Runner,
+    *,
+    listener: ListenerSettings | None = None,
+    broker_token: str | None = None,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    task_status: trio.TaskStatus[ExecserverHandle] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run an execserver until it has drained (or the caller cancels it).
+
+    Binds the listener (port 0 picks a free port), then calls
+    ``task_status.started()`` with an :class:`ExecserverHandle`. Returns once
+    :meth:`ExecserverHandle.drain` has finished draining and every connection is
+    closed. Cancelling it stops at once: running jobs are killed.
+
+    Args:
+        config: the broker core's configuration (instance id, name, pool, timers).
+        runner: runs the jobs (the reference
+            :class:`~trio_broker.trio.runner.CommandRunner`, or your own).
+        listener: where to listen, and the TLS files for ``wss://``; by default
+            ``127.0.0.1`` on a free port.
+        broker_token: when set, ``/broker`` needs ``Authorization: Bearer <token>``.
+        max_frame_bytes: a larger incoming frame closes its connection (1009).
+    """
+    listener = listener or ListenerSettings()
+    core = Broker(config, now=trio.current_time())
+    hyper = listener_config(listener.listen)
+    hyper.websocket_max_message_size = max_frame_bytes
+    secure = listener.certfile is not None
+    if listener.certfile is not None:
+        hyper.certfile = listener.certfile
+        hyper.keyfile = listener.keyfile
+        hyper.ciphers = "ECDHE+AESGCM:ECDHE+CHACHA20"
+    async with httpx.AsyncClient(timeout=5.0) as http, trio.open_nursery() as nursery:
+        service = _Service(
+            core,
+            runner,
+            broker_token=broker_token,
+            max_frame_bytes=max_frame_bytes,
+            http=http,
+        )
+        service.nursery = nursery
+        nursery.start_soon(service.timers)
+        host, port = await nursery.start(
+            functools.partial(
+                serve_app, _make_app(service), hyper, shutdown_trigger=service.drained.wait
+            )
+        )
+        handle = ExecserverHandle(service, host, port, secure)
+        log.info("execserver %s (%s) serving %s", config.name, config.instance_id, handle.url)
+        task_status.started(handle)
+        await service.drained.wait()
+        # every connection was told to close (1001); give them a moment to go
+        with trio.move_on_after(hyper.graceful_timeout + 1.0):
+            await service.all_closed.wait()
+        service.closed.set()
+        nursery.cancel_scope.cancel()
