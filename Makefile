@@ -1,12 +1,21 @@
 # make test: every check CI runs (ruff, mypy, pytest). make demo: the main job.
-# Both create .venv and install what they need on first use.
+# Both create .venv and install what they need on first use, the system packages
+# included (scripts/system-packages: apt-get when root, else one line saying what
+# to install).
 
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-test
+# Debian keeps haproxy and ip in the sbin folders, which a non-login PATH may lack.
+SBIN ?= /usr/local/sbin:/usr/sbin:/sbin
+export PATH := $(PATH)$(if $(SBIN),:$(SBIN))
+# install (the default), check (never install) or dry-run
+SYSTEM_PACKAGES ?= install
+SYSTEM_TEST := haproxy postgresql
+SYSTEM_DEMO := postgresql
 
-.PHONY: test lint typecheck pytest soak bench demo clean
+.PHONY: test lint typecheck pytest soak bench demo clean system-test system-demo
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +25,13 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-test: lint typecheck pytest
+system-test:
+	@scripts/system-packages $(if $(filter install,$(SYSTEM_PACKAGES)),,--$(SYSTEM_PACKAGES)) $(SYSTEM_TEST)
+
+system-demo:
+	@scripts/system-packages $(if $(filter install,$(SYSTEM_PACKAGES)),,--$(SYSTEM_PACKAGES)) $(SYSTEM_DEMO)
+
+test: system-test lint typecheck pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -25,13 +40,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-pytest: $(STAMP)
+pytest: system-test $(STAMP)
 	$(BIN)/pytest
 
-soak: $(STAMP)
+soak: system-test $(STAMP)
 	$(BIN)/pytest -m soak
 
-demo: $(STAMP)
+demo: system-demo $(STAMP)
 	$(BIN)/python examples/demo.py
 
 bench: $(STAMP)
