@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from collections.abc import Sequence
+from typing import Final
 
 from trio_broker._version import __version__
 
@@ -79,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+DAEMON_MODULES: Final = frozenset({"yaml", "rich", "psycopg", "psycopg_pool"})
+"""Top-level modules of the ``daemons`` extra, which the library alone lacks."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the process exit status."""
     parser = build_parser()
@@ -86,6 +92,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    try:
+        return _run(args)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in DAEMON_MODULES:
+            raise
+        print(
+            f"trio-broker {args.command}: the daemons need the 'daemons' extra "
+            f"(missing module {exc.name!r}): pip install 'trio_broker[daemons]'",
+            file=sys.stderr,
+        )
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "upload":
         logging.basicConfig(level=logging.WARNING)
         from trio_broker_daemons.upload import main as upload_main

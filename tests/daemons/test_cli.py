@@ -32,3 +32,27 @@ def test_no_command_prints_help_and_exits_2() -> None:
     result = run(sys.executable, "-m", "trio_broker_daemons")
     assert result.returncode == 2
     assert "usage: trio-broker" in result.stdout
+
+
+# A finder that makes the daemons' extra look uninstalled, then runs the CLI.
+WITHOUT_EXTRA = """
+import sys
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("yaml", "rich", "psycopg", "psycopg_pool"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Blocker())
+from trio_broker_daemons.cli import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+def test_without_the_daemons_extra_one_line_names_it(tmp_path: Path) -> None:
+    """A library-only install runs the CLI into one line naming the extra, exit 2."""
+    config = tmp_path / "exec.yml"
+    config.write_text("services: {noop: {builtin: noop}}\n")
+    result = run(sys.executable, "-c", WITHOUT_EXTRA, "execserver", "--config", str(config))
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert "pip install 'trio_broker[daemons]'" in line
+    assert "yaml" in line
