@@ -53,13 +53,15 @@ import shutil
 import signal
 import socket
 import subprocess
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Final
+from typing import Final, TypeVar
 
 import attrs
 import pytest
 import trio
+
+T = TypeVar("T")
 
 __all__ = [
     "SUBNET",
@@ -69,6 +71,8 @@ __all__ = [
     "open_network",
     "require_namespaces",
     "serve_relay",
+    "sweep_leftovers",
+    "until",
 ]
 
 SUBNET: Final = ipaddress.ip_network("10.213.0.0/24")
@@ -169,11 +173,11 @@ def _socket_in(netns: str | None) -> trio.socket.SocketType:
         return trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
 
 
-async def _listener_in(netns: str | None, host: str) -> trio.SocketListener:
+async def _listener_in(netns: str | None, host: str, port: int = 0) -> trio.SocketListener:
     sock = _socket_in(netns)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        await sock.bind((host, 0))
+        await sock.bind((host, port))
         sock.listen(64)
     except BaseException:
         sock.close()
@@ -298,6 +302,24 @@ async def serve_relay(
             nursery.start_soon(_relay_one, accepted, target_netns, target, delay, mark, stats)
 
 
+async def until(
+    fetch: Callable[[], Awaitable[T]], done: Callable[[T], bool], *, interval: float = 0.05
+) -> T:
+    """Call ``fetch()`` every ``interval`` seconds until ``done`` holds of its value.
+
+    For states that offer no event to wait on (an inspection document, a kernel
+    counter); the caller bounds it with ``trio.fail_after``.
+
+    Returns:
+        The first value for which ``done`` held.
+    """
+    while True:
+        value = await fetch()
+        if done(value):
+            return value
+        await trio.sleep(interval)
+
+
 # -- hosts and the network ---------------------------------------------------------------------
 
 
@@ -319,6 +341,14 @@ class Host:
     def prefix(self) -> tuple[str, ...]:
         """The argv prefix that runs a command on this host."""
         return (_tool("ip") or "ip", "netns", "exec", self.netns)
+
+    async def listen(self, port: int = 0, *, address: str | None = None) -> trio.SocketListener:
+        """A TCP listener in this host's namespace (on its own address by default)."""
+        return await _listener_in(self.netns, address or self.address, port)
+
+    async def connect(self, address: str, port: int) -> trio.SocketStream:
+        """A TCP connection made from this host."""
+        return await _dial_in(self.netns, address, port, mark=None)
 
     def pids(self) -> list[int]:
         """The processes that run in this host's namespace."""
