@@ -379,7 +379,7 @@ class Network:
 
     switch: str
     hosts: dict[str, Host]
-    _partitions: set[frozenset[str]] = attrs.field(factory=set)
+    _partitions: set[tuple[frozenset[str], int | None]] = attrs.field(factory=set)
     _loss: int = 0
     _delays: itertools.count[int] = attrs.field(factory=lambda: itertools.count(1))
 
@@ -389,13 +389,15 @@ class Network:
     def _switch_rules(self) -> None:
         """Write the switch's fault chains again from the current partitions and loss."""
         lines = ["flush chain bridge tbfault partition", "flush chain bridge tbfault loss"]
-        for pair in sorted(sorted(p) for p in self._partitions):
+        for pair, port in sorted((sorted(p), port or 0) for p, port in self._partitions):
             a, b = (self.hosts[n].address for n in pair)
+            ports = [f"tcp dport {port}", f"tcp sport {port}"] if port else [""]
             for source, target in ((a, b), (b, a)):
-                lines.append(
-                    f"add rule bridge tbfault partition ip saddr {source} ip daddr {target}"
-                    " counter name partitioned drop"
-                )
+                for match in ports:
+                    lines.append(
+                        f"add rule bridge tbfault partition ip saddr {source} ip daddr {target}"
+                        f" {match} counter name partitioned drop"
+                    )
         if self._loss:
             lines.append(
                 f"add rule bridge tbfault loss numgen random mod 100 < {self._loss}"
@@ -403,17 +405,22 @@ class Network:
             )
         _run(["ip", "netns", "exec", self.switch, "nft", "-f", "-"], stdin="\n".join(lines) + "\n")
 
-    def partition(self, a: str, b: str) -> None:
+    def partition(self, a: str, b: str, *, port: int | None = None) -> None:
         """Cut hosts ``a`` and ``b`` apart silently: every packet between them is dropped.
 
         Open connections stay open at both ends; no reset or ICMP error reaches either.
+
+        Args:
+            a, b: the hosts' names.
+            port: cut only the TCP connections to or from this port (one service
+                of either host); ``None`` cuts everything.
         """
-        self._partitions.add(frozenset((a, b)))
+        self._partitions.add((frozenset((a, b)), port))
         self._switch_rules()
 
-    def heal(self, a: str, b: str) -> None:
-        """Undo :meth:`partition` of ``a`` and ``b``."""
-        self._partitions.discard(frozenset((a, b)))
+    def heal(self, a: str, b: str, *, port: int | None = None) -> None:
+        """Undo the :meth:`partition` of ``a`` and ``b`` made with the same ``port``."""
+        self._partitions.discard((frozenset((a, b)), port))
         self._switch_rules()
 
     def set_loss(self, percent: int) -> None:
