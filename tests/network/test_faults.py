@@ -498,30 +498,49 @@ async def test_with_delay_and_loss_every_job_runs_once_and_every_byte_arrives(
         assert sum(relays[f"pipes {name}"].bytes_down for name in EXECSERVERS) >= stdin
 
 
+ZEROS = 48 << 20
+"""Bytes of output of the out-pipe test: more than every buffer on the way."""
+
+STREAMS = {
+    # the command waits at its gate before it reads its stdin (the upload, in mid-stream)
+    "stdin": GATED,
+    # the command has written 8 MiB of output (the PUT is open) when it waits at its gate
+    "stdout": (
+        "cat >/dev/null; head -c 8388608 /dev/zero; "
+        'printf "started %s\\n" "$1" >"$0"; '
+        'until [ -e "$2" ]; do sleep 0.05; done; '
+        f"exec head -c {ZEROS - 8388608} /dev/zero"
+    ),
+}
+
+
 @pytest.mark.xfail(
     strict=True,
-    reason="a silent in-pipe is judged a stall of the command: the runner's pipes have no"
-    " read timeout (trio_broker/trio/runner.py _PIPE_TIMEOUT) and pump_stdin ends a job"
+    reason="a silent pipe is judged a stall of the command: the runner's pipes have no"
+    " read or write timeout (trio_broker/trio/runner.py _PIPE_TIMEOUT) and a job ends"
     " 'stopped' only on an HTTP error, so the stall verdict ends it 'stalled' and the fylr"
     " fails the version for good instead of requeueing it as for a broken stream",
     raises=AssertionError,
 )
-def test_a_pipe_cut_mid_stream_is_run_again_not_failed(network: Network, shared_dir: Path) -> None:
-    """A stdin pipe that goes silent mid-stream, broker connection alive, gets the job run again."""
+@pytest.mark.parametrize("stream", sorted(STREAMS))
+def test_a_pipe_cut_mid_stream_is_run_again_not_failed(
+    network: Network, shared_dir: Path, stream: str
+) -> None:
+    """A pipe that goes silent mid-stream, broker connection alive, gets the job run again."""
     # run here rather than by pytest-trio, whose nursery would wrap the assertion in a group
-    version, receipt, made, data = trio.run(pipe_cut_mid_stream, network, shared_dir)
+    version, receipt, made, expected = trio.run(pipe_cut_mid_stream, network, shared_dir, stream)
     assert version["status"] == "done", (receipt, version)
-    assert made == sha256_line(data)
+    assert made == expected
 
 
 async def pipe_cut_mid_stream(
-    network: Network, shared_dir: Path
+    network: Network, shared_dir: Path, stream: str
 ) -> tuple[dict[str, Any], dict[str, Any], bytes, bytes]:
     """Cut the fylr's pipes off one execserver mid-stream; what became of the version.
 
     Returns:
         The version's document, the first receipt of the cut execserver, the
-        version's bytes (empty unless done) and the upload.
+        version's bytes (empty unless done) and the bytes it should hold.
     """
     ping = FAST_PING
     stall = 3.0
@@ -529,12 +548,17 @@ async def pipe_cut_mid_stream(
     gate = shared_dir / "gate"
 
     def services(host: Host) -> dict[str, Any]:
-        argv = ["sh", "-c", GATED, str(events.path), host.name, str(gate)]
+        argv = ["sh", "-c", STREAMS[stream], str(events.path), host.name, str(gate)]
         return {"gated": {"argv": argv, "stall_timeout": f"{stall:g}s"}}
 
     classes = {"data": {"extensions": ["bin"], "versions": {"sum": {"service": "gated"}}}}
-    # larger than every buffer on the way (socket buffers, the command's stdin pipe)
-    data = random.Random(7).randbytes(48 << 20)
+    if stream == "stdin":
+        # larger than every buffer on the way (socket buffers, the command's stdin pipe)
+        data = random.Random(7).randbytes(48 << 20)
+        expected = sha256_line(data)
+    else:
+        data = b"a small input\n"
+        expected = bytes(ZEROS)
     try:
         async with (
             running_execservers(network, services, ping, 1) as execs,
@@ -544,9 +568,12 @@ async def pipe_cut_mid_stream(
             with trio.fail_after(WAIT):
                 file_id = await put(fleet.fylr, "big.bin", data)
                 cut = (await events.next()).split()[1]
-                # the command waits at its gate; its stdin is mid-stream
+                # the command waits at its gate with one of its pipes in mid-stream
                 page = await until(fleet.fylr_page, lambda p: p["pipes"]["active"] == 1)
-            assert page["pipes"]["bytes_served"] < len(data)
+            if stream == "stdin":
+                assert page["pipes"]["bytes_served"] < len(data)
+            else:
+                assert 0 < page["pipes"]["bytes_received"] < ZEROS
             (before,) = ours(await fleet.exec_page(cut), backend_id)
 
             network.partition("fylr", cut, port=FYLR_PORT)
@@ -568,4 +595,4 @@ async def pipe_cut_mid_stream(
             )
     finally:
         await events.aclose()
-    return version, receipt, made, data
+    return version, receipt, made, expected
