@@ -6,14 +6,17 @@ through it, and checks that the root namespace is left as it was.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import random
+import signal
 import socket
 import struct
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import trio
@@ -22,15 +25,15 @@ from tests.support import netns
 from tests.support.netns import SUBNET, Network, open_network, require_namespaces, until
 
 WAIT = 30.0
+ROOT = Path(__file__).resolve().parents[2]
+IP = netns.tool("ip") or "ip"
 
 
 def root_state() -> tuple[str, str, str]:
     """The root namespace's interfaces, addresses and routes, as ``ip`` lists them."""
 
     def ip(*args: str) -> str:
-        return subprocess.run(
-            ["ip", "-o", *args], capture_output=True, text=True, check=True
-        ).stdout
+        return subprocess.run([IP, "-o", *args], capture_output=True, text=True, check=True).stdout
 
     links = "\n".join(line.split(":")[1] for line in ip("link", "show").splitlines())
     return links, ip("addr", "show"), ip("route", "show", "table", "all")
@@ -38,8 +41,17 @@ def root_state() -> tuple[str, str, str]:
 
 def namespaces() -> set[str]:
     """The names ``ip netns list`` shows."""
-    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
+    listing = subprocess.run([IP, "netns", "list"], capture_output=True, text=True, check=True)
     return {line.split()[0] for line in listing.stdout.splitlines() if line.strip()}
+
+
+def process_state(pid: int) -> str | None:
+    """A process's state letter from ``/proc`` (``Z``: a zombie), ``None`` once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    return stat.rpartition(")")[2].split()[0]
 
 
 @pytest.fixture
@@ -89,7 +101,7 @@ async def test_hosts_have_their_own_addresses_and_the_root_namespace_is_untouche
     with open_network("a", "b") as net:
         for host in net.hosts.values():
             result = await trio.run_process(
-                [*host.prefix, "ip", "-o", "-4", "addr", "show", "scope", "global"],
+                [*host.prefix, IP, "-o", "-4", "addr", "show", "scope", "global"],
                 capture_stdout=True,
             )
             assert [line.split()[3] for line in result.stdout.decode().splitlines()] == [
@@ -140,18 +152,48 @@ async def test_a_cancelled_block_still_removes_its_namespaces() -> None:
     assert not names & namespaces()
 
 
-def test_leftovers_of_a_dead_test_process_are_swept() -> None:
-    """Namespaces named after a process that is gone are deleted; others are left alone."""
+# A test process that makes a network, starts a process on a host and says so.
+KILLED = """
+import subprocess, sys
+sys.path.insert(0, sys.argv[1])
+from tests.support.netns import open_network
+with open_network("a") as net:
+    command = [*net["a"].prefix, "sh", "-c", "echo in; exec sleep 600"]
+    subprocess.Popen(command, stdout=subprocess.PIPE).stdout.readline()  # it is on the host
+    print(net.switch, net["a"].netns, flush=True)
+    sys.stdin.read()
+"""
+
+
+async def test_leftovers_of_a_killed_test_process_are_swept() -> None:
+    """The namespaces and processes of a test process killed with SIGKILL go at the next start."""
     require_namespaces()
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    leftover = f"tb{dead.pid}-1-a"
-    subprocess.run(["ip", "netns", "add", leftover], check=True)
-    try:
-        assert leftover in netns.sweep_leftovers()
-        assert leftover not in namespaces()
-    finally:
-        subprocess.run(["ip", "netns", "del", leftover], capture_output=True, check=False)
+    async with trio.open_nursery() as nursery:
+        killed: trio.Process = await nursery.start(
+            functools.partial(
+                trio.run_process,
+                [sys.executable, "-c", KILLED, str(ROOT)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                check=False,
+            )
+        )
+        assert killed.stdout is not None
+        said = b""
+        with trio.fail_after(WAIT):
+            while not said.endswith(b"\n"):
+                said += await killed.stdout.receive_some(1000)
+        names = said.decode().split()
+        assert len(names) == 2
+        listed = await trio.run_process([IP, "netns", "pids", names[1]], capture_stdout=True)
+        sleeper = listed.stdout.split()
+        assert len(sleeper) == 1
+        killed.kill()
+    assert killed.returncode == -signal.SIGKILL
+    assert set(names) <= namespaces()  # nothing cleaned up after a SIGKILL
+    assert set(names) <= set(netns.sweep_leftovers())
+    assert not set(names) & namespaces()
+    assert process_state(int(sleeper[0])) in (None, "Z")  # killed (maybe not reaped yet)
 
 
 async def test_a_partition_drops_silently_and_healing_delivers_what_was_sent(

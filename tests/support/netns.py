@@ -72,6 +72,7 @@ __all__ = [
     "require_namespaces",
     "serve_relay",
     "sweep_leftovers",
+    "tool",
     "until",
 ]
 
@@ -99,7 +100,8 @@ class NetworkUnavailable(Exception):
     """Namespaces cannot be made here (not root, no ``ip`` or ``nft``)."""
 
 
-def _tool(name: str) -> str | None:
+def tool(name: str) -> str | None:
+    """The path of a program, searched on ``PATH`` and in the sbin folders (``ip``, ``nft``)."""
     return shutil.which(name) or shutil.which(name, path="/usr/local/sbin:/usr/sbin:/sbin")
 
 
@@ -107,7 +109,7 @@ def _missing() -> str | None:
     """Why namespaces cannot be made here, or ``None`` when they can."""
     if os.geteuid() != 0:
         return "network namespaces need root"
-    if _tool("ip") is None or _tool("nft") is None:
+    if tool("ip") is None or tool("nft") is None:
         script = Path(__file__).resolve().parents[2] / "scripts" / "system-packages"
         result = subprocess.run(
             [str(script), "iproute2", "nftables"], capture_output=True, text=True, check=False
@@ -115,7 +117,7 @@ def _missing() -> str | None:
         if result.returncode != 0:
             lines = (result.stderr or result.stdout).strip().splitlines()
             return lines[-1] if lines else "ip and nft are missing"
-    if _tool("ip") is None or _tool("nft") is None:
+    if tool("ip") is None or tool("nft") is None:
         return "ip (iproute2) or nft (nftables) is missing"
     return None
 
@@ -127,11 +129,16 @@ def require_namespaces() -> None:
         pytest.skip(f"no test hosts in network namespaces: {reason}")
 
 
+def _nft() -> str:
+    """``nft`` by its path: ``ip netns exec`` searches only ``PATH``."""
+    return tool("nft") or "nft"
+
+
 def _run(argv: Sequence[str], *, stdin: str | None = None) -> str:
     """Run one ``ip``/``nft`` command; its stdout, or an error naming it and its stderr."""
-    tool = _tool(argv[0]) or argv[0]
+    program = tool(argv[0]) or argv[0]
     result = subprocess.run(
-        [tool, *argv[1:]], input=stdin, capture_output=True, text=True, timeout=30, check=False
+        [program, *argv[1:]], input=stdin, capture_output=True, text=True, timeout=30, check=False
     )
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)}: {result.stderr.strip() or result.returncode}")
@@ -340,7 +347,7 @@ class Host:
     @property
     def prefix(self) -> tuple[str, ...]:
         """The argv prefix that runs a command on this host."""
-        return (_tool("ip") or "ip", "netns", "exec", self.netns)
+        return (tool("ip") or "ip", "netns", "exec", self.netns)
 
     async def listen(self, port: int = 0, *, address: str | None = None) -> trio.SocketListener:
         """A TCP listener in this host's namespace (on its own address by default)."""
@@ -403,7 +410,7 @@ class Network:
                 f"add rule bridge tbfault loss numgen random mod 100 < {self._loss}"
                 " counter name lost drop"
             )
-        _run(["ip", "netns", "exec", self.switch, "nft", "-f", "-"], stdin="\n".join(lines) + "\n")
+        _run(["ip", "netns", "exec", self.switch, _nft(), "-f", "-"], stdin="\n".join(lines) + "\n")
 
     def partition(self, a: str, b: str, *, port: int | None = None) -> None:
         """Cut hosts ``a`` and ``b`` apart silently: every packet between them is dropped.
@@ -432,7 +439,7 @@ class Network:
 
     def dropped(self) -> tuple[int, int]:
         """Packets dropped so far: ``(by partitions, by loss)``."""
-        listing = _run(["ip", "netns", "exec", self.switch, "nft", "-j", "list", "counters"])
+        listing = _run(["ip", "netns", "exec", self.switch, _nft(), "-j", "list", "counters"])
         found = {"partitioned": 0, "lost": 0}
         for item in json.loads(listing)["nftables"]:
             counter = item.get("counter")
@@ -458,7 +465,7 @@ class Network:
         table = f"tbdelay{next(self._delays)}"
         listener = await _listener_in(host.netns, "127.0.0.1")
         relay_port = listener.socket.getsockname()[1]
-        nft = ["ip", "netns", "exec", host.netns, "nft", "-f", "-"]
+        nft = ["ip", "netns", "exec", host.netns, _nft(), "-f", "-"]
         async with trio.open_nursery() as nursery:
             stats: RelayStatistics = await nursery.start(
                 functools.partial(
@@ -564,7 +571,7 @@ def open_network(*names: str) -> Iterator[Network]:
         _run(["ip", "-n", switch, "link", "add", "br0", "type", "bridge"])
         _run(["ip", "-n", switch, "link", "set", "br0", "up"])
         _run(
-            ["ip", "netns", "exec", switch, "nft", "-f", "-"],
+            ["ip", "netns", "exec", switch, _nft(), "-f", "-"],
             stdin="""table bridge tbfault {
   chain forward {
     type filter hook forward priority 0; policy accept;
