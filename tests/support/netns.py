@@ -105,10 +105,11 @@ def tool(name: str) -> str | None:
     return shutil.which(name) or shutil.which(name, path="/usr/local/sbin:/usr/sbin:/sbin")
 
 
+@functools.cache
 def _missing() -> str | None:
-    """Why namespaces cannot be made here, or ``None`` when they can."""
+    """Why namespaces cannot be made here, or ``None`` when they can (asked once)."""
     if os.geteuid() != 0:
-        return "network namespaces need root"
+        return "not running as root (namespaces and nftables rules need it)"
     if tool("ip") is None or tool("nft") is None:
         script = Path(__file__).resolve().parents[2] / "scripts" / "system-packages"
         result = subprocess.run(
@@ -119,6 +120,15 @@ def _missing() -> str | None:
             return lines[-1] if lines else "ip and nft are missing"
     if tool("ip") is None or tool("nft") is None:
         return "ip (iproute2) or nft (nftables) is missing"
+    probe = f"{_PREFIX}{os.getpid()}-0-probe"
+    try:
+        _run(["ip", "netns", "add", probe])
+        _run(["ip", "netns", "exec", probe, _nft(), "add", "table", "bridge", "probe"])
+    except RuntimeError as exc:
+        return f"cannot make a namespace with a bridge table here: {exc}"
+    finally:
+        with contextlib.suppress(RuntimeError):
+            _run(["ip", "netns", "del", probe])
     return None
 
 
