@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -43,6 +43,7 @@ async def open_execserver_process(
     log_level: str = "warning",
     ready_within: float = 60.0,
     stop_within: float = 60.0,
+    prefix: Sequence[str] = (),
 ) -> AsyncIterator[DaemonProcess]:
     """Run ``trio-broker execserver`` in a subprocess until the block ends.
 
@@ -52,6 +53,10 @@ async def open_execserver_process(
         ready_within: seconds to wait for the listener (it reports through a FIFO
             given as ``--ready-file``, so nothing is polled).
         stop_within: at the end, seconds to wait after SIGTERM before SIGKILL.
+        prefix: an argv prefix that the daemon's command runs under, e.g.
+            ``["ip", "netns", "exec", "NAME"]`` to run it on a test host in a
+            network namespace. It must exec the command (so that the signals reach
+            the daemon itself) and pass the standard streams through.
 
     Yields:
         The process and its bound address. If it is still running when the block
@@ -63,6 +68,7 @@ async def open_execserver_process(
         log_level=log_level,
         ready_within=ready_within,
         stop_within=stop_within,
+        prefix=prefix,
     ) as daemon:
         yield daemon
 
@@ -74,6 +80,7 @@ async def open_fylr_process(
     log_level: str = "warning",
     ready_within: float = 120.0,
     stop_within: float = 60.0,
+    prefix: Sequence[str] = (),
 ) -> AsyncIterator[DaemonProcess]:
     """Run ``trio-broker fylr`` in a subprocess until the block ends.
 
@@ -87,6 +94,8 @@ async def open_fylr_process(
         log_level: the daemon's ``--log-level``.
         ready_within: seconds to wait until it serves.
         stop_within: at the end, seconds to wait after SIGTERM before SIGKILL.
+        prefix: an argv prefix the command runs under (see
+            :func:`open_execserver_process`).
 
     Yields:
         The process and its bound address. If it is still running when the block
@@ -98,6 +107,7 @@ async def open_fylr_process(
         log_level=log_level,
         ready_within=ready_within,
         stop_within=stop_within,
+        prefix=prefix,
     ) as daemon:
         yield daemon
 
@@ -110,6 +120,7 @@ async def _open_daemon_process(
     log_level: str,
     ready_within: float,
     stop_within: float,
+    prefix: Sequence[str],
 ) -> AsyncIterator[DaemonProcess]:
     with tempfile.TemporaryDirectory(prefix="trio-broker-daemon-") as tmp:
         if isinstance(config, str) and "\n" in config:
@@ -120,8 +131,8 @@ async def _open_daemon_process(
         ready = Path(tmp) / "ready"
         os.mkfifo(ready)
         process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "trio_broker_daemons", "--log-level", log_level, command,
-             "--config", str(path), "--ready-file", str(ready)],
+            [*prefix, sys.executable, "-m", "trio_broker_daemons", "--log-level", log_level,
+             command, "--config", str(path), "--ready-file", str(ready)],
         )  # fmt: skip
         try:
             with trio.fail_after(ready_within):
