@@ -12,7 +12,7 @@ SBIN ?= /usr/local/sbin:/usr/sbin:/sbin
 export PATH := $(PATH)$(if $(SBIN),:$(SBIN))
 # install (the default), check (never install) or dry-run
 SYSTEM_PACKAGES ?= install
-SYSTEM_TEST := haproxy postgresql
+SYSTEM_TEST := haproxy postgresql nftables iproute2
 SYSTEM_DEMO := postgresql
 
 .PHONY: test lint typecheck pytest soak bench demo clean system-test system-demo
