@@ -32,12 +32,15 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-import trio_broker.trio.runner as runner_module
+import trio_broker.trio.command as command_module
+import trio_broker.trio.pipe_io as pipe_io
 from tests.support.wire import WAIT, connect, start_execserver
 from tests.trio.test_runner import open_fifo, read_line
 from trio_broker.core import protocol as p
+from trio_broker.core.job import STDOUT_PREFIX_BYTES
 from trio_broker.core.protocol import Receipt
 from trio_broker.trio import procgroup
+from trio_broker.trio.command import CommandRunner, CommandSpec
 from trio_broker.trio.pipes import (
     NOT_FOUND_BODY,
     Pipe,
@@ -46,13 +49,7 @@ from trio_broker.trio.pipes import (
     PipeRegistry,
     serve_pipes,
 )
-from trio_broker.trio.runner import (
-    STDOUT_PREFIX_BYTES,
-    CommandRunner,
-    CommandSpec,
-    JobControl,
-    JobRequest,
-)
+from trio_broker.trio.runner import JobControl, JobRequest
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the runner reads /proc")
 
@@ -843,15 +840,15 @@ async def test_slow_client_after_the_command_ended_gets_everything(
     stdout that window, busy or not, would have cut the PUT off by then.
     """
     mock_clock.rate = 1.0  # real speed, plus the jumps below
-    monkeypatch.setattr(runner_module, "_OUTPUT_DRAIN_TIMEOUT", 0.2)
+    monkeypatch.setattr(pipe_io, "_OUTPUT_DRAIN_TIMEOUT", 0.2)
     draining = trio.Event()  # the runner waits for the end of the output
-    wait_output_end = runner_module._CommandJob.wait_output_end
+    wait_output_end = command_module._CommandJob.wait_output_end
 
-    async def watched(job: runner_module._CommandJob, within: float) -> None:
+    async def watched(job: command_module._CommandJob) -> None:
         draining.set()
-        await wait_output_end(job, within)
+        await wait_output_end(job)
 
-    monkeypatch.setattr(runner_module._CommandJob, "wait_output_end", watched)
+    monkeypatch.setattr(command_module._CommandJob, "wait_output_end", watched)
     size = 120 * 1024  # the runner takes 64 KiB, the pipe holds the rest: the command can exit
     release = trio.Event()
     received: list[int] = []
