@@ -41,7 +41,8 @@ Top-level keys (:class:`ExecserverConfig`):
     ``{cert: PATH, key: PATH}`` serves https/wss (:class:`TlsConfig`). Paths are
     kept as written (relative to the working directory) and not opened here.
 ``slots`` (0)
-    Size of the one slot pool shared by every service; 0 = :func:`cpu_count`.
+    Size of the one slot pool shared by every service; 0 = the host's CPUs
+    (:attr:`~trio_broker.trio.host.HostResources.cpus`, cgroup quota included).
 ``fast_reserve`` (-1)
     Slots heavy services never take: -1 = a quarter of the pool, at least 1; 0 =
     none; N = N. Never the whole pool (see :meth:`ExecserverConfig.resolved_fast_reserve`).
@@ -50,7 +51,8 @@ Top-level keys (:class:`ExecserverConfig`):
 ``unknown_share`` (0.5, 0 < x <= 1)
     Share of the pool that unmeasured services hold together.
 ``memory_budget`` (``"auto"``)
-    Bytes or a size string; ``"auto"`` = :func:`detect_memory_budget`.
+    Bytes or a size string; ``"auto"`` = the host's memory
+    (:attr:`~trio_broker.trio.host.HostResources.memory`: RAM or the lower cgroup limit).
 ``offer_ttl`` (10s, > 0), ``ping_interval`` (5s, > 0)
     How long an offer holds its slot; how often a connection is pinged.
 ``ping_timeout`` (15s, > ``ping_interval``)
@@ -123,7 +125,7 @@ from cattrs.errors import (
 from cattrs.gen import make_dict_structure_fn
 
 from trio_broker.core.argv import ArgvTemplate, TemplateError
-from trio_broker.trio.host import cpu_count, detect_memory_budget
+from trio_broker.trio.host import HostResources
 
 __all__ = [
     "DEFAULT_LISTEN",
@@ -317,7 +319,7 @@ def resolve_threads(spec: ThreadsSpec, cpu_count: int) -> int:
         spec: ``0`` all CPUs, ``N`` exactly N, ``-N`` all but N, ``"N%"`` that share
             of the CPUs (rounded down), ``"-N%"`` all but that share (the share
             rounded up); ``"N"`` and ``"-N"`` strings are read as ints.
-        cpu_count: the CPUs available, >= 1 (usually :func:`cpu_count`).
+        cpu_count: the CPUs available, >= 1 (usually ``HostResources.cpus``).
 
     Returns:
         The thread count, always at least 1.
@@ -707,18 +709,18 @@ class ExecserverConfig:
         """The port part of ``listen``; 0 asks for a free port."""
         return _parse_listen(self.listen)[1]
 
-    def pool_size(self, *, root: str | os.PathLike[str] = "/") -> int:
-        """The number of slots: ``slots``, or :func:`cpu_count` when it is 0.
+    def pool_size(self, host: HostResources) -> int:
+        """The number of slots: ``slots``, or the host's CPUs when it is 0.
 
         Args:
-            root: where ``/proc`` and ``/sys`` are found (tests point it elsewhere).
+            host: the host's resources, read once (:func:`~trio_broker.trio.host.probe_host`).
 
         Returns:
             The pool size, at least 1.
         """
-        return self.slots or cpu_count(root=root)
+        return self.slots or host.cpus
 
-    def resolved_fast_reserve(self, *, root: str | os.PathLike[str] = "/") -> int:
+    def resolved_fast_reserve(self, host: HostResources) -> int:
         """The slots heavy services never take.
 
         ``-1`` is a quarter of the pool (rounded down), at least 1; ``0`` is none;
@@ -726,27 +728,28 @@ class ExecserverConfig:
         heavy service can always run: a pool of 1 has no reserve.
 
         Args:
-            root: passed to :meth:`pool_size`.
+            host: passed to :meth:`pool_size`.
 
         Returns:
-            The reserve, from 0 to ``pool_size() - 1``.
+            The reserve, from 0 to ``pool_size(host) - 1``.
         """
-        pool = self.pool_size(root=root)
+        pool = self.pool_size(host)
         wanted = max(1, pool // 4) if self.fast_reserve == -1 else self.fast_reserve
         return min(wanted, pool - 1)
 
-    def resolved_memory_budget(self, *, root: str | os.PathLike[str] = "/") -> int:
-        """The memory budget in bytes: ``memory_budget``, or detected when ``auto``.
+    def resolved_memory_budget(self, host: HostResources) -> int:
+        """The memory budget in bytes: ``memory_budget``, or the host's memory when ``auto``.
 
         Args:
-            root: passed to :func:`detect_memory_budget`.
+            host: the host's resources; its ``memory`` is host RAM or the lower
+                cgroup limit.
 
         Returns:
             The budget in bytes.
         """
         if isinstance(self.memory_budget, int):
             return self.memory_budget
-        return detect_memory_budget(root=root)
+        return host.memory
 
 
 # -- YAML loading ----------------------------------------------------------------

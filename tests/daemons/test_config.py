@@ -19,7 +19,7 @@ from trio_broker_daemons.config import ConfigError, ExecserverConfig, ServiceCon
 
 from tests.support.hosts import v2_tree
 from trio_broker.core.argv import ArgvTemplate, TemplateError
-from trio_broker.trio.host import cpu_count
+from trio_broker.trio.host import HostResources, cpu_count, probe_host
 
 DESIGN_EXAMPLE = """\
 listen: 127.0.0.1:7000       # host:port of the one HTTP listener
@@ -52,6 +52,8 @@ services:
 """
 
 MINIMAL = {"services": {"probe": {"builtin": "noop"}}}
+HOST = HostResources(cpus=4, memory=8 << 30)
+"""A host built by hand: what the loader resolves against."""
 
 
 def write(tmp_path: Path, text: str, name: str = "config.yaml") -> Path:
@@ -835,7 +837,8 @@ def test_memory_keys() -> None:
         }
     )
     assert config.memory_budget == 1 << 30
-    assert config.resolved_memory_budget() == 1 << 30
+    assert config.resolved_memory_budget(HOST) == 1 << 30
+    assert ExecserverConfig.from_mapping(MINIMAL).resolved_memory_budget(HOST) == HOST.memory
     assert config.services["a"].memory_limit == 256 << 20
     assert config.services["b"].memory_limit is None
 
@@ -937,14 +940,16 @@ RESERVE_TABLE = [
 def test_fast_reserve_rule(slots: int, reserve: int, resolved: int) -> None:
     """-1 is a quarter of the pool (at least 1), 0 none, N N; never the whole pool."""
     config = ExecserverConfig.from_mapping({**MINIMAL, "slots": slots, "fast_reserve": reserve})
-    assert config.pool_size() == slots
-    assert config.resolved_fast_reserve() == resolved
+    assert config.pool_size(HOST) == slots
+    assert config.resolved_fast_reserve(HOST) == resolved
 
 
-def test_pool_size_zero_is_cpu_count(tmp_path: Path) -> None:
-    """slots: 0 sizes the pool by cpu_count(), which a cgroup quota lowers."""
-    root = v2_tree(tmp_path, "/", {"cpu.max": "100000 100000\n"})
+def test_pool_size_zero_is_the_hosts_cpus(tmp_path: Path) -> None:
+    """slots: 0 sizes the pool by the host's CPUs, which a cgroup quota lowers."""
     config = ExecserverConfig.from_mapping(MINIMAL)
-    assert config.pool_size() == cpu_count() >= 1
-    assert config.pool_size(root=root) == 1
-    assert config.resolved_fast_reserve(root=root) == 0
+    assert config.pool_size(HostResources(cpus=6, memory=1)) == 6
+    assert config.resolved_fast_reserve(HostResources(cpus=6, memory=1)) == 1
+    assert config.pool_size(probe_host()) == cpu_count() >= 1
+    root = v2_tree(tmp_path, "/", {"cpu.max": "100000 100000\n"})
+    assert config.pool_size(probe_host(root=root)) == 1
+    assert config.resolved_fast_reserve(probe_host(root=root)) == 0
