@@ -727,10 +727,20 @@ async def test_runner_cancellation_cuts_both_pipes_off(jobs_dir: Path, served: S
     assert runner.statistics().running == ()
 
 
-@pytest.mark.parametrize("value", [42, "ftp://host/x", "not a url", "http:///no-host"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        42,
+        "ftp://host/x",
+        "not a url",
+        "http:///no-host",
+        "http://host:99999/x",  # no such port: the job object refuses it
+        "http://1.2.3.999/x",  # no such address: the HTTP client refuses it
+    ],
+)
 @pytest.mark.parametrize("name", ["stdin_url", "stdout_url"])
 async def test_bad_pipe_urls_are_error_receipts(jobs_dir: Path, name: str, value: Any) -> None:
-    """A pipe URL that is not http(s) with a host gives an error receipt and runs nothing."""
+    """A pipe URL that is not a usable http(s) URL gives an error receipt and runs nothing."""
     runner = make_runner(jobs_dir, {"cat": ("cat",)})
     with trio.fail_after(WAIT):
         receipt = await runner.run(
@@ -741,6 +751,27 @@ async def test_bad_pipe_urls_are_error_receipts(jobs_dir: Path, name: str, value
 
 
 # -- through a real execserver --------------------------------------------------------
+
+
+async def test_execserver_answers_a_bad_job_object_with_an_error_receipt(
+    nursery: trio.Nursery,
+) -> None:
+    """A JOB whose object is malformed is redeemed and ends DONE with status error, no ERROR."""
+    handle = await start_execserver(nursery, services={"cat": {"argv": ["cat"]}})
+    async with connect(handle) as peer:
+        cases: list[tuple[str, dict[str, Any], str]] = [
+            ("params", {"params": [1]}, "params must be an object"),
+            ("url", {"stdout_url": "ftp://x/y"}, "stdout_url must be an http or https URL"),
+        ]
+        for job_id, job, error in cases:
+            offer = await peer.want(job_id, "cat")
+            assert isinstance(offer, p.Offer)
+            await peer.send(
+                p.Job(job_id=job_id, token=offer.token, service="cat", subject=None, job=job)
+            )
+            done = await peer.done(job_id)
+            assert (done.receipt.status, done.receipt.error) == ("error", error)
+            assert (done.receipt.exit_code, done.receipt.peak_memory) == (None, None)
 
 
 async def test_execserver_runs_a_body_mode_job(nursery: trio.Nursery, served: Served) -> None:
