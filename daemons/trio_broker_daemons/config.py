@@ -41,7 +41,8 @@ Top-level keys (:class:`ExecserverConfig`):
     ``{cert: PATH, key: PATH}`` serves https/wss (:class:`TlsConfig`). Paths are
     kept as written (relative to the working directory) and not opened here.
 ``slots`` (0)
-    Size of the one slot pool shared by every service; 0 = :func:`cpu_count`.
+    Size of the one slot pool shared by every service; 0 = the host's CPUs
+    (:attr:`~trio_broker.trio.host.HostResources.cpus`, cgroup quota included).
 ``fast_reserve`` (-1)
     Slots heavy services never take: -1 = a quarter of the pool, at least 1; 0 =
     none; N = N. Never the whole pool (see :meth:`ExecserverConfig.resolved_fast_reserve`).
@@ -50,7 +51,8 @@ Top-level keys (:class:`ExecserverConfig`):
 ``unknown_share`` (0.5, 0 < x <= 1)
     Share of the pool that unmeasured services hold together.
 ``memory_budget`` (``"auto"``)
-    Bytes or a size string; ``"auto"`` = :func:`detect_memory_budget`.
+    Bytes or a size string; ``"auto"`` = the host's memory
+    (:attr:`~trio_broker.trio.host.HostResources.memory`: RAM or the lower cgroup limit).
 ``offer_ttl`` (10s, > 0), ``ping_interval`` (5s, > 0)
     How long an offer holds its slot; how often a connection is pinged.
 ``ping_timeout`` (15s, > ``ping_interval``)
@@ -74,9 +76,12 @@ Service keys (:class:`ServiceConfig`):
     ``argv`` is a non-empty list of strings; each element may hold ``{name}``
     placeholders filled from ``job.params`` (``{{`` and ``}}`` are literal braces;
     a placeholder is a bare identifier, no index, attribute, conversion or format
-    spec). The program, ``argv[0]``, is a non-empty string without placeholders so
-    that a job can never choose what runs. ``builtin`` is ``noop`` (ends at once) or
-    ``sleep`` (holds its slot ``params.seconds``).
+    spec; no element holds a NUL). The program, ``argv[0]``, is a non-empty string
+    without placeholders so that a job can never choose what runs. The grammar is
+    :mod:`trio_broker.core.argv`'s, so the runner fills whatever loads; the value
+    is stored parsed, as an :class:`~trio_broker.core.argv.ArgvTemplate` (which
+    reads as the tuple of elements written). ``builtin`` is ``noop`` (ends at once)
+    or ``sleep`` (holds its slot ``params.seconds``).
 ``max_slots`` (0)
     Cap on the service's concurrent jobs; 0 = no cap beyond the pool.
 ``threads`` (0)
@@ -102,7 +107,6 @@ import math
 import os
 import re
 import socket
-import string
 from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal
 from pathlib import Path
@@ -120,7 +124,8 @@ from cattrs.errors import (
 )
 from cattrs.gen import make_dict_structure_fn
 
-from trio_broker.trio.host import cpu_count, detect_memory_budget
+from trio_broker.core.argv import ArgvTemplate, TemplateError
+from trio_broker.trio.host import HostResources
 
 __all__ = [
     "DEFAULT_LISTEN",
@@ -314,7 +319,7 @@ def resolve_threads(spec: ThreadsSpec, cpu_count: int) -> int:
         spec: ``0`` all CPUs, ``N`` exactly N, ``-N`` all but N, ``"N%"`` that share
             of the CPUs (rounded down), ``"-N%"`` all but that share (the share
             rounded up); ``"N"`` and ``"-N"`` strings are read as ints.
-        cpu_count: the CPUs available, >= 1 (usually :func:`cpu_count`).
+        cpu_count: the CPUs available, >= 1 (usually ``HostResources.cpus``).
 
     Returns:
         The thread count, always at least 1.
@@ -346,35 +351,11 @@ def resolve_threads(spec: ThreadsSpec, cpu_count: int) -> int:
 
 # -- argv templates and listen addresses -----------------------------------------------
 
-_FORMATTER: Final = string.Formatter()
 
-
-def _placeholders(element: str) -> list[str]:
-    """The placeholder names of one argv element; raises ConfigError on bad syntax."""
-    try:
-        parsed = list(_FORMATTER.parse(element))
-    except ValueError as exc:
-        raise ConfigError(
-            f"invalid template {_show(element)}: {exc} (write {{{{ and }}}} for literal braces)"
-        ) from None
-    names = []
-    for _, name, spec, conversion in parsed:
-        if name is None:
-            continue
-        if not name.isidentifier() or spec or conversion:
-            raise ConfigError(
-                f"invalid placeholder in {_show(element)}: expected {{name}} with an"
-                f" identifier name, got {{{name}{'!' + conversion if conversion else ''}"
-                f"{':' + spec if spec else ''}}}"
-            )
-        names.append(name)
-    return names
-
-
-def _check_argv(value: object) -> tuple[str, ...] | None:
-    """Validate an argv template list."""
-    if value is None:
-        return None
+def _check_argv(value: object) -> ArgvTemplate | None:
+    """Validate an argv template list and parse it (the grammar is the core's)."""
+    if value is None or isinstance(value, ArgvTemplate):
+        return value
     if not isinstance(value, list | tuple):
         raise ConfigError(f"expected a list of strings, got {_show(value)}")
     if not value:
@@ -382,17 +363,18 @@ def _check_argv(value: object) -> tuple[str, ...] | None:
     for index, element in enumerate(value):
         if type(element) is not str:
             raise ConfigError(_not_a_string(element).reason, keys=(index,))
-        try:
-            names = _placeholders(element)
-        except ConfigError as exc:
-            raise ConfigError(exc.reason, keys=(index,)) from None
-        if index == 0 and (names or not element):
-            raise ConfigError(
-                f"expected the program as a non-empty string without placeholders,"
-                f" got {_show(element)}",
-                keys=(0,),
-            )
-    return tuple(value)
+    try:
+        return ArgvTemplate.parse(tuple(value))
+    except TemplateError as exc:
+        raise ConfigError(exc.reason, keys=() if exc.index is None else (exc.index,)) from None
+
+
+def _argv_field(value: object) -> ArgvTemplate | None:
+    """``ServiceConfig.argv`` built by hand: checked and parsed like a loaded one."""
+    try:
+        return _check_argv(value)
+    except ConfigError as exc:
+        raise ConfigError(exc.reason, keys=("argv", *exc.keys)) from None
 
 
 _HOST: Final = re.compile(r"[A-Za-z0-9._-]+")
@@ -596,7 +578,7 @@ _Stall = Annotated[float | None, _Rule(_duration_or_none)]
 _Timeout = Annotated[float | None, _Rule(_nullable_duration_or_none)]
 _Budget = Annotated[int | Literal["auto"], _Rule(_memory_budget)]
 _Limit = Annotated[int | None, _Rule(_optional_size)]
-_Argv = Annotated[tuple[str, ...] | None, _Rule(_check_argv)]
+_Argv = Annotated[ArgvTemplate | None, _Rule(_check_argv)]
 _BuiltinValue = Annotated[Builtin | None, _Rule(_builtin)]
 _Threads = Annotated[ThreadsSpec, _Rule(_check_threads)]
 _Env = Annotated[Mapping[str, str], _Rule(_env)]
@@ -622,7 +604,7 @@ class ServiceConfig:
     top-level ``stall_timeout`` folded in). Built by hand, they are taken as given.
     """
 
-    argv: _Argv = None
+    argv: _Argv = attrs.field(default=None, converter=_argv_field)
     builtin: _BuiltinValue = None
     max_slots: _Count = 0
     threads: _Threads = 0
@@ -640,7 +622,7 @@ class ServiceConfig:
     @property
     def placeholders(self) -> frozenset[str]:
         """The ``{name}`` placeholders of ``argv``: the job params it needs."""
-        return frozenset(name for element in self.argv or () for name in _placeholders(element))
+        return frozenset() if self.argv is None else self.argv.placeholders
 
 
 _Services = Annotated[Mapping[str, ServiceConfig], _Rule(_services)]
@@ -727,18 +709,18 @@ class ExecserverConfig:
         """The port part of ``listen``; 0 asks for a free port."""
         return _parse_listen(self.listen)[1]
 
-    def pool_size(self, *, root: str | os.PathLike[str] = "/") -> int:
-        """The number of slots: ``slots``, or :func:`cpu_count` when it is 0.
+    def pool_size(self, host: HostResources) -> int:
+        """The number of slots: ``slots``, or the host's CPUs when it is 0.
 
         Args:
-            root: where ``/proc`` and ``/sys`` are found (tests point it elsewhere).
+            host: the host's resources, read once (:func:`~trio_broker.trio.host.probe_host`).
 
         Returns:
             The pool size, at least 1.
         """
-        return self.slots or cpu_count(root=root)
+        return self.slots or host.cpus
 
-    def resolved_fast_reserve(self, *, root: str | os.PathLike[str] = "/") -> int:
+    def resolved_fast_reserve(self, host: HostResources) -> int:
         """The slots heavy services never take.
 
         ``-1`` is a quarter of the pool (rounded down), at least 1; ``0`` is none;
@@ -746,27 +728,28 @@ class ExecserverConfig:
         heavy service can always run: a pool of 1 has no reserve.
 
         Args:
-            root: passed to :meth:`pool_size`.
+            host: passed to :meth:`pool_size`.
 
         Returns:
-            The reserve, from 0 to ``pool_size() - 1``.
+            The reserve, from 0 to ``pool_size(host) - 1``.
         """
-        pool = self.pool_size(root=root)
+        pool = self.pool_size(host)
         wanted = max(1, pool // 4) if self.fast_reserve == -1 else self.fast_reserve
         return min(wanted, pool - 1)
 
-    def resolved_memory_budget(self, *, root: str | os.PathLike[str] = "/") -> int:
-        """The memory budget in bytes: ``memory_budget``, or detected when ``auto``.
+    def resolved_memory_budget(self, host: HostResources) -> int:
+        """The memory budget in bytes: ``memory_budget``, or the host's memory when ``auto``.
 
         Args:
-            root: passed to :func:`detect_memory_budget`.
+            host: the host's resources; its ``memory`` is host RAM or the lower
+                cgroup limit.
 
         Returns:
             The budget in bytes.
         """
         if isinstance(self.memory_budget, int):
             return self.memory_budget
-        return detect_memory_budget(root=root)
+        return host.memory
 
 
 # -- YAML loading ----------------------------------------------------------------

@@ -18,7 +18,8 @@ from trio_broker_daemons import config as c
 from trio_broker_daemons.config import ConfigError, ExecserverConfig, ServiceConfig
 
 from tests.support.hosts import v2_tree
-from trio_broker.trio.host import cpu_count
+from trio_broker.core.argv import ArgvTemplate, TemplateError
+from trio_broker.trio.host import HostResources, cpu_count, probe_host
 
 DESIGN_EXAMPLE = """\
 listen: 127.0.0.1:7000       # host:port of the one HTTP listener
@@ -51,6 +52,8 @@ services:
 """
 
 MINIMAL = {"services": {"probe": {"builtin": "noop"}}}
+HOST = HostResources(cpus=4, memory=8 << 30)
+"""A host built by hand: what the loader resolves against."""
 
 
 def write(tmp_path: Path, text: str, name: str = "config.yaml") -> Path:
@@ -111,7 +114,8 @@ def test_design_example_loads(tmp_path: Path) -> None:
     assert config.env == {}
     assert list(config.services) == ["thumbnail", "probe", "hold"]
     thumbnail = config.services["thumbnail"]
-    assert thumbnail.argv == ("convert", "{input}", "-thumbnail", "{size}", "{output}")
+    assert thumbnail.argv is not None
+    assert thumbnail.argv.source == ("convert", "{input}", "-thumbnail", "{size}", "{output}")
     assert thumbnail.builtin is None
     assert thumbnail.placeholders == {"input", "size", "output"}
     assert (thumbnail.max_slots, thumbnail.threads, thumbnail.timeout) == (0, 0, 1800.0)
@@ -209,9 +213,12 @@ def test_full_configuration(tmp_path: Path) -> None:
 
 
 def test_values_are_frozen_tuples() -> None:
-    """Configurations are frozen values and argv is stored as a tuple."""
-    config = ExecserverConfig.from_mapping(with_services(s={"argv": ["true"]}))
-    assert config.services["s"].argv == ("true",)
+    """Configurations are frozen values and argv is stored parsed, reading as a tuple."""
+    config = ExecserverConfig.from_mapping(with_services(s={"argv": ["true", "{x}"]}))
+    argv = config.services["s"].argv
+    assert isinstance(argv, ArgvTemplate)
+    assert argv.source == tuple(argv) == ("true", "{x}")
+    assert argv[:1] == ("true",)
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         config.slots = 3  # type: ignore[misc]
 
@@ -221,7 +228,7 @@ def test_from_mapping_accepts_any_mapping() -> None:
     from types import MappingProxyType
 
     data = MappingProxyType({"services": MappingProxyType({"s": {"argv": ("a", "b")}})})
-    assert ExecserverConfig.from_mapping(data).services["s"].argv == ("a", "b")
+    assert ExecserverConfig.from_mapping(data).services["s"].argv == ArgvTemplate.parse(("a", "b"))
 
 
 @pytest.mark.parametrize(
@@ -417,12 +424,12 @@ ERROR_CASES = [
     ),
     (
         "services:\n  s: {argv: [a, '{input']}\n",
-        "services.s.argv[1]: invalid template '{input': expected '}' before end of string"
+        "services.s.argv[1]: invalid template '{input': a single '{'"
         " (write {{ and }} for literal braces)",
     ),
     (
         "services:\n  s: {argv: [a, 'x}']}\n",
-        "services.s.argv[1]: invalid template 'x}': Single '}' encountered in format string"
+        "services.s.argv[1]: invalid template 'x}': a single '}'"
         " (write {{ and }} for literal braces)",
     ),
     (
@@ -444,6 +451,20 @@ ERROR_CASES = [
         "services:\n  s: {argv: [a, '{x!r:>5}']}\n",
         "services.s.argv[1]: invalid placeholder in '{x!r:>5}': expected {name} with an"
         " identifier name, got {x!r:>5}",
+    ),
+    (  # str.format reads {x:} as {x}; the runner would have looked up "x:"
+        "services:\n  s: {argv: [a, '{x:}']}\n",
+        "services.s.argv[1]: invalid placeholder in '{x:}': expected {name} with an"
+        " identifier name, got {x:}",
+    ),
+    (
+        "services:\n  s: {argv: [a, '{a{b}}']}\n",
+        "services.s.argv[1]: invalid template '{a{b}}': a single '{'"
+        " (write {{ and }} for literal braces)",
+    ),
+    (  # no argument can hold a NUL: refused at load, not when the runner is built
+        'services:\n  s: {argv: [a, "x\\0y"]}\n',
+        "services.s.argv[1]: invalid template 'x\\x00y': it holds a NUL character",
     ),
     (
         "services:\n  s: {argv: ['{tool}', x]}\n",
@@ -514,11 +535,14 @@ def test_config_error_attributes() -> None:
 
 
 def test_direct_construction_checks_cross_field_rules() -> None:
-    """Built by hand, the classes still refuse argv+builtin mixes and bad pings."""
+    """Built by hand, the classes still refuse bad templates, argv+builtin mixes and bad pings."""
     with pytest.raises(
         ConfigError, match=r"^expected exactly one of argv and builtin, got neither$"
     ):
         ServiceConfig()
+    with pytest.raises(ConfigError, match=r"^argv\[1\]: invalid placeholder in '\{0\}'"):
+        ServiceConfig(argv=("prog", "{0}"))
+    assert ServiceConfig(argv=("prog", "{x}")).placeholders == {"x"}
     probe = {"p": ServiceConfig(builtin="noop")}
     with pytest.raises(ConfigError, match=r"^ping_timeout: expected a duration greater"):
         ExecserverConfig(ping_interval=5.0, ping_timeout=1.0, services=probe)
@@ -813,7 +837,8 @@ def test_memory_keys() -> None:
         }
     )
     assert config.memory_budget == 1 << 30
-    assert config.resolved_memory_budget() == 1 << 30
+    assert config.resolved_memory_budget(HOST) == 1 << 30
+    assert ExecserverConfig.from_mapping(MINIMAL).resolved_memory_budget(HOST) == HOST.memory
     assert config.services["a"].memory_limit == 256 << 20
     assert config.services["b"].memory_limit is None
 
@@ -864,6 +889,25 @@ def test_resolve_threads_refuses_invalid(spec: Any, cpus: int) -> None:
         c.resolve_threads(spec, cpus)
 
 
+@given(st.lists(st.text(st.sampled_from("ab{}:.0 \0"), max_size=6), min_size=1, max_size=4))
+def test_the_loader_and_the_core_agree_on_argv(argv: list[str]) -> None:
+    """A template loads exactly when the core's grammar parses it, with the same reason."""
+    refusal: TemplateError | None = None
+    try:
+        template = ArgvTemplate.parse(argv)
+    except TemplateError as exc:
+        refusal = exc
+    if refusal is None:
+        loaded = service({"argv": argv})
+        assert loaded.argv == template
+        assert loaded.placeholders == template.placeholders
+    else:
+        with pytest.raises(ConfigError) as info:
+            service({"argv": argv})
+        assert info.value.reason == refusal.reason
+        assert info.value.keys == ("services", "s", "argv", refusal.index)
+
+
 def test_literal_braces_are_not_placeholders() -> None:
     """{{ and }} are literal braces; only {name} counts as a placeholder."""
     loaded = service({"argv": ["printf", "{{%s}}", "{{{value}}}", "{a}{b}"]})
@@ -896,14 +940,16 @@ RESERVE_TABLE = [
 def test_fast_reserve_rule(slots: int, reserve: int, resolved: int) -> None:
     """-1 is a quarter of the pool (at least 1), 0 none, N N; never the whole pool."""
     config = ExecserverConfig.from_mapping({**MINIMAL, "slots": slots, "fast_reserve": reserve})
-    assert config.pool_size() == slots
-    assert config.resolved_fast_reserve() == resolved
+    assert config.pool_size(HOST) == slots
+    assert config.resolved_fast_reserve(HOST) == resolved
 
 
-def test_pool_size_zero_is_cpu_count(tmp_path: Path) -> None:
-    """slots: 0 sizes the pool by cpu_count(), which a cgroup quota lowers."""
-    root = v2_tree(tmp_path, "/", {"cpu.max": "100000 100000\n"})
+def test_pool_size_zero_is_the_hosts_cpus(tmp_path: Path) -> None:
+    """slots: 0 sizes the pool by the host's CPUs, which a cgroup quota lowers."""
     config = ExecserverConfig.from_mapping(MINIMAL)
-    assert config.pool_size() == cpu_count() >= 1
-    assert config.pool_size(root=root) == 1
-    assert config.resolved_fast_reserve(root=root) == 0
+    assert config.pool_size(HostResources(cpus=6, memory=1)) == 6
+    assert config.resolved_fast_reserve(HostResources(cpus=6, memory=1)) == 1
+    assert config.pool_size(probe_host()) == cpu_count() >= 1
+    root = v2_tree(tmp_path, "/", {"cpu.max": "100000 100000\n"})
+    assert config.pool_size(probe_host(root=root)) == 1
+    assert config.resolved_fast_reserve(probe_host(root=root)) == 0

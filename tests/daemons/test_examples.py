@@ -24,7 +24,7 @@ from trio_broker_daemons.config import ExecserverConfig
 from trio_broker_daemons.fylr import produce
 from trio_broker_daemons.fylr.config import FylrConfig, MetadataConfig, VersionConfig
 
-from trio_broker.trio.runner import fill_argv
+from trio_broker.core.argv import fill_argv
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 EXAMPLES = REPOSITORY / "examples"

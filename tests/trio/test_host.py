@@ -134,3 +134,17 @@ def test_cpu_count(tmp_path: Path, cpu_max: str, expected: int | None) -> None:
     root = v2_tree(tmp_path, "/", {"cpu.max": cpu_max})
     want = affinity() if expected is None else min(affinity(), expected)
     assert host.cpu_count(root=root) == want
+
+
+def test_probe_host_reads_both_figures_once(tmp_path: Path) -> None:
+    """probe_host is cpu_count and detect_memory_budget of the same root, in one value."""
+    root = v2_tree(tmp_path, "/", {"cpu.max": "100000 100000\n", "memory.max": "268435456\n"})
+    total = psutil.virtual_memory().total
+    assert host.probe_host(root=root) == host.HostResources(cpus=1, memory=min(total, 1 << 28))
+
+
+@pytest.mark.parametrize(("cpus", "memory"), [(0, 1), (1, 0), (-1, 1), (1.5, 1), (True, 1)])
+def test_host_resources_built_by_hand_are_checked(cpus: object, memory: object) -> None:
+    """A hand-built HostResources refuses CPUs or memory that are not positive integers."""
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        host.HostResources(cpus=cpus, memory=memory)  # type: ignore[arg-type]

@@ -32,12 +32,15 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-import trio_broker.trio.runner as runner_module
+import trio_broker.trio.command as command_module
+import trio_broker.trio.pipe_io as pipe_io
 from tests.support.wire import WAIT, connect, start_execserver
 from tests.trio.test_runner import open_fifo, read_line
 from trio_broker.core import protocol as p
+from trio_broker.core.job import STDOUT_PREFIX_BYTES
 from trio_broker.core.protocol import Receipt
 from trio_broker.trio import procgroup
+from trio_broker.trio.command import CommandRunner, CommandSpec
 from trio_broker.trio.pipes import (
     NOT_FOUND_BODY,
     Pipe,
@@ -46,13 +49,7 @@ from trio_broker.trio.pipes import (
     PipeRegistry,
     serve_pipes,
 )
-from trio_broker.trio.runner import (
-    STDOUT_PREFIX_BYTES,
-    CommandRunner,
-    CommandSpec,
-    JobControl,
-    JobRequest,
-)
+from trio_broker.trio.runner import JobControl, JobRequest
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the runner reads /proc")
 
@@ -730,10 +727,20 @@ async def test_runner_cancellation_cuts_both_pipes_off(jobs_dir: Path, served: S
     assert runner.statistics().running == ()
 
 
-@pytest.mark.parametrize("value", [42, "ftp://host/x", "not a url", "http:///no-host"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        42,
+        "ftp://host/x",
+        "not a url",
+        "http:///no-host",
+        "http://host:99999/x",  # no such port: the job object refuses it
+        "http://1.2.3.999/x",  # no such address: the HTTP client refuses it
+    ],
+)
 @pytest.mark.parametrize("name", ["stdin_url", "stdout_url"])
 async def test_bad_pipe_urls_are_error_receipts(jobs_dir: Path, name: str, value: Any) -> None:
-    """A pipe URL that is not http(s) with a host gives an error receipt and runs nothing."""
+    """A pipe URL that is not a usable http(s) URL gives an error receipt and runs nothing."""
     runner = make_runner(jobs_dir, {"cat": ("cat",)})
     with trio.fail_after(WAIT):
         receipt = await runner.run(
@@ -744,6 +751,27 @@ async def test_bad_pipe_urls_are_error_receipts(jobs_dir: Path, name: str, value
 
 
 # -- through a real execserver --------------------------------------------------------
+
+
+async def test_execserver_answers_a_bad_job_object_with_an_error_receipt(
+    nursery: trio.Nursery,
+) -> None:
+    """A JOB whose object is malformed is redeemed and ends DONE with status error, no ERROR."""
+    handle = await start_execserver(nursery, services={"cat": {"argv": ["cat"]}})
+    async with connect(handle) as peer:
+        cases: list[tuple[str, dict[str, Any], str]] = [
+            ("params", {"params": [1]}, "params must be an object"),
+            ("url", {"stdout_url": "ftp://x/y"}, "stdout_url must be an http or https URL"),
+        ]
+        for job_id, job, error in cases:
+            offer = await peer.want(job_id, "cat")
+            assert isinstance(offer, p.Offer)
+            await peer.send(
+                p.Job(job_id=job_id, token=offer.token, service="cat", subject=None, job=job)
+            )
+            done = await peer.done(job_id)
+            assert (done.receipt.status, done.receipt.error) == ("error", error)
+            assert (done.receipt.exit_code, done.receipt.peak_memory) == (None, None)
 
 
 async def test_execserver_runs_a_body_mode_job(nursery: trio.Nursery, served: Served) -> None:
@@ -843,15 +871,15 @@ async def test_slow_client_after_the_command_ended_gets_everything(
     stdout that window, busy or not, would have cut the PUT off by then.
     """
     mock_clock.rate = 1.0  # real speed, plus the jumps below
-    monkeypatch.setattr(runner_module, "_OUTPUT_DRAIN_TIMEOUT", 0.2)
+    monkeypatch.setattr(pipe_io, "_OUTPUT_DRAIN_TIMEOUT", 0.2)
     draining = trio.Event()  # the runner waits for the end of the output
-    wait_output_end = runner_module._CommandJob.wait_output_end
+    wait_output_end = command_module._CommandJob.wait_output_end
 
-    async def watched(job: runner_module._CommandJob, within: float) -> None:
+    async def watched(job: command_module._CommandJob) -> None:
         draining.set()
-        await wait_output_end(job, within)
+        await wait_output_end(job)
 
-    monkeypatch.setattr(runner_module._CommandJob, "wait_output_end", watched)
+    monkeypatch.setattr(command_module._CommandJob, "wait_output_end", watched)
     size = 120 * 1024  # the runner takes 64 KiB, the pipe holds the rest: the command can exit
     release = trio.Event()
     received: list[int] = []

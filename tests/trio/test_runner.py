@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import AsyncIterator, Iterator, Mapping
@@ -16,14 +17,10 @@ import pytest
 import trio
 import trio.testing
 
+from trio_broker.core.argv import TemplateError
 from trio_broker.core.protocol import Receipt
-from trio_broker.trio.runner import (
-    CommandRunner,
-    CommandSpec,
-    JobControl,
-    JobRequest,
-    fill_argv,
-)
+from trio_broker.trio.command import CommandRunner, CommandSpec
+from trio_broker.trio.runner import JobControl, JobRequest
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the runner reads /proc")
 
@@ -275,12 +272,24 @@ async def test_placeholders_are_filled_without_a_shell(jobs_dir: Path) -> None:
     assert receipt.stdout_prefix == "3|2.5|1e+21|true|false|{lit}|xa b; $(rm -rf /)y|33|"
 
 
-def test_fill_argv_and_template_validation() -> None:
-    """fill_argv fills each element; malformed templates are refused when the spec is made."""
-    assert fill_argv(("a{x}b", "{{}}"), {"x": -1}) == ("a-1b", "{}")
-    for bad in ("{", "}", "a{}b", "{x"):
-        with pytest.raises(ValueError, match="argv element"):
+def test_spec_validation() -> None:
+    """A CommandSpec parses its template once and refuses malformed ones and bad limits."""
+    spec = CommandSpec(argv=["prog", "a{x}b", "{{}}"])
+    assert spec.argv is not None
+    assert spec.argv.placeholders == {"x"}
+    assert spec.argv.fill({"x": -1}) == ("prog", "a-1b", "{}")
+    for bad, reason in [
+        ("{", "a single '{'"),
+        ("}", "a single '}'"),
+        ("a{}b", "invalid placeholder"),
+        ("{x", "a single '{'"),
+        ("{x:}", "invalid placeholder"),
+        ("{x.y}", "invalid placeholder"),
+    ]:
+        with pytest.raises(TemplateError, match=rf"^argv\[1\]: .*{re.escape(reason)}"):
             CommandSpec(argv=("prog", bad))
+    with pytest.raises(TemplateError, match=r"^argv\[0\]: expected the program"):
+        CommandSpec(argv=("{tool}", "x"))
     with pytest.raises(ValueError, match="exactly one"):
         CommandSpec(argv=("x",), builtin="noop")
     with pytest.raises(ValueError, match="exactly one"):
@@ -297,7 +306,7 @@ async def test_environment(
     """The child sees os.environ, runner env, spec env, and the two supervision variables win."""
     monkeypatch.setenv("TRIO_BROKER_TEST_OUTER", "outer")
     script = 'echo "$FYLR_EXEC_SUPERVISED $FYLR_CONVERT_THREADS $TRIO_BROKER_TEST_OUTER $A $B"'
-    with caplog.at_level(logging.WARNING, logger="trio_broker.trio.runner"):
+    with caplog.at_level(logging.WARNING, logger="trio_broker.trio.command"):
         runner = make_runner(
             jobs_dir,
             {
@@ -582,3 +591,23 @@ async def test_builtin_sleep_bad_seconds(
     runner = make_runner(jobs_dir, {"svc": CommandSpec(builtin="sleep")})
     receipt = await run(runner, params=params)
     assert (receipt.status, receipt.error) == ("error", error)
+
+
+async def test_builtin_refuses_a_bad_job_object(jobs_dir: Path) -> None:
+    """A builtin job whose object is malformed (a pipe URL that is no URL) is an error too."""
+    runner = make_runner(jobs_dir, {"svc": CommandSpec(builtin="noop")})
+    with trio.fail_after(WAIT):
+        receipt = await runner.run(
+            JobRequest(job_id="j", service="svc", job={"stdin_url": "not a url"}), JobControl()
+        )
+    assert (receipt.status, receipt.error) == ("error", "stdin_url must be an http or https URL")
+
+
+def test_the_command_runner_is_still_importable_from_the_runner_module() -> None:
+    """The old import path of CommandRunner and CommandSpec resolves to the command module's."""
+    from trio_broker.trio import command, runner
+
+    assert runner.CommandRunner is command.CommandRunner
+    assert runner.CommandSpec is command.CommandSpec
+    with pytest.raises(AttributeError, match="no attribute 'fill_argv'"):
+        runner.fill_argv  # noqa: B018

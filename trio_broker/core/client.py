@@ -58,6 +58,7 @@ from typing import Any, Final, Literal, TypeAlias
 import attrs
 
 from trio_broker.core import protocol as p
+from trio_broker.core.job import with_pipe_urls
 from trio_broker.core.liveness import Liveness
 from trio_broker.core.sansio import SansIOCore
 
@@ -594,9 +595,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         if job.pipes:
             base = self._callback_base(conn)
             assert base is not None  # submit() and connected() made sure
-            body = dict(body)
-            for key, path in job.pipes.items():
-                body[key] = base.rstrip("/") + path
+            body = with_pipe_urls(body, base, job.pipes)
         self._send(
             conn,
             p.Job(

@@ -33,6 +33,11 @@ _CGROUP_UNLIMITED: Final = 2**60
 """cgroup limits at or above this are "no limit" (v1 writes 2**63 - 4096)."""
 
 
+def _positive_int(_: object, attribute: attrs.Attribute[int], value: object) -> None:
+    if type(value) is not int or value < 1:
+        raise ValueError(f"{attribute.name} must be a positive integer, got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class HostResources:
     """The CPUs and memory a process of this host may use.
@@ -40,14 +45,24 @@ class HostResources:
     Attributes:
         cpus: CPUs of the affinity mask, lowered to a cgroup v2 quota (rounded up).
         memory: host RAM, lowered to the tightest cgroup memory limit, in bytes.
+
+    Raises:
+        ValueError: ``cpus`` or ``memory`` is not a positive integer.
     """
 
-    cpus: int
-    memory: int
+    cpus: int = attrs.field(validator=_positive_int)
+    memory: int = attrs.field(validator=_positive_int)
 
 
 def probe_host(*, root: str | os.PathLike[str] = "/") -> HostResources:
-    """Read the host's CPUs and memory (with their cgroup limits) once."""
+    """Read the host's CPUs and memory (with their cgroup limits) once.
+
+    Args:
+        root: where ``/proc`` and ``/sys`` are found (tests point it elsewhere).
+
+    Returns:
+        :func:`cpu_count` and :func:`detect_memory_budget`, read now.
+    """
     return HostResources(cpus=cpu_count(root=root), memory=detect_memory_budget(root=root))
 
 

@@ -1,0 +1,65 @@
+"""The execserver daemon's wiring: its configuration resolved against one host reading."""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+from pathlib import Path
+
+import pytest
+import trio
+from trio_broker_daemons.config import ExecserverConfig
+from trio_broker_daemons.execserver import (
+    broker_config_from,
+    command_runner_from,
+    serve_from_config,
+)
+
+from tests.support.wire import WAIT, connect
+from trio_broker.trio.execserver import ExecserverHandle
+from trio_broker.trio.host import HostResources
+from trio_broker.trio.runner import JobControl, JobRequest
+
+HOST = HostResources(cpus=8, memory=2 << 30)
+"""A host built by hand: 8 CPUs and 2 GiB, whatever this machine has."""
+
+
+def config(**top: object) -> ExecserverConfig:
+    return ExecserverConfig.from_mapping(
+        {
+            "listen": "127.0.0.1:0",
+            "name": "wired",
+            "services": {
+                "threads": {"argv": ["sh", "-c", "echo $FYLR_CONVERT_THREADS"], "threads": "50%"},
+                "capped": {"builtin": "noop", "max_slots": 3},
+            },
+            **top,
+        }
+    )
+
+
+def test_broker_config_takes_the_host_for_auto_values() -> None:
+    """slots: 0, fast_reserve: -1 and memory_budget: auto resolve against the given host."""
+    pool = broker_config_from(config(), HOST, instance_id="i-1").pool
+    assert (pool.size, pool.fast_reserve, pool.memory_budget) == (8, 2, 2 << 30)
+    assert pool.max_slots == {"threads": 0, "capped": 3}
+    explicit = broker_config_from(config(slots=3, memory_budget="1G"), HOST).pool
+    assert (explicit.size, explicit.fast_reserve, explicit.memory_budget) == (3, 1, 1 << 30)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the runner reads /proc")
+async def test_command_runner_takes_threads_and_budget_from_the_host(tmp_path: Path) -> None:
+    """A service's threads: 50% of the host's 8 CPUs reach the command as 4; the budget is 2 GiB."""
+    runner = command_runner_from(config(temp_dir=str(tmp_path)), HOST, instance_id="i-2")
+    assert runner.statistics().memory_budget == 2 << 30
+    with trio.fail_after(WAIT):
+        receipt = await runner.run(JobRequest(job_id="t", service="threads"), JobControl())
+    assert (receipt.status, receipt.stdout_prefix, receipt.instance_id) == ("ok", "4\n", "i-2")
+
+
+async def test_serve_from_config_announces_the_hosts_cpus(nursery: trio.Nursery) -> None:
+    """An execserver served with a host built by hand announces that many slots."""
+    small = HostResources(cpus=3, memory=1 << 30)
+    handle: ExecserverHandle = await nursery.start(partial(serve_from_config, config(), host=small))
+    async with connect(handle) as peer:
+        assert peer.hellos[0].processes == 3

@@ -1,0 +1,284 @@
+"""The job object and the receipt: what ``JOB`` carries in, what ``DONE`` carries out.
+
+``JOB.job`` is a JSON object the execserver's runner interprets. For the reference
+runner it is a :class:`JobSpec`:
+
+``params`` (object, default ``{}``)
+    Fills the service's argv template (:mod:`trio_broker.core.argv`); the builtin
+    ``sleep`` reads ``params.seconds``.
+``stdin_url``, ``stdout_url`` (string, or null or absent for none)
+    One-time pipe endpoints served by the client (``PROTOCOL.md``, *Pipes*): an
+    ``http`` or ``https`` URL with a host and a valid port, without spaces or
+    control characters.
+
+Other members are ignored, so new ones (a per-job ``timeout`` or ``stall_timeout``,
+say) can be added without breaking older execservers. :meth:`JobSpec.from_wire`
+checks a received object and raises :class:`JobSpecError`, whose text is the
+receipt's error: a bad job object ends with status ``error``, never an ``ERROR``
+frame. :meth:`JobSpec.to_wire` writes the object a client sends.
+
+Receipts are built here too, so that the rules of ``PROTOCOL.md`` (*Receipt*)
+hold for every ending: every member present, ``error`` null exactly when the
+status is ``ok``, ``stdout_prefix`` the first :data:`STDOUT_PREFIX_BYTES` of
+stdout cut at a character boundary, ``stderr_line`` the last non-empty line of
+stderr. :func:`ended_receipt` builds any receipt, :func:`error_receipt` the one
+of a job that could not start.
+
+The module is pure: no I/O, no trio, no clock (times are arguments).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, Final
+from urllib.parse import urlsplit
+
+import attrs
+
+from trio_broker.core.protocol import Receipt, Status
+
+__all__ = [
+    "STDERR_LINE_CHARS",
+    "STDOUT_PREFIX_BYTES",
+    "JobSpec",
+    "JobSpecError",
+    "LastLine",
+    "ended_receipt",
+    "error_receipt",
+    "stdout_prefix",
+    "with_pipe_urls",
+]
+
+STDOUT_PREFIX_BYTES: Final = 4000
+"""How much of stdout a receipt carries; also how much stdout is held back before
+an out-pipe is opened."""
+STDERR_LINE_CHARS: Final = 1000
+"""The longest ``stderr_line`` a receipt carries (its last characters)."""
+_STDERR_TAIL_BYTES: Final = 4 * STDERR_LINE_CHARS + 4  # enough bytes for 1000 characters
+
+# -- the job object -----------------------------------------------------------------
+
+
+class JobSpecError(ValueError):
+    """A job object the runner cannot use; the text is the receipt's error."""
+
+
+def _is_http_url(text: str) -> bool:
+    if any(char <= " " or char == "\x7f" for char in text):
+        return False
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 -- raises ValueError for a port that is not 0..65535
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
+
+
+def _check_params(spec: JobSpec, _: attrs.Attribute[Any], params: Mapping[str, Any]) -> None:
+    if not isinstance(params, Mapping) or not all(isinstance(key, str) for key in params):
+        raise JobSpecError("params must be an object")
+
+
+def _check_url(spec: JobSpec, attribute: attrs.Attribute[Any], url: object) -> None:
+    if url is not None and not (isinstance(url, str) and _is_http_url(url)):
+        raise JobSpecError(f"{attribute.name} must be an http or https URL")
+
+
+def _copy_params(params: Mapping[str, Any]) -> Mapping[str, Any]:
+    return dict(params) if isinstance(params, Mapping) else params
+
+
+@attrs.frozen(kw_only=True)
+class JobSpec:
+    """The reference runner's job object (see the module docstring).
+
+    Attributes:
+        params: the job's parameters (a copy is kept).
+        stdin_url: where the job's stdin is read from, ``None`` for none.
+        stdout_url: where the job's stdout is streamed to, ``None`` for none.
+
+    Raises:
+        JobSpecError: ``params`` is not a mapping with string keys, or a URL is
+            not an http or https URL with a host.
+    """
+
+    params: Mapping[str, Any] = attrs.field(
+        factory=dict, converter=_copy_params, validator=_check_params
+    )
+    stdin_url: str | None = attrs.field(default=None, validator=_check_url)
+    stdout_url: str | None = attrs.field(default=None, validator=_check_url)
+
+    @classmethod
+    def from_wire(cls, job: Mapping[str, Any]) -> JobSpec:
+        """Read a received job object (``JOB.job``).
+
+        Args:
+            job: the decoded object; members not listed are ignored.
+
+        Returns:
+            The job object, checked.
+
+        Raises:
+            JobSpecError: ``params`` is not an object, or a pipe URL is not an
+                http or https URL (absent and null mean no pipe). The first problem
+                in the order ``params``, ``stdin_url``, ``stdout_url`` is named.
+        """
+        return cls(
+            params=job.get("params", {}),
+            stdin_url=job.get("stdin_url"),
+            stdout_url=job.get("stdout_url"),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        """The job object to send in ``JOB.job``; pipes without a URL are left out."""
+        wire: dict[str, Any] = {"params": dict(self.params)}
+        if self.stdin_url is not None:
+            wire["stdin_url"] = self.stdin_url
+        if self.stdout_url is not None:
+            wire["stdout_url"] = self.stdout_url
+        return wire
+
+
+def with_pipe_urls(job: Mapping[str, Any], base: str, paths: Mapping[str, str]) -> dict[str, Any]:
+    """A job object whose pipe members are completed with a callback base.
+
+    A client knows its pipes' paths when it submits a job, but their URLs only
+    once an offer has won: they are built on the callback base of that connection.
+
+    Args:
+        job: the job object as submitted.
+        base: the winning connection's callback base (``http://host:port``).
+        paths: member name → path on the client's listener (``/pipe/<id>``).
+
+    Returns:
+        A new job object with each member set to ``base`` + its path.
+    """
+    root = base.rstrip("/")
+    return {**job, **{member: root + path for member, path in paths.items()}}
+
+
+# -- receipts -----------------------------------------------------------------------
+
+
+def ended_receipt(
+    status: Status,
+    error: str | None = None,
+    *,
+    started_at: float,
+    duration_s: float,
+    instance_id: str,
+    exit_code: int | None = None,
+    stderr_line: str | None = None,
+    stdout_prefix: str = "",
+    stdout_bytes: int = 0,
+    stdin_bytes: int = 0,
+    peak_memory: int | None = None,
+) -> Receipt:
+    """The receipt of a job that ended; what no process produced keeps its default.
+
+    Args:
+        status: how it ended.
+        error: ``None`` for ``ok``, the sentence that says why otherwise.
+        started_at: when it started (wall clock, UNIX seconds).
+        duration_s: how long it ran.
+        instance_id: the execserver instance that ran it.
+        exit_code: the exit status, minus the signal number for a signal;
+            ``None`` when no process ran.
+        stderr_line: the decisive stderr line (see :class:`LastLine`).
+        stdout_prefix: the start of stdout (see :func:`stdout_prefix`).
+        stdout_bytes: all of stdout, in bytes.
+        stdin_bytes: the stdin fed to the command, in bytes.
+        peak_memory: the group's highest sampled RSS; ``None`` when no process ran.
+
+    Raises:
+        ValueError: ``error`` is set for ``ok`` or missing for another status.
+    """
+    if (status == "ok") != (error is None):
+        raise ValueError(f"a receipt has an error exactly when it is not ok: {status}, {error!r}")
+    return Receipt(
+        status=status,
+        exit_code=exit_code,
+        error=error,
+        stderr_line=stderr_line,
+        stdout_prefix=stdout_prefix,
+        stdout_bytes=stdout_bytes,
+        stdin_bytes=stdin_bytes,
+        started_at=started_at,
+        duration_s=duration_s,
+        peak_memory=peak_memory,
+        instance_id=instance_id,
+    )
+
+
+def error_receipt(
+    reason: str, *, started_at: float, duration_s: float, instance_id: str
+) -> Receipt:
+    """The receipt of a job that could not start (status ``error``, no process ran).
+
+    Args:
+        reason: the sentence that says why (``missing parameter 'text'``).
+        started_at: when the attempt began (wall clock, UNIX seconds).
+        duration_s: how long the attempt took.
+        instance_id: the execserver instance that tried.
+    """
+    return ended_receipt(
+        "error", reason, started_at=started_at, duration_s=duration_s, instance_id=instance_id
+    )
+
+
+def _cut_utf8(data: bytes, limit: int) -> bytes:
+    """The first ``limit`` bytes at most, without a character cut in two."""
+    if len(data) <= limit:
+        return data
+    cut = limit
+    while cut > limit - 3 and cut > 0 and data[cut] & 0xC0 == 0x80:
+        cut -= 1
+    return data[:cut] if data[cut] & 0xC0 != 0x80 else data[:limit]
+
+
+def stdout_prefix(head: bytes) -> str:
+    """A receipt's ``stdout_prefix`` from the start of stdout.
+
+    Args:
+        head: the first bytes of stdout; one byte more than
+            :data:`STDOUT_PREFIX_BYTES` tells whether a character straddles the cut.
+
+    Returns:
+        At most :data:`STDOUT_PREFIX_BYTES` bytes, cut at a character boundary and
+        decoded as UTF-8 with replacement characters.
+    """
+    return _cut_utf8(head, STDOUT_PREFIX_BYTES).decode("utf-8", "replace")
+
+
+class LastLine:
+    """Keeps the last non-empty line of a byte stream (``\\n`` or ``\\r`` ends a line).
+
+    Feed it stderr chunk by chunk; it holds at most a few kilobytes whatever
+    the stream's size.
+    """
+
+    _BREAK = re.compile(rb"[\r\n]")
+
+    def __init__(self) -> None:
+        self._last: bytes | None = None
+        self._partial = b""
+
+    def feed(self, chunk: bytes | bytearray) -> None:
+        """Take the next chunk of the stream."""
+        *lines, partial = self._BREAK.split(self._partial + chunk)
+        for line in reversed(lines):
+            if line.strip():
+                self._last = line[-_STDERR_TAIL_BYTES:]
+                break
+        self._partial = partial[-_STDERR_TAIL_BYTES:]
+
+    def result(self) -> str | None:
+        """The receipt's ``stderr_line``: the last non-empty line, stripped, at most
+        :data:`STDERR_LINE_CHARS` characters (its end); ``None`` when there was none."""
+        line = self._partial if self._partial.strip() else self._last
+        if line is None:
+            return None
+        if len(line) == _STDERR_TAIL_BYTES:  # possibly cut inside a character
+            line = line.lstrip(bytes(range(0x80, 0xC0)))
+        return line.decode("utf-8", "replace").strip()[-STDERR_LINE_CHARS:]

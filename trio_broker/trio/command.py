@@ -1,0 +1,714 @@
+"""The reference runner: each service is a supervised command, or a builtin.
+
+A :class:`CommandRunner` implements :class:`~trio_broker.trio.runner.Runner`. It runs
+each service as a configured argv template (:mod:`trio_broker.core.argv`, never a
+shell) in its own process group and work directory, samples the group every
+``sample_interval`` for :mod:`trio_broker.core.supervision`, and kills the whole group
+at the end. Linux only: it reads ``/proc`` (:mod:`trio_broker.trio.procgroup`).
+
+Starting a job: the job object is read (:class:`~trio_broker.core.job.JobSpec`), its
+``params`` fill the template, its pipes are opened (:mod:`trio_broker.trio.pipe_io`),
+and only then does the command start. Anything refused on the way (an unknown
+service, a bad job object, a missing parameter, a missing input, a program that
+cannot run) ends the job ``error`` and runs nothing.
+
+Ending a job:
+
+* The leader exits on its own: the rest of the group gets ``SIGKILL`` (no stray
+  helper survives), the leader is reaped, the receipt tells its exit status.
+* A verdict (timeout, stall, memory), a pipe failure or
+  :meth:`~trio_broker.trio.runner.JobControl.abort`: ``SIGTERM`` to the group, up to
+  ``kill_grace`` seconds for the leader to exit, then ``SIGKILL`` to the group; the
+  receipt keeps the leader's real exit status.
+* The task running :meth:`CommandRunner.run` is cancelled (daemon shutdown):
+  ``SIGKILL`` to the group at once, reap, clean up (shielded, bounded), and the
+  cancellation propagates.
+
+The leader is waited for through a pidfd, which becomes readable when it exits
+but does not reap it: the group is signalled while the exited leader is still a
+zombie holding its pid, so the group id cannot have been reused by then.
+
+Builtin services (``noop``, ``sleep``) run in-process and ignore pipes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import logging
+import math
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Any, Final, Literal
+
+import attrs
+import trio
+
+from trio_broker.core.argv import ArgvTemplate, ParameterError
+from trio_broker.core.job import JobSpec, JobSpecError, LastLine, ended_receipt, error_receipt
+from trio_broker.core.protocol import Receipt, Status
+from trio_broker.core.supervision import MemoryBudget, Verdict, Watchdog, budget_verdict
+from trio_broker.trio import procgroup
+from trio_broker.trio.pipe_io import (
+    PIPE_FINISH_TIMEOUT,
+    InPipe,
+    MissingInput,
+    OutPipe,
+    PipeConnector,
+    PipeFault,
+    PipeUrls,
+    StdoutReader,
+    open_pipes,
+    pump_stdout,
+    wait_stdout_end,
+)
+from trio_broker.trio.runner import JobControl, JobRequest, RunnerStatistics, RunningJob
+
+__all__ = ["SUPERVISED_ENV", "CommandRunner", "CommandSpec"]
+
+logger = logging.getLogger(__name__)
+
+SUPERVISED_ENV: Final = ("FYLR_EXEC_SUPERVISED", "FYLR_CONVERT_THREADS")
+"""Variables the runner always sets itself."""
+
+_READ_CHUNK: Final = 65536
+_BULK_PIPE_BYTES: Final = 1 << 20
+"""Kernel buffer asked for the stdin/stdout pipes of a body-mode job (Linux: at
+most ``/proc/sys/fs/pipe-max-size``, 1 MiB by default): fewer, larger reads and
+writes per megabyte streamed."""
+_CLEANUP_TIMEOUT: Final = 5.0  # shielded cleanup after a cancellation
+_GROUP_GONE_TIMEOUT: Final = 3.0  # for SIGKILLed members to die
+_GROUP_GONE_POLL: Final = 0.02
+_STDERR_DRAIN_TIMEOUT: Final = 2.0  # for stderr to reach its end once the group is dead
+
+
+# -- the service specification -------------------------------------------------------
+
+
+def _template(argv: Sequence[str] | None) -> ArgvTemplate | None:
+    return None if argv is None else ArgvTemplate.parse(argv)
+
+
+def _positive_or_none(spec: CommandSpec, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{attribute.name} must be positive or None, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class CommandSpec:
+    """How one service runs.
+
+    Attributes:
+        argv: the command as an argv template (:mod:`trio_broker.core.argv`):
+            elements may hold ``{name}`` placeholders filled from the job's
+            ``params``; ``{{``/``}}`` are literal braces. A sequence of strings is
+            parsed; a parsed :class:`~trio_broker.core.argv.ArgvTemplate` is taken
+            as it is.
+        builtin: instead of a command, ``"noop"`` (ends at once) or ``"sleep"``
+            (holds the slot for ``params.seconds``). Exactly one of ``argv`` and
+            ``builtin`` is set.
+        threads: the resolved thread count, given to the command as
+            ``FYLR_CONVERT_THREADS``.
+        timeout: the wall-clock ceiling in seconds, ``None`` for none.
+        stall_timeout: seconds without progress before the job is stalled,
+            ``None`` for no stall supervision.
+        memory_limit: this job's own RSS ceiling in bytes, ``None`` for none.
+        env: extra environment variables for the command.
+
+    Raises:
+        TemplateError: a malformed template (a ``ValueError``).
+        ValueError: both or neither of ``argv``/``builtin``; a non-positive limit
+            or thread count.
+    """
+
+    argv: ArgvTemplate | None = attrs.field(default=None, converter=_template)
+    builtin: Literal["noop", "sleep"] | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.in_(("noop", "sleep")))
+    )
+    threads: int = attrs.field(default=1)
+    timeout: float | None = attrs.field(default=None, validator=_positive_or_none)
+    stall_timeout: float | None = attrs.field(default=600.0, validator=_positive_or_none)
+    memory_limit: int | None = attrs.field(default=None, validator=_positive_or_none)
+    env: Mapping[str, str] = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        if (self.argv is None) == (self.builtin is None):
+            raise ValueError("a CommandSpec needs exactly one of argv and builtin")
+        if type(self.threads) is not int or self.threads < 1:
+            raise ValueError(f"threads must be an integer >= 1, got {self.threads!r}")
+
+
+# -- one job --------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class _Ending:
+    """Why the runner ended a job (a verdict, a pipe failure or an abort)."""
+
+    status: Status
+    error: str
+
+
+@attrs.frozen(kw_only=True)
+class _Start:
+    """When a job started, and the receipts that tell how it ended."""
+
+    started: float
+    """On the trio clock (monotonic)."""
+    started_at: float
+    """On the wall clock."""
+    instance_id: str
+
+    def ended(self, status: Status, error: str | None = None, **fields: Any) -> Receipt:
+        """The receipt of an end now; ``fields`` as for :func:`ended_receipt`."""
+        return ended_receipt(
+            status,
+            error,
+            started_at=self.started_at,
+            duration_s=trio.current_time() - self.started,
+            instance_id=self.instance_id,
+            **fields,
+        )
+
+    def error(self, reason: str) -> Receipt:
+        """The receipt of a job that could not start."""
+        return error_receipt(
+            reason,
+            started_at=self.started_at,
+            duration_s=trio.current_time() - self.started,
+            instance_id=self.instance_id,
+        )
+
+
+def _only_cancelled(group: BaseExceptionGroup[BaseException]) -> trio.Cancelled | None:
+    """The first Cancelled of a group that holds nothing else, else ``None``."""
+    cancelled, rest = group.split(trio.Cancelled)
+    if cancelled is None or rest is not None:
+        return None
+    leaf: BaseException = cancelled
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    assert isinstance(leaf, trio.Cancelled)
+    return leaf
+
+
+@attrs.frozen(kw_only=True)
+class _Limits:
+    """What a job's supervision needs from its runner."""
+
+    budget: MemoryBudget[int] | None
+    """The memory all running jobs share, ``None`` for no budget."""
+    sample_interval: float
+    kill_grace: float
+
+
+class _CommandJob:
+    """The state of one command while it runs (one per :meth:`CommandRunner.run`)."""
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        key: int,
+        spec: CommandSpec,
+        process: trio.Process,
+        workdir: str,
+        start: _Start,
+        limits: _Limits,
+        in_pipe: InPipe | None,
+        out_pipe: OutPipe | None,
+    ) -> None:
+        assert process.stdout is not None
+        assert process.stderr is not None
+        self.job_id = job_id
+        self.key = key
+        self.process = process
+        self.pgid = process.pid
+        self.workdir = workdir
+        self.limits = limits
+        self.finish_within = spec.stall_timeout or PIPE_FINISH_TIMEOUT
+        self.watchdog = Watchdog(
+            started=start.started,
+            timeout=spec.timeout,
+            stall_timeout=spec.stall_timeout,
+            memory_limit=spec.memory_limit,
+        )
+        self.pidfd = procgroup.open_pidfd(process.pid)
+        self.reaped = False
+        self.rss: int | None = None
+        self.stdout = StdoutReader(process.stdout)
+        self.stderr_bytes = 0
+        self.stderr_line = LastLine()
+        self.stderr_done = trio.Event()
+        self.in_pipe = in_pipe
+        self.out_pipe = out_pipe
+        self.fault = PipeFault()
+        """The first pipe failure: it ends the job (once it runs) or spoils an ``ok`` receipt."""
+
+    @property
+    def stdin_bytes(self) -> int:
+        return 0 if self.in_pipe is None else self.in_pipe.bytes
+
+    async def run(self, control: JobControl) -> tuple[Status, str | None]:
+        """Pump the pipes and supervise until the command ends; kill the group.
+
+        Returns:
+            The command's status and error before the pipes' say
+            (see :meth:`receipt`).
+        """
+        async with trio.open_nursery() as nursery:
+            if self.in_pipe is not None:
+                assert self.process.stdin is not None
+                nursery.start_soon(self.in_pipe.pump, self.process.stdin, self.fault)
+            nursery.start_soon(pump_stdout, self.stdout, self.out_pipe, self.fault)
+            nursery.start_soon(self.pump_stderr)
+            ending = await self.supervise(control)
+            if ending is not None:
+                await self.terminate(self.limits.kill_grace)
+            await self.kill_and_reap()
+            await self.wait_output_end()
+            status, error = _command_end(ending, self.exit_code)
+            if self.out_pipe is not None:
+                await self.out_pipe.finish(
+                    self.stdout, self.fault, status == "ok", self.finish_within
+                )
+            nursery.cancel_scope.cancel()
+        return status, error
+
+    @property
+    def exit_code(self) -> int:
+        """The leader's exit status (negative: the signal); once it is reaped."""
+        code = self.process.returncode
+        assert code is not None
+        return code
+
+    async def pump_stderr(self) -> None:
+        assert self.process.stderr is not None
+        try:
+            while chunk := await self.process.stderr.receive_some(_READ_CHUNK):
+                self.stderr_bytes += len(chunk)
+                self.stderr_line.feed(chunk)
+        finally:
+            self.stderr_done.set()
+
+    async def wait_output_end(self) -> None:
+        """Wait (bounded) for stderr and stdout to reach their ends once the group is dead."""
+        with trio.move_on_after(_STDERR_DRAIN_TIMEOUT):
+            await self.stderr_done.wait()
+        await wait_stdout_end(self.stdout, self.out_pipe, self.finish_within)
+
+    # -- supervision
+
+    async def sample(self) -> Verdict | None:
+        """Sample the group and its work dir once; the verdict if the job must end."""
+        reading, dir_bytes = await trio.to_thread.run_sync(self._read, abandon_on_cancel=True)
+        verdict = self.watchdog.sample(
+            trio.current_time(),
+            rss=reading.rss,
+            cpu_seconds=reading.cpu_seconds,
+            io_bytes=self.stdin_bytes + self.stdout.bytes + self.stderr_bytes,
+            dir_bytes=dir_bytes,
+        )
+        self.rss = reading.rss
+        budget = self.limits.budget
+        if budget is not None:
+            budget.report(self.key, reading.rss)
+            if verdict is None and budget.over_budget() == self.key:
+                verdict = budget_verdict(rss=reading.rss, used=budget.used(), total=budget.total)
+        return verdict
+
+    def _read(self) -> tuple[procgroup.GroupSample, int]:
+        return procgroup.sample_group(self.pgid), procgroup.directory_bytes(self.workdir)
+
+    async def supervise(self, control: JobControl) -> _Ending | None:
+        """Wait for the first of: the leader exits (``None``), a verdict, an abort, a pipe fault."""
+        verdict = await self.sample()  # at least one sample: peak_memory is known
+        if verdict is not None:
+            return _Ending(status=verdict.status, error=verdict.error)
+        endings: list[_Ending | None] = []
+
+        def decide(ending: _Ending | None) -> None:
+            if not endings:
+                endings.append(ending)
+                nursery.cancel_scope.cancel()
+
+        async def leader_exited() -> None:
+            await self.wait_leader_exited()
+            decide(None)
+
+        async def aborted() -> None:
+            await control.wait_aborted()
+            assert control.status is not None
+            assert control.reason is not None
+            decide(_Ending(status=control.status, error=control.reason))
+
+        async def pipe_failed() -> None:
+            decide(_Ending(status="stopped", error=await self.fault.wait()))
+
+        async def sampler() -> None:
+            interval = self.limits.sample_interval
+            while True:
+                deadline = trio.current_time() + interval
+                limit = self.watchdog.next_deadline()
+                await trio.sleep_until(deadline if limit is None else min(deadline, limit))
+                verdict = await self.sample()
+                if verdict is not None:
+                    decide(_Ending(status=verdict.status, error=verdict.error))
+                    return
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(leader_exited)
+            nursery.start_soon(aborted)
+            nursery.start_soon(pipe_failed)
+            nursery.start_soon(sampler)
+        return endings[0]
+
+    # -- ending
+
+    async def wait_leader_exited(self) -> None:
+        """Return once the leader has exited; reaps it only if no pidfd is available."""
+        if self.reaped:
+            return
+        if self.pidfd is not None:
+            await trio.lowlevel.wait_readable(self.pidfd)
+        else:
+            await self.process.wait()
+            self.reaped = True
+
+    def kill(self, sig: signal.Signals) -> None:
+        procgroup.signal_group(self.pgid, sig)
+
+    async def terminate(self, grace: float) -> None:
+        """SIGTERM to the group, then up to ``grace`` seconds for the leader to exit."""
+        self.kill(signal.SIGTERM)
+        with trio.move_on_after(grace):
+            await self.wait_leader_exited()
+
+    async def kill_and_reap(self) -> None:
+        """SIGKILL to the group, reap the leader, wait (bounded) for the members to die."""
+        self.kill(signal.SIGKILL)
+        await self.process.wait()
+        self.reaped = True
+        with trio.move_on_after(_GROUP_GONE_TIMEOUT) as scope:
+            await self._wait_group_gone()
+        if scope.cancelled_caught:
+            logger.warning(
+                "job %s: process group %d survived SIGKILL for %ss",
+                self.job_id,
+                self.pgid,
+                _GROUP_GONE_TIMEOUT,
+            )
+
+    async def _wait_group_gone(self) -> None:
+        """Return once no member of the group is alive (zombies do not count).
+
+        Event-driven: a pidfd becomes readable when its process exits, even for
+        a process that is not our child.
+        """
+        while True:
+            reading = await trio.to_thread.run_sync(procgroup.sample_group, self.pgid)
+            if not reading.live_pids:
+                return
+            pidfds = [procgroup.open_pidfd(pid) for pid in reading.live_pids]
+            opened = [fd for fd in pidfds if fd is not None]
+            try:
+                async with trio.open_nursery() as nursery:
+                    for fd in opened:
+                        nursery.start_soon(trio.lowlevel.wait_readable, fd)
+            finally:
+                for fd in opened:
+                    trio.lowlevel.notify_closing(fd)
+                    os.close(fd)
+            if len(opened) < len(pidfds):  # gone already, or no pidfds here: look again soon
+                await trio.sleep(_GROUP_GONE_POLL)
+
+    async def close(self) -> None:
+        """Release everything; after a cancellation, first kill the group (shielded)."""
+        with trio.CancelScope(shield=True), trio.move_on_after(_CLEANUP_TIMEOUT):
+            if not self.reaped:
+                await self.kill_and_reap()
+        if not self.reaped:
+            logger.warning("job %s: leader %d not reaped", self.job_id, self.pgid)
+        if self.pidfd is not None:
+            trio.lowlevel.notify_closing(self.pidfd)
+            os.close(self.pidfd)
+            self.pidfd = None
+        for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
+            if stream is not None:
+                with trio.CancelScope(shield=True):
+                    await stream.aclose()
+        if self.limits.budget is not None:
+            self.limits.budget.forget(self.key)
+
+    # -- the receipt
+
+    def receipt(self, start: _Start, status: Status, error: str | None) -> Receipt:
+        """The receipt: the command's end, as the pipes amend it."""
+        out_pipe = self.out_pipe
+        if out_pipe is not None and out_pipe.aborted:
+            error = f"{error}; the output stream was aborted after {out_pipe.sent} bytes"
+        if status == "ok" and self.fault.error is not None:
+            status, error = "stopped", self.fault.error
+        return start.ended(
+            status,
+            error,
+            exit_code=self.exit_code,
+            stderr_line=self.stderr_line.result(),
+            stdout_prefix=self.stdout.prefix(),
+            stdout_bytes=self.stdout.bytes,
+            stdin_bytes=self.stdin_bytes,
+            peak_memory=self.watchdog.peak_memory,
+        )
+
+
+def _command_end(ending: _Ending | None, exit_code: int) -> tuple[Status, str | None]:
+    """A command's status and error from the runner's ending (if any) and its exit status."""
+    if ending is not None:
+        return ending.status, ending.error
+    if exit_code == 0:
+        return "ok", None
+    if exit_code > 0:
+        return "failed", f"exit status {exit_code}"
+    return "failed", f"killed by signal {-exit_code}"
+
+
+def _widen_pipes(process: trio.Process) -> None:
+    """Ask for larger kernel buffers on a bulk job's pipes; keep the default if refused."""
+    set_size = getattr(fcntl, "F_SETPIPE_SZ", None)
+    if set_size is None:  # not Linux
+        return
+    for stream in (process.stdin, process.stdout):
+        fileno = getattr(stream, "fileno", None)
+        if fileno is not None:
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(fileno(), set_size, _BULK_PIPE_BYTES)
+
+
+async def _run_builtin(
+    builtin: Literal["noop", "sleep"],
+    params: Mapping[str, Any],
+    control: JobControl,
+    start: _Start,
+) -> Receipt:
+    if builtin == "noop":
+        return start.ended("ok")
+    if "seconds" not in params:
+        return start.error("missing parameter 'seconds'")
+    seconds = params["seconds"]
+    if (
+        not isinstance(seconds, int | float)
+        or isinstance(seconds, bool)
+        or not math.isfinite(seconds)
+        or seconds < 0
+    ):
+        return start.error("parameter 'seconds' must be a non-negative number")
+    with trio.move_on_after(seconds):
+        await control.wait_aborted()
+    if control.status is not None:
+        return start.ended(control.status, control.reason)
+    return start.ended("ok")
+
+
+# -- the runner -----------------------------------------------------------------------
+
+
+@attrs.define(kw_only=True, eq=False)
+class _Entry:
+    """A job in :meth:`CommandRunner.statistics`, from the start of ``run`` to its end."""
+
+    request: JobRequest
+    key: int
+    started_at: float
+    job: _CommandJob | None = None
+    """Set once the command's process exists."""
+
+    def snapshot(self) -> RunningJob:
+        job = self.job
+        return RunningJob(
+            job_id=self.request.job_id,
+            service=self.request.service,
+            started_at=self.started_at,
+            pid=None if job is None else job.pgid,
+            pgid=None if job is None else job.pgid,
+            rss=None if job is None else job.rss,
+            peak_memory=None if job is None else job.watchdog.peak_memory,
+        )
+
+
+class CommandRunner:
+    """The reference runner: each service is a supervised command (or a builtin).
+
+    Args:
+        services: how each service runs, by name.
+        env: environment variables for every command (under each service's own).
+        temp_dir: where the per-job work directories are made (default: the
+            system's temporary directory).
+        memory_budget: bytes that all running jobs together may use; when they
+            exceed it, the job with the largest RSS ends ``out_of_memory``.
+        instance_id: copied into every receipt.
+        sample_interval: seconds between samples of a running job.
+        kill_grace: seconds between SIGTERM and SIGKILL when the runner ends a job.
+
+    Raises:
+        ValueError: a non-positive ``sample_interval`` or a negative ``kill_grace``.
+    """
+
+    def __init__(
+        self,
+        services: Mapping[str, CommandSpec],
+        *,
+        env: Mapping[str, str] = {},
+        temp_dir: str | None = None,
+        memory_budget: int | None = None,
+        instance_id: str = "",
+        sample_interval: float = 1.0,
+        kill_grace: float = 2.0,
+    ) -> None:
+        if not (math.isfinite(sample_interval) and sample_interval > 0):
+            raise ValueError(f"sample_interval must be positive, got {sample_interval!r}")
+        if not (math.isfinite(kill_grace) and kill_grace >= 0):
+            raise ValueError(f"kill_grace must be non-negative, got {kill_grace!r}")
+        self._services = dict(services)
+        self._env = dict(env)
+        self._temp_dir = temp_dir
+        self._limits = _Limits(
+            budget=None if memory_budget is None else MemoryBudget(memory_budget),
+            sample_interval=sample_interval,
+            kill_grace=kill_grace,
+        )
+        self._instance_id = instance_id
+        self._keys = itertools.count()
+        self._running: dict[int, _Entry] = {}
+        self._connector = PipeConnector()
+        for where, mapping in [("runner env", self._env)] + [
+            (f"service {name!r} env", spec.env) for name, spec in self._services.items()
+        ]:
+            overridden = sorted(set(mapping) & set(SUPERVISED_ENV))
+            if overridden:
+                logger.warning(
+                    "%s sets %s, which the runner always sets itself; ignored",
+                    where,
+                    ", ".join(overridden),
+                )
+
+    def statistics(self) -> RunnerStatistics:
+        """A snapshot of the running jobs and the memory they use."""
+        running = tuple(entry.snapshot() for entry in self._running.values())
+        budget = self._limits.budget
+        return RunnerStatistics(
+            running=running,
+            memory_used=sum(job.rss or 0 for job in running),
+            memory_budget=None if budget is None else budget.total,
+        )
+
+    async def run(self, request: JobRequest, control: JobControl) -> Receipt:
+        """Run one job to its end and describe how it ended (see :class:`Runner`)."""
+        start = _Start(
+            started=trio.current_time(), started_at=time.time(), instance_id=self._instance_id
+        )
+        spec = self._services.get(request.service)
+        if spec is None:
+            return start.error(f"unknown service {request.service!r}")
+        entry = _Entry(request=request, key=next(self._keys), started_at=start.started_at)
+        self._running[entry.key] = entry
+        try:
+            return await self._run_job(entry, spec, control, start)
+        finally:
+            del self._running[entry.key]
+
+    async def _run_job(
+        self, entry: _Entry, spec: CommandSpec, control: JobControl, start: _Start
+    ) -> Receipt:
+        if control.status is not None:
+            return start.ended(control.status, control.reason)
+        try:
+            job = JobSpec.from_wire(entry.request.job)
+        except JobSpecError as exc:
+            return start.error(str(exc))
+        if spec.builtin is not None:
+            return await _run_builtin(spec.builtin, job.params, control, start)
+        assert spec.argv is not None
+        try:
+            argv = spec.argv.fill(job.params)
+            urls = PipeUrls.of(job)
+        except (ParameterError, JobSpecError) as exc:
+            return start.error(str(exc))
+        try:
+            workdir = tempfile.mkdtemp(prefix="trio-broker-job-", dir=self._temp_dir)
+        except OSError as exc:
+            return start.error(f"cannot create a work directory: {exc}")
+        try:
+            return await self._run_command(entry, spec, argv, workdir, control, start, urls)
+        except BaseExceptionGroup as group:
+            # Our nurseries wrap the cancellation of the calling task in groups of
+            # Cancelled; callers expect the plain Cancelled that trio.run_process raises.
+            cancelled = _only_cancelled(group)
+            if cancelled is None:
+                raise
+            raise cancelled from None
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(_CLEANUP_TIMEOUT):
+                await trio.to_thread.run_sync(
+                    partial(shutil.rmtree, workdir, ignore_errors=True), abandon_on_cancel=True
+                )
+
+    def _environment(self, spec: CommandSpec) -> dict[str, str]:
+        env = {**os.environ, **self._env, **spec.env}
+        env["FYLR_EXEC_SUPERVISED"] = "1"
+        env["FYLR_CONVERT_THREADS"] = str(spec.threads)
+        return env
+
+    async def _run_command(
+        self,
+        entry: _Entry,
+        spec: CommandSpec,
+        argv: tuple[str, ...],
+        workdir: str,
+        control: JobControl,
+        start: _Start,
+        urls: PipeUrls,
+    ) -> Receipt:
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                in_pipe, out_pipe = await open_pipes(stack, self._connector, urls)
+            except MissingInput as exc:
+                return start.error(str(exc))
+            try:
+                process = await trio.lowlevel.open_process(
+                    argv,
+                    start_new_session=True,
+                    cwd=workdir,
+                    env=self._environment(spec),
+                    stdin=subprocess.DEVNULL if in_pipe is None else subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                )
+            except OSError as exc:
+                return start.error(f"cannot run {argv[0]!r}: {exc.strerror or exc}")
+            except ValueError as exc:  # e.g. a NUL in the configured env
+                return start.error(f"cannot run {argv[0]!r}: {exc}")
+            if urls.any:
+                _widen_pipes(process)
+            job = entry.job = _CommandJob(
+                job_id=entry.request.job_id,
+                key=entry.key,
+                spec=spec,
+                process=process,
+                workdir=workdir,
+                start=start,
+                limits=self._limits,
+                in_pipe=in_pipe,
+                out_pipe=out_pipe,
+            )
+            try:
+                status, error = await job.run(control)
+            finally:
+                await job.close()
+        return job.receipt(start, status, error)
