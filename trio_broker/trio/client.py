@@ -554,7 +554,7 @@ class BrokerClient:
         finally:
             del self._links[conn_id]
             with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
-                code, reason = link.close_with or (1000, "client closing")
+                code, reason = link.close_with or (p.CLOSE_NORMAL, "client closing")
                 with contextlib.suppress(Exception):
                     await ws.aclose(code, reason)
                 # trio-websocket leaves the stream open when the peer closed first.

@@ -70,9 +70,6 @@ __all__ = [
 
 log = logging.getLogger("trio_broker.trio.execserver")
 
-CLOSE_GOING_AWAY = 1001
-CLOSE_POLICY = 1008
-CLOSE_TOO_BIG = 1009
 DEFAULT_MAX_FRAME_BYTES = 1_048_576
 SEND_QUEUE_FRAMES = 4096
 """Frames queued for one connection before it counts as not reading (closed, 1008)."""
@@ -203,7 +200,7 @@ class _Service:
             elif isinstance(effect, Drained):
                 log.info("drained: closing %d connections", len(self.conns))
                 for conn in list(self.conns.values()):
-                    self._close(conn, CLOSE_GOING_AWAY, "the execserver is shutting down")
+                    self._close(conn, p.CLOSE_GOING_AWAY, "the execserver is shutting down")
                 self.drained.set()
                 if not self.conns:
                     self.all_closed.set()
@@ -356,7 +353,7 @@ class _Service:
         if cancel_scope.cancelled_caught:
             with trio.move_on_after(1) as cleanup:
                 cleanup.shield = True
-                await _close_quietly(send, CLOSE_POLICY, "frames are not being read")
+                await _close_quietly(send, p.CLOSE_POLICY, "frames are not being read")
 
     async def _reader(self, receive: Receive, send: Send, conn: _Connection) -> None:
         limit = self.max_frame_bytes
@@ -371,7 +368,7 @@ class _Service:
             size = len(data) if isinstance(data, bytes) else _utf8_size(data, limit)
             if size > limit:
                 log.info("connection %d sent a %d-byte frame: closing (1009)", conn.conn_id, size)
-                await _close_quietly(send, CLOSE_TOO_BIG, "frame too big")
+                await _close_quietly(send, p.CLOSE_TOO_BIG, "frame too big")
                 return
             core.receive_text(conn.conn_id, data, now=trio.current_time())
             self.flush()
