@@ -236,10 +236,10 @@ async def test_dropped_connection_frees_its_slots(nursery: trio.Nursery) -> None
         # the offer frees at once; the running job's slot once it was stopped
         assert (await survivor.expect(p.Offer)).job_id == "waiting-1"
         assert (await survivor.expect(p.Offer)).job_id == "waiting-2"
-    recent = handle.statistics()["recent"]
-    orphan = next(r for r in recent if r["job_id"] == "orphan")
-    assert orphan["delivered"] is False
-    assert orphan["receipt"]["status"] == "stopped"
+    recent = handle.statistics().broker.recent
+    orphan = next(r for r in recent if r.job_id == "orphan")
+    assert orphan.delivered is False
+    assert orphan.receipt.status == "stopped"
 
 
 async def upgrade_status(url: str, headers: dict[str, str] | None = None) -> int:
@@ -404,12 +404,13 @@ async def test_callback_check(nursery: trio.Nursery, answer: str, expected: str)
         await peer.register(backend_id="me", callback_url=base)
 
         def checked() -> bool:
-            return any(c["callback_check"] for c in handle.statistics()["connections"])
+            return any(c.callback_check for c in handle.statistics().broker.connections)
 
         with trio.fail_after(WAIT):
             await handle.wait_until(checked)
-        (conn,) = handle.statistics()["connections"]
-        assert conn["callback_check"].startswith(expected)
+        (conn,) = handle.statistics().broker.connections
+        assert conn.callback_check is not None
+        assert conn.callback_check.startswith(expected)
 
 
 async def test_callback_check_failure_keeps_the_connection(nursery: trio.Nursery) -> None:
@@ -418,11 +419,12 @@ async def test_callback_check_failure_keeps_the_connection(nursery: trio.Nursery
         await peer.register(backend_id="me", callback_url=handle.http_url + "/nothing-here")
 
         def checked() -> bool:
-            return any(c["callback_check"] for c in handle.statistics()["connections"])
+            return any(c.callback_check for c in handle.statistics().broker.connections)
 
         with trio.fail_after(WAIT):
             await handle.wait_until(checked)
-        (conn,) = handle.statistics()["connections"]
-        assert conn["callback_check"].startswith("failed:")
+        (conn,) = handle.statistics().broker.connections
+        assert conn.callback_check is not None
+        assert conn.callback_check.startswith("failed:")
         offer = await peer.want("still-served", "noop")
         assert isinstance(offer, p.Offer)

@@ -10,9 +10,11 @@ small starlette app:
 ``GET /healthz``
     200 ``{"status": "serving"}``, or 503 ``{"status": "draining"}``.
 ``GET /inspect/system/execserver``
-    JSON: the pool, the reserve, each service, each connection, recent receipts.
+    JSON: the pool, the reserve, each service, each connection, recent receipts
+    (:func:`~trio_broker.trio.inspection.execserver_document`).
 ``GET /metrics``
-    the same figures as Prometheus text.
+    the same figures as Prometheus text
+    (:func:`~trio_broker.trio.inspection.execserver_metrics`).
 
 Everything that decides lives in the core. This module feeds it inputs with
 ``now = trio.current_time()`` (so a ``MockClock`` drives every timeout), carries
@@ -29,13 +31,10 @@ import hmac
 import logging
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import attrs
 import httpx
 import trio
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -54,6 +53,11 @@ from trio_broker.core.broker import (
     Drained,
     StartJob,
 )
+from trio_broker.trio.inspection import (
+    METRICS_CONTENT_TYPE,
+    execserver_document,
+    execserver_metrics,
+)
 from trio_broker.trio.listener import ListenerSettings, listener_config, serve_app
 from trio_broker.trio.runner import (
     CommandRunner,
@@ -65,6 +69,7 @@ from trio_broker.trio.runner import (
 
 __all__ = [
     "ExecserverHandle",
+    "ExecserverStatistics",
     "serve_execserver",
 ]
 
@@ -73,6 +78,22 @@ log = logging.getLogger("trio_broker.trio.execserver")
 DEFAULT_MAX_FRAME_BYTES = 1_048_576
 SEND_QUEUE_FRAMES = 4096
 """Frames queued for one connection before it counts as not reading (closed, 1008)."""
+
+
+@attrs.frozen(kw_only=True)
+class ExecserverStatistics:
+    """A frozen snapshot of one execserver (:meth:`ExecserverHandle.statistics`).
+
+    Attributes:
+        broker: the broker core's snapshot: the pool, each service, each
+            connection, the recent receipts and the counters.
+        runner: the runner's snapshot (running jobs and their memory), or None
+            when the runner keeps none (only
+            :class:`~trio_broker.trio.runner.CommandRunner` does).
+    """
+
+    broker: BrokerStatistics
+    runner: RunnerStatistics | None
 
 
 @attrs.frozen
@@ -127,9 +148,13 @@ class ExecserverHandle:
         """Stop now (a second signal): running jobs end with status ``stopped``."""
         self._service.stop()
 
-    def statistics(self) -> dict[str, Any]:
-        """The inspection document of ``/inspect/system/execserver``."""
-        return self._service.inspect()
+    def statistics(self) -> ExecserverStatistics:
+        """A frozen snapshot of the broker core and, when it keeps them, the runner.
+
+        :func:`~trio_broker.trio.inspection.execserver_document` turns it into the
+        ``/inspect/system/execserver`` document.
+        """
+        return self._service.statistics()
 
     async def wait_until(self, predicate: Callable[[], bool]) -> None:
         """Wait until ``predicate()`` holds; it is re-checked after every core input."""
@@ -393,15 +418,12 @@ class _Service:
 
     # -- inspection -------------------------------------------------------------------
 
-    def inspect(self) -> dict[str, Any]:
-        stats = self.core.statistics()
-        runner_stats = self.runner.statistics() if isinstance(self.runner, CommandRunner) else None
-        return _inspection(stats, runner_stats)
-
-    def metrics(self) -> bytes:
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Collector(self))
-        return generate_latest(registry)
+    def statistics(self) -> ExecserverStatistics:
+        runner = self.runner
+        return ExecserverStatistics(
+            broker=self.core.statistics(),
+            runner=runner.statistics() if isinstance(runner, CommandRunner) else None,
+        )
 
 
 def _utf8_size(text: str, limit: int) -> int:
@@ -417,130 +439,6 @@ async def _close_quietly(send: Send, code: int, reason: str) -> None:
         await send({"type": "websocket.close", "code": code, "reason": reason})
 
 
-def _inspection(stats: BrokerStatistics, runner: RunnerStatistics | None) -> dict[str, Any]:
-    running_jobs = {job.job_id: job for job in runner.running} if runner else {}
-    return {
-        "instance_id": stats.instance_id,
-        "name": stats.name,
-        "draining": stats.draining,
-        "pool": {
-            "slots": stats.slots,
-            "fast_reserve": stats.fast_reserve,
-            "unknown_cap": stats.unknown_cap,
-            "busy": stats.busy,
-            "idle": stats.idle,
-            "memory_budget": stats.memory_budget,
-            "memory_reserved": stats.memory_reserved,
-            "memory_used": runner.memory_used if runner else None,
-        },
-        "services": {
-            s.name: {
-                "kind": s.kind,
-                "max_slots": s.max_slots,
-                "capacity": s.capacity,
-                "running": s.running,
-                "offered": s.offered,
-                "parked": s.parked,
-                "completed": s.completed,
-                "mean_runtime_s": s.mean_runtime,
-                "peak_memory": s.peak_memory,
-                "footprint": s.footprint,
-            }
-            for s in stats.services
-        },
-        "connections": [
-            {
-                "id": c.conn,
-                "addr": c.addr,
-                "backend_id": c.register.backend_id if c.register else None,
-                "name": c.register.name if c.register else None,
-                "version": c.register.version if c.register else None,
-                "callback_url": c.register.callback_url if c.register else None,
-                "callback_check": c.callback_check,
-                "parked": c.parked,
-                "offered": c.offered,
-                "running": c.running,
-            }
-            for c in stats.connections
-        ],
-        "running": [
-            {
-                "job_id": job.job_id,
-                "service": job.service,
-                "pid": job.pid,
-                "rss": job.rss,
-                "peak_memory": job.peak_memory,
-            }
-            for job in running_jobs.values()
-        ],
-        "recent": [
-            {
-                "job_id": f.job_id,
-                "service": f.service,
-                "subject": f.subject,
-                "backend_id": f.backend_id,
-                "delivered": f.delivered,
-                "receipt": p.converter.unstructure(f.receipt),
-            }
-            for f in reversed(stats.recent)
-        ],
-        "counters": stats.counters,
-    }
-
-
-class _Collector:
-    """Prometheus metrics read from a statistics snapshot at scrape time."""
-
-    def __init__(self, service: _Service) -> None:
-        self.service = service
-
-    def collect(self) -> list[Metric]:
-        stats = self.service.core.statistics()
-        pool = [
-            ("slots", "Slots in the pool.", stats.slots),
-            ("busy", "Slots running a job or holding an offer.", stats.busy),
-            ("idle", "Slots outside the fast reserve free through the last second.", stats.idle),
-            ("fast_reserve", "Slots heavy services never take.", stats.fast_reserve),
-            ("connections", "Open broker connections.", len(stats.connections)),
-            ("draining", "1 while the execserver drains.", int(stats.draining)),
-        ]
-        metrics: list[Metric] = [
-            GaugeMetricFamily(f"trio_broker_execserver_{name}", text, value=value)
-            for name, text, value in pool
-        ]
-        per_service: list[tuple[str, str, Callable[[Any], float | None]]] = [
-            ("running", "Running jobs of the service.", lambda s: s.running),
-            ("offered", "Outstanding offers of the service.", lambda s: s.offered),
-            ("parked", "Parked wants of the service.", lambda s: s.parked),
-            ("mean_runtime_seconds", "Rolling mean runtime.", lambda s: s.mean_runtime),
-            ("footprint_bytes", "Learned memory footprint.", lambda s: s.footprint),
-        ]
-        for name, text, read in per_service:
-            family = GaugeMetricFamily(
-                f"trio_broker_execserver_service_{name}", text, labels=["service"]
-            )
-            for s in stats.services:
-                value = read(s)
-                if value is not None:
-                    family.add_metric([s.name], value)
-            metrics.append(family)
-        completed = CounterMetricFamily(
-            "trio_broker_execserver_service_jobs_completed",
-            "Jobs of the service that ran to a measured end.",
-            labels=["service"],
-        )
-        for s in stats.services:
-            completed.add_metric([s.name], s.completed)
-        metrics.append(completed)
-        for name, value in stats.counters.items():
-            metrics.append(
-                CounterMetricFamily(
-                    f"trio_broker_execserver_{name}", f"Count of {name}.", value=value
-                )
-            )
-        return metrics
-
-
 def _make_app(service: _Service) -> ASGIApp:
     async def healthz(request: Request) -> Response:
         if service.core.draining:
@@ -548,10 +446,10 @@ def _make_app(service: _Service) -> ASGIApp:
         return JSONResponse({"status": "serving"})
 
     async def inspect(request: Request) -> Response:
-        return JSONResponse(service.inspect())
+        return JSONResponse(execserver_document(service.statistics()))
 
     async def metrics(request: Request) -> Response:
-        return Response(service.metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(execserver_metrics(service.statistics()), media_type=METRICS_CONTENT_TYPE)
 
     async def not_found(websocket: WebSocket) -> None:
         await websocket.send_denial_response(PlainTextResponse("not found\n", status_code=404))
