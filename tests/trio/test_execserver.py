@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import ssl
 import sys
@@ -19,8 +20,9 @@ from hypercorn.trio import serve as hypercorn_serve
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
-from trio_websocket import ConnectionClosed
+from trio_websocket import ConnectionClosed, wrap_client_stream
 
+from tests.support.stalled import flood_pings, stalled_stream
 from tests.support.wire import WAIT, Peer, connect, start_execserver
 from trio_broker.core import protocol as p
 from trio_broker.trio.execserver import ExecserverHandle
@@ -240,6 +242,30 @@ async def test_dropped_connection_frees_its_slots(nursery: trio.Nursery) -> None
     orphan = next(r for r in recent if r.job_id == "orphan")
     assert orphan.delivered is False
     assert orphan.receipt.status == "stopped"
+
+
+async def test_a_peer_that_does_not_read_is_closed(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A peer that keeps sending PINGs but reads none of the PONGs fills its outbox: the
+    execserver drops the connection instead of queueing answers without end."""
+    handle = await start_execserver(nursery)
+    stream = await stalled_stream(handle.host, handle.port)
+    try:
+        async with trio.open_nursery() as peer_tasks:
+            ws = await wrap_client_stream(
+                peer_tasks, stream, handle.host, "/broker", message_queue_size=0
+            )
+            with trio.fail_after(WAIT):
+                await handle.wait_until(lambda: len(handle.broker.connections()) == 1)
+                # the execserver may close before the last PINGs went out
+                with contextlib.suppress(ConnectionClosed):
+                    await flood_pings(ws)
+                await handle.wait_until(lambda: not handle.broker.connections())
+            peer_tasks.cancel_scope.cancel()
+    finally:
+        await stream.aclose()
+    assert any("does not read its frames" in r.getMessage() for r in caplog.records)
 
 
 async def upgrade_status(url: str, headers: dict[str, str] | None = None) -> int:
