@@ -510,6 +510,18 @@ async def test_an_idle_client_sleeps_between_timers() -> None:
         nursery.cancel_scope.cancel()
 
 
+async def test_an_exception_in_the_block_comes_out_as_itself() -> None:
+    """A KeyError raised inside ``async with open_broker_client(...)`` leaves it as that
+    KeyError, not wrapped in an exception group."""
+    async with trio.open_nursery() as nursery:
+        handle = await start_execserver(nursery)
+        with pytest.raises(KeyError, match="no such file") as raised:
+            async with client_for(handle):
+                raise KeyError("no such file")
+        assert type(raised.value) is KeyError
+        nursery.cancel_scope.cancel()
+
+
 async def test_aclose_ends_the_jobs_and_the_connections_and_can_be_repeated() -> None:
     """aclose() fails a running job with ClientClosed and closes every connection; a second
     aclose() does nothing, and a later run() raises ClientClosed."""

@@ -23,7 +23,8 @@ the order of frames on each connection is exactly the order the core decided
 them in.
 
 Use :func:`open_broker_client`; everything runs inside its nursery and stops
-when the ``async with`` block ends.
+when the ``async with`` block ends. An exception raised in the block comes out
+of it as itself, not inside an exception group.
 """
 
 from __future__ import annotations
@@ -597,7 +598,15 @@ async def open_broker_client(
             address has answered a first dial, with a ``HELLO`` or a failure
             (``None`` or ``0``: do not wait). Unreachable addresses keep being
             dialled in the background; the client is usable either way.
+
+    Raises:
+        Whatever the ``async with`` block raised, as itself. The client's own
+        tasks run in a nursery around the block; an exception of the block is
+        raised again once that nursery has closed, so it is never wrapped in an
+        exception group (one of the client's tasks failing still raises the
+        nursery's group).
     """
+    raised: BaseException | None = None
     async with trio.open_nursery() as nursery:
         registry = pipes if pipes is not None else PipeRegistry(config.backend_id)
         if listen is not None:
@@ -624,7 +633,11 @@ async def open_broker_client(
                 )
         try:
             yield client
+        except BaseException as exc:
+            raised = exc  # raised again outside the nursery, which would wrap it
         finally:
             await client.aclose()
             registry.close()
             nursery.cancel_scope.cancel()
+    if raised is not None:
+        raise raised
