@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -12,11 +13,18 @@ import pytest
 import trio
 from trio_broker_daemons.execserver import serve_from_config
 from trio_broker_daemons.processes import open_execserver_process
+from trio_websocket import (
+    ConnectionClosed,
+    WebSocketConnection,
+    WebSocketRequest,
+    WebSocketServer,
+)
 
+from tests.support.stalled import flood_pings, small_receive_buffer
 from tests.support.wire import WAIT, execserver_config, start_execserver
 from trio_broker.core import protocol as p
 from trio_broker.core.client import ClientConfig
-from trio_broker.core.errors import JobLost, NoExecserver, NoSlot, UnknownService
+from trio_broker.core.errors import ClientClosed, JobLost, NoExecserver, NoSlot, UnknownService
 from trio_broker.trio.client import BrokerClient, open_broker_client
 from trio_broker.trio.execserver import ExecserverHandle
 from trio_broker.trio.runner import JobControl, JobRequest
@@ -459,7 +467,17 @@ async def test_literal_address_never_grows() -> None:
             # and marks the address covered: growth stops.
             await client.wait_until(lambda: client.statistics().addresses[0].covered, timeout=WAIT)
             assert client.statistics().addresses[0].connections == 1
-            assert handle.broker.statistics().counters.get("connections_opened", 2) >= 1
+
+            def opened() -> int:
+                return handle.broker.statistics().counters["connections_opened"]
+
+            assert opened() == 2  # the first connection and the one probe
+            # With the backlog still parked, twenty more grow intervals open nothing.
+            with trio.move_on_after(20 * 0.05):
+                await handle.wait_until(lambda: opened() > 2)
+            assert opened() == 2
+            with trio.fail_after(WAIT):
+                await handle.wait_until(lambda: len(handle.broker.connections()) == 1)
             bg.cancel_scope.cancel()
         nursery.cancel_scope.cancel()
 
@@ -490,3 +508,138 @@ async def test_an_idle_client_sleeps_between_timers() -> None:
             await client.wait_until(lambda: pings[0] >= 3, timeout=WAIT)
             assert ticks[0] < 50
         nursery.cancel_scope.cancel()
+
+
+async def test_an_exception_in_the_block_comes_out_as_itself() -> None:
+    """A KeyError raised inside ``async with open_broker_client(...)`` leaves it as that
+    KeyError, not wrapped in an exception group."""
+    async with trio.open_nursery() as nursery:
+        handle = await start_execserver(nursery)
+        with pytest.raises(KeyError, match="no such file") as raised:
+            async with client_for(handle):
+                raise KeyError("no such file")
+        assert type(raised.value) is KeyError
+        nursery.cancel_scope.cancel()
+
+
+async def test_aclose_ends_the_jobs_and_the_connections_and_can_be_repeated() -> None:
+    """aclose() fails a running job with ClientClosed and closes every connection; a second
+    aclose() does nothing, and a later run() raises ClientClosed."""
+    async with trio.open_nursery() as nursery:
+        handle = await start_execserver(nursery, slots=1)
+        outcome: list[str] = []
+        async with client_for(handle) as client:
+
+            async def hold() -> None:
+                try:
+                    await client.run("hold", {"params": {"seconds": 60}})
+                except ClientClosed:
+                    outcome.append("closed")
+
+            async with trio.open_nursery() as jobs:
+                jobs.start_soon(hold)
+                await handle.wait_until(lambda: totals(handle)[2] == 1)
+                await client.aclose()
+            assert outcome == ["closed"]
+            await client.aclose()
+            with pytest.raises(ClientClosed):
+                await client.run("noop", {})
+            with trio.fail_after(WAIT):
+                await handle.wait_until(lambda: not handle.broker.connections())
+            assert totals(handle) == (0, 0, 0)  # its job was stopped with its connection
+        nursery.cancel_scope.cancel()
+
+
+def fake_hello(port: int) -> str:
+    """The HELLO of a stand-in execserver listening on ``port``."""
+    hello = p.Hello(
+        protocol=1,
+        instance_id="stand-in",
+        name="stand-in",
+        services={},
+        processes=1,
+        idle=0,
+        clients=1,
+        draining=False,
+        addr=f"127.0.0.1:{port}",
+    )
+    return p.encode(hello)
+
+
+async def serve_stand_in(
+    nursery: trio.Nursery,
+    handler: Callable[[WebSocketConnection, int], Awaitable[None]],
+    *,
+    small_buffer: bool = False,
+) -> int:
+    """Serve ``handler(ws, port)`` on a real websocket on 127.0.0.1; return the port.
+
+    Its own reader hands on nothing until the handler asks (``message_queue_size=0``);
+    with ``small_buffer`` its sockets also take few bytes in, so it can stop reading.
+    """
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    if small_buffer:
+        small_receive_buffer(listeners[0].socket)  # accepted sockets inherit it
+    port: int = listeners[0].socket.getsockname()[1]
+
+    async def accept(request: WebSocketRequest) -> None:
+        ws = await request.accept()
+        with contextlib.suppress(ConnectionClosed):
+            await handler(ws, port)
+
+    nursery.start_soon(WebSocketServer(accept, listeners, message_queue_size=0).run)
+    return port
+
+
+async def test_a_frame_over_max_frame_bytes_in_utf8_closes_the_connection() -> None:
+    """A frame of fewer characters than max_frame_bytes but more UTF-8 bytes closes the
+    client's connection with 1009, as on the execserver."""
+    codes: list[int | None] = []
+
+    async def oversized(ws: WebSocketConnection, port: int) -> None:
+        await ws.send_message(fake_hello(port))
+        await ws.send_message('{"type":"PING","nonce":"' + "é" * 1100 + '"}')
+        try:
+            while True:
+                await ws.get_message()
+        except ConnectionClosed as closed:
+            codes.append(closed.reason.code if closed.reason else None)
+
+    async with trio.open_nursery() as nursery:
+        port = await serve_stand_in(nursery, oversized)
+        config = client_config(f"127.0.0.1:{port}", reconnect_min=60, reconnect_max=60)
+        async with open_broker_client(config, max_frame_bytes=2048) as client:
+            with trio.fail_after(WAIT):
+                await client.wait_until(lambda: bool(codes))
+            assert codes == [p.CLOSE_TOO_BIG]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_client_whose_execserver_does_not_read_closes_the_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An execserver that keeps sending PINGs but reads none of the PONGs fills the client's
+    outbox: the client drops that connection and dials again, instead of queueing without
+    end."""
+    redialled = trio.Event()
+    accepted: list[int] = []
+
+    async def stalled(ws: WebSocketConnection, port: int) -> None:
+        accepted.append(port)
+        await ws.send_message(fake_hello(port))
+        if len(accepted) == 1:
+            await flood_pings(ws)  # and never read: the client may close meanwhile
+            await trio.sleep_forever()
+        redialled.set()
+        while True:  # later connections read what they get
+            await ws.get_message()
+
+    async with trio.open_nursery() as nursery:
+        port = await serve_stand_in(nursery, stalled, small_buffer=True)
+        async with client_for(f"127.0.0.1:{port}") as client:
+            with trio.fail_after(WAIT):
+                await redialled.wait()
+                # connected again, on the new connection
+                await client.wait_until(lambda: client.statistics().addresses[0].instances != ())
+        nursery.cancel_scope.cancel()
+    assert any("does not read its frames" in r.getMessage() for r in caplog.records)

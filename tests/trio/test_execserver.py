@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import ssl
 import sys
@@ -19,8 +20,9 @@ from hypercorn.trio import serve as hypercorn_serve
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
-from trio_websocket import ConnectionClosed
+from trio_websocket import ConnectionClosed, wrap_client_stream
 
+from tests.support.stalled import flood_pings, stalled_stream
 from tests.support.wire import WAIT, Peer, connect, start_execserver
 from trio_broker.core import protocol as p
 from trio_broker.trio.execserver import ExecserverHandle
@@ -236,10 +238,34 @@ async def test_dropped_connection_frees_its_slots(nursery: trio.Nursery) -> None
         # the offer frees at once; the running job's slot once it was stopped
         assert (await survivor.expect(p.Offer)).job_id == "waiting-1"
         assert (await survivor.expect(p.Offer)).job_id == "waiting-2"
-    recent = handle.statistics()["recent"]
-    orphan = next(r for r in recent if r["job_id"] == "orphan")
-    assert orphan["delivered"] is False
-    assert orphan["receipt"]["status"] == "stopped"
+    recent = handle.statistics().broker.recent
+    orphan = next(r for r in recent if r.job_id == "orphan")
+    assert orphan.delivered is False
+    assert orphan.receipt.status == "stopped"
+
+
+async def test_a_peer_that_does_not_read_is_closed(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A peer that keeps sending PINGs but reads none of the PONGs fills its outbox: the
+    execserver drops the connection instead of queueing answers without end."""
+    handle = await start_execserver(nursery)
+    stream = await stalled_stream(handle.host, handle.port)
+    try:
+        async with trio.open_nursery() as peer_tasks:
+            ws = await wrap_client_stream(
+                peer_tasks, stream, handle.host, "/broker", message_queue_size=0
+            )
+            with trio.fail_after(WAIT):
+                await handle.wait_until(lambda: len(handle.broker.connections()) == 1)
+                # the execserver may close before the last PINGs went out
+                with contextlib.suppress(ConnectionClosed):
+                    await flood_pings(ws)
+                await handle.wait_until(lambda: not handle.broker.connections())
+            peer_tasks.cancel_scope.cancel()
+    finally:
+        await stream.aclose()
+    assert any("does not read its frames" in r.getMessage() for r in caplog.records)
 
 
 async def upgrade_status(url: str, headers: dict[str, str] | None = None) -> int:
@@ -404,12 +430,13 @@ async def test_callback_check(nursery: trio.Nursery, answer: str, expected: str)
         await peer.register(backend_id="me", callback_url=base)
 
         def checked() -> bool:
-            return any(c["callback_check"] for c in handle.statistics()["connections"])
+            return any(c.callback_check for c in handle.statistics().broker.connections)
 
         with trio.fail_after(WAIT):
             await handle.wait_until(checked)
-        (conn,) = handle.statistics()["connections"]
-        assert conn["callback_check"].startswith(expected)
+        (conn,) = handle.statistics().broker.connections
+        assert conn.callback_check is not None
+        assert conn.callback_check.startswith(expected)
 
 
 async def test_callback_check_failure_keeps_the_connection(nursery: trio.Nursery) -> None:
@@ -418,11 +445,12 @@ async def test_callback_check_failure_keeps_the_connection(nursery: trio.Nursery
         await peer.register(backend_id="me", callback_url=handle.http_url + "/nothing-here")
 
         def checked() -> bool:
-            return any(c["callback_check"] for c in handle.statistics()["connections"])
+            return any(c.callback_check for c in handle.statistics().broker.connections)
 
         with trio.fail_after(WAIT):
             await handle.wait_until(checked)
-        (conn,) = handle.statistics()["connections"]
-        assert conn["callback_check"].startswith("failed:")
+        (conn,) = handle.statistics().broker.connections
+        assert conn.callback_check is not None
+        assert conn.callback_check.startswith("failed:")
         offer = await peer.want("still-served", "noop")
         assert isinstance(offer, p.Offer)

@@ -91,8 +91,6 @@ RunId: TypeAlias = int
 HELLO_INTERVAL: Final = 1.0
 """Re-sent ``HELLO`` frames on one connection are at least this far apart."""
 
-CLOSE_GOING_AWAY: Final = 1001
-
 
 def new_token() -> str:
     """A fresh offer token: 128 random bits, URL-safe, 22 characters."""
@@ -836,7 +834,7 @@ class Broker(SansIOCore[Effect, _TimerKind]):
             if conn is not None and self._liveness_timer(kind, conn, now):
                 self._effects.append(
                     CloseConnection(
-                        conn=conn.id, code=CLOSE_GOING_AWAY, reason=self._liveness.reason
+                        conn=conn.id, code=p.CLOSE_GOING_AWAY, reason=self._liveness.reason
                     )
                 )
                 self._drop_connection(conn.id)

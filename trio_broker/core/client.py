@@ -53,7 +53,7 @@ from __future__ import annotations
 import itertools
 import random as _random
 from collections.abc import Iterator
-from typing import Any, Final, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import attrs
 
@@ -77,9 +77,6 @@ __all__ = [
 
 ConnId: TypeAlias = int
 FailReason: TypeAlias = Literal["no_slot", "no_execserver", "unknown_service", "lost", "cancelled"]
-
-CLOSE_NORMAL: Final = 1000
-CLOSE_GOING_AWAY: Final = 1001
 
 
 @attrs.frozen(kw_only=True)
@@ -560,7 +557,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
                         self._now + self.config.pool_reprobe_interval, "reprobe", address.address
                     )
                     self._effects.append(
-                        Close(conn=conn.id, code=CLOSE_NORMAL, reason="duplicate instance")
+                        Close(conn=conn.id, code=p.CLOSE_NORMAL, reason="duplicate instance")
                     )
                     self._lose(conn.id, redial=False)
                     return
@@ -727,7 +724,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
             conn = self._conns.get(key)
             if conn is not None and self._liveness_timer(kind, conn, now):
                 self._effects.append(
-                    Close(conn=conn.id, code=CLOSE_GOING_AWAY, reason=self._liveness.reason)
+                    Close(conn=conn.id, code=p.CLOSE_GOING_AWAY, reason=self._liveness.reason)
                 )
                 self._lose(conn.id, redial=True)
 

@@ -37,6 +37,10 @@ from cattrs.preconf.orjson import make_converter
 
 __all__ = [
     "CLIENT_TO_EXEC",
+    "CLOSE_GOING_AWAY",
+    "CLOSE_NORMAL",
+    "CLOSE_POLICY",
+    "CLOSE_TOO_BIG",
     "EXEC_TO_CLIENT",
     "MAX_ID_CHARS",
     "PROTOCOL_VERSION",
@@ -72,6 +76,16 @@ MAX_ID_CHARS: Final = 200
 INT32_MIN: Final = -(2**31)
 INT32_MAX: Final = 2**31 - 1
 INT64_MAX: Final = 2**63 - 1
+
+# The websocket close codes (RFC 6455) the protocol uses; both sides take them from here.
+CLOSE_NORMAL: Final = 1000
+"""The connection is not needed any more: a duplicate instance, a client closing."""
+CLOSE_GOING_AWAY: Final = 1001
+"""The peer sent nothing for ``ping_timeout``, or the execserver drained."""
+CLOSE_POLICY: Final = 1008
+"""The peer does not read its frames: its outbox overflowed."""
+CLOSE_TOO_BIG: Final = 1009
+"""A frame of more than ``max_frame_bytes`` bytes arrived."""
 
 ErrorCode: TypeAlias = Literal[
     "bad_frame",

@@ -4,25 +4,27 @@ Theory of operation
 ===================
 
 Every decision is made by the sans-IO :class:`~trio_broker.core.client.ClientCore`;
-this module only dials, reads, writes and sleeps for it:
+the shared :class:`~trio_broker.trio.driver.CoreDriver` feeds it frames and timer
+ticks and writes what it emits, exactly as on the execserver. This module adds
+what only a client does:
 
 - one task per broker connection (``Dial`` effect): it opens the TCP (and TLS)
   stream, upgrades to the websocket at ``/broker``, reports
-  :meth:`~ClientCore.connected` with the socket's local address, then feeds every
-  frame to the core until the connection ends. A second task per connection
-  writes what the core wants sent, in order;
-- one timer task sleeps until :meth:`~ClientCore.next_deadline` (or until an input
-  moves it earlier) and calls :meth:`~ClientCore.tick`;
+  :meth:`~ClientCore.connected` with the socket's local address, then hands the
+  connection to the driver until it ends (one reader, one writer, an outbox of
+  :data:`~trio_broker.trio.driver.OUTBOX_FRAMES` frames: a peer that does not
+  read is closed with 1008);
 - :meth:`BrokerClient.run` submits a job and waits for its effect
   (``Finished``/``Failed``); a cancelled caller withdraws the want or ``CANCEL``\\ s
   the running job.
 
-After every input the layer drains the core's frames and effects at once
-(:meth:`BrokerClient._flush`), so the order of frames on each connection is
-exactly the order the core decided them in.
+After every input the driver drains the core's frames and effects at once, so
+the order of frames on each connection is exactly the order the core decided
+them in.
 
 Use :func:`open_broker_client`; everything runs inside its nursery and stops
-when the ``async with`` block ends.
+when the ``async with`` block ends. An exception raised in the block comes out
+of it as itself, not inside an exception group.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ import attrs
 import trio
 from trio_websocket import (
     ConnectionClosed,
-    ConnectionRejected,
     HandshakeError,
     WebSocketConnection,
     wrap_client_stream,
@@ -68,6 +69,7 @@ from trio_broker.core.errors import (
     NoSlot,
     UnknownService,
 )
+from trio_broker.trio.driver import CLOSE_TIMEOUT, MAX_FRAME_BYTES, CoreDriver
 from trio_broker.trio.pipes import InPipe, OutPipe, PipeRegistry, Sink, serve_pipes
 
 __all__ = [
@@ -81,9 +83,6 @@ log = logging.getLogger("trio_broker.trio.client")
 
 DIAL_TIMEOUT = 10.0
 """Seconds a TCP connect plus websocket upgrade may take before the dial fails."""
-
-CLOSE_TIMEOUT = 2.0
-"""Seconds the closing handshake of one connection may take."""
 
 
 @attrs.frozen(kw_only=True)
@@ -138,16 +137,37 @@ class _Waiter:
         self.error: BrokerError | None = None
 
 
-class _Link:
-    """One open broker connection: its websocket and its outgoing queue."""
+class _Websocket:
+    """A trio-websocket connection as a driver :class:`~trio_broker.trio.driver.Transport`."""
 
-    __slots__ = ("close_with", "outbox", "scope", "ws")
+    __slots__ = ("_stream", "_ws")
 
-    def __init__(self, ws: WebSocketConnection, outbox: trio.MemorySendChannel[str]) -> None:
-        self.ws = ws
-        self.outbox = outbox
-        self.scope = trio.CancelScope()
-        self.close_with: tuple[int, str] | None = None
+    def __init__(
+        self,
+        ws: WebSocketConnection,
+        stream: trio.SocketStream | trio.SSLStream[trio.SocketStream],
+    ) -> None:
+        self._ws = ws
+        self._stream = stream
+
+    async def send_text(self, text: str) -> None:
+        try:
+            await self._ws.send_message(text)
+        except ConnectionClosed as exc:
+            raise trio.BrokenResourceError("the connection is closed") from exc
+
+    async def receive(self) -> str | bytes | None:
+        try:
+            return await self._ws.get_message()
+        except ConnectionClosed:
+            return None
+
+    async def close(self, code: int, reason: str) -> None:
+        with contextlib.suppress(Exception):
+            await self._ws.aclose(code, reason)
+        # trio-websocket leaves the stream open when the peer closed first.
+        with contextlib.suppress(Exception):
+            await self._stream.aclose()
 
 
 _FAILURES: Mapping[str, type[BrokerError]] = {
@@ -170,6 +190,11 @@ def _format_address(sockname: Any) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def _bare(address: str) -> str:
+    """``host:port`` without the brackets of an IPv6 host, for comparisons."""
+    return address.replace("[", "").replace("]", "")
+
+
 class BrokerClient:
     """Runs jobs on the best free slot of a fleet of execservers.
 
@@ -186,7 +211,7 @@ class BrokerClient:
         ssl_context: ssl.SSLContext | None = None,
         local_host: str | None = None,
         pipes: PipeRegistry | None = None,
-        max_frame_bytes: int = 1_048_576,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
     ) -> None:
         self.config = config
         self._max_frame_bytes = max_frame_bytes
@@ -197,14 +222,17 @@ class BrokerClient:
         self._ssl = ssl_context
         self._local_host = local_host
         self._core = ClientCore(config, now=trio.current_time(), random=random.Random())
-        self._links: dict[int, _Link] = {}
+        self._driver = CoreDriver[ClientEffect](
+            self._core,
+            self._apply,
+            closed=self._core.connection_closed,
+            max_frame_bytes=max_frame_bytes,
+            default_close=(p.CLOSE_NORMAL, "client closing"),
+        )
         self._waiters: dict[str, _Waiter] = {}
         self._positions: dict[str, tuple[trio.MemorySendChannel[p.Position], int]] = {}
         self._ids = itertools.count(1)
         self._id_prefix = secrets.token_hex(4)
-        self._wake = trio.Event()
-        self._timer_at = math.inf
-        self._changed: trio.Event | None = None  # made by a waiter, set by _flush
         self._finished = 0
         self._failed = 0
         self._closed = False
@@ -282,7 +310,7 @@ class BrokerClient:
                 pipes=members or None,
                 now=trio.current_time(),
             )
-            self._flush()
+            self._driver.flush()
             with trio.fail_after(math.inf if timeout is None else timeout):
                 await waiter.done.wait()
             ended = True
@@ -291,7 +319,7 @@ class BrokerClient:
             if not ended and not self._closed:
                 # Cancelled or timed out: withdraw the want, or CANCEL the job.
                 self._core.cancel(job_id, now=trio.current_time())
-                self._flush()
+                self._driver.flush()
             for pipe in (stdin, stdout):
                 if pipe is not None:
                     pipe.close()
@@ -341,7 +369,7 @@ class BrokerClient:
         answers: list[p.Position] = []
         try:
             self._core.query(job_id, now=trio.current_time())
-            self._flush()
+            self._driver.flush()
             with trio.move_on_after(timeout):
                 while len(answers) < targets:
                     answers.append(await receive.receive())
@@ -389,7 +417,7 @@ class BrokerClient:
                     connections=len(conns),
                     instances=tuple(sorted({h.instance_id for h in hellos})),
                     covered=core.covered(address),
-                    balanced=any(_same_address(h.addr, address) is False for h in hellos),
+                    balanced=any(_bare(h.addr) != _bare(address) for h in hellos),
                     names={h.instance_id: h.name for h in hellos},
                 )
             )
@@ -419,29 +447,35 @@ class BrokerClient:
             trio.TooSlowError: ``timeout`` seconds passed first.
         """
         with trio.fail_after(math.inf if timeout is None else timeout):
-            while not predicate():
-                if self._changed is None:
-                    self._changed = trio.Event()
-                await self._changed.wait()
+            await self._driver.wait_until(predicate)
 
-    # -- the core's outputs ----------------------------------------------------------------
+    async def aclose(self) -> None:
+        """Close the client: fail the jobs in flight, close every connection.
 
-    def _flush(self) -> None:
+        Jobs still waiting or running raise :class:`ClientClosed`; every broker
+        connection is closed (1000) after the frames already queued for it, each
+        closing handshake bounded. Later :meth:`run` calls raise
+        :class:`ClientClosed`. Calling it again does nothing;
+        :func:`open_broker_client` calls it when its block ends.
+        """
         if self._closed:
             return
-        core = self._core
-        for conn_id, message in core.frames_to_send():
-            link = self._links.get(conn_id)
-            if link is not None:
-                link.outbox.send_nowait(p.encode(message))
-        for effect in core.effects():
-            self._apply(effect)
-        deadline = core.next_deadline()
-        if deadline is not None and deadline < self._timer_at:
-            self._wake.set()
-        if self._changed is not None:  # only when someone waits: _flush is the hot path
-            self._changed.set()
-            self._changed = None
+        self._closed = True
+        for job_id, waiter in self._waiters.items():
+            if not waiter.done.is_set():
+                waiter.error = ClientClosed(f"job {job_id}: the broker client closed")
+                waiter.done.set()
+        driver = self._driver
+        for conn_id in driver.connections:
+            driver.close(conn_id, p.CLOSE_NORMAL, "client closing")
+        # Let every connection finish its closing handshake (bounded) while
+        # trio-websocket's reader tasks still run; cancelling them first would
+        # make each close wait out the whole close timeout.
+        if self._connection_tasks:
+            with trio.move_on_after(CLOSE_TIMEOUT + 1):
+                await self._no_connection_tasks.wait()
+
+    # -- the core's effects ----------------------------------------------------------------
 
     def _apply(self, effect: ClientEffect) -> None:
         if isinstance(effect, Finished):
@@ -456,12 +490,10 @@ class BrokerClient:
                 waiter.error = kind(f"job {effect.job_id}: {effect.detail}")
                 waiter.done.set()
         elif isinstance(effect, Dial):
-            self._nursery.start_soon(self._connection, effect.conn, effect.address)
+            if not self._closed:
+                self._nursery.start_soon(self._connection, effect.conn, effect.address)
         elif isinstance(effect, Close):
-            link = self._links.get(effect.conn)
-            if link is not None:
-                link.close_with = (effect.code, effect.reason)
-                link.scope.cancel()
+            self._driver.close(effect.conn, effect.code, effect.reason)
         elif isinstance(effect, PositionReport):
             entry = self._positions.get(effect.job_id)
             if entry is not None:
@@ -479,20 +511,6 @@ class BrokerClient:
                 )
 
     # -- tasks -------------------------------------------------------------------------------
-
-    async def _timers(self) -> None:
-        core = self._core
-        while True:
-            deadline = core.next_deadline()
-            self._timer_at = math.inf if deadline is None else deadline
-            with trio.move_on_at(self._timer_at):
-                await self._wake.wait()
-            self._wake = trio.Event()
-            # _timer_at keeps the deadline just served while tick() and _flush()
-            # run: resetting it first would make _flush wake this task at once,
-            # and an idle client would spin.
-            core.tick(now=trio.current_time())
-            self._flush()
 
     async def _connection(self, conn_id: int, address: str) -> None:
         """Dial one broker connection and feed it to the core until it ends."""
@@ -533,78 +551,20 @@ class BrokerClient:
                     with trio.CancelScope(shield=True):
                         await stream.aclose()
                     raise
-        except (OSError, ValueError, trio.TooSlowError, HandshakeError, ConnectionRejected) as exc:
-            log.info("dialling %s failed: %s", address, _describe(exc))
+        except (OSError, ValueError, trio.TooSlowError, HandshakeError) as exc:
+            log.info("dialling %s failed: %r", address, exc)
             self._failed_dials.add(address)
             core.dial_failed(conn_id, now=trio.current_time())
-            self._flush()
+            self._driver.flush()
             return
         self._failed_dials.discard(address)
-        outbox, inbox = trio.open_memory_channel[str](math.inf)
-        link = _Link(ws, outbox)
-        self._links[conn_id] = link
-        try:
-            with link.scope:
-                core.connected(conn_id, local_addr=local_addr, now=trio.current_time())
-                self._flush()
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._writer, ws, inbox)
-                    await self._reader(conn_id, ws)
-                    nursery.cancel_scope.cancel()
-        finally:
-            del self._links[conn_id]
+        transport = _Websocket(ws, stream)
+        if self._closed:  # closed while this dial was under way
             with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
-                code, reason = link.close_with or (1000, "client closing")
-                with contextlib.suppress(Exception):
-                    await ws.aclose(code, reason)
-                # trio-websocket leaves the stream open when the peer closed first.
-                with contextlib.suppress(Exception):
-                    await stream.aclose()
-            core.connection_closed(conn_id, now=trio.current_time())
-            self._flush()
-
-    async def _reader(self, conn_id: int, ws: WebSocketConnection) -> None:
-        core = self._core
-        with contextlib.suppress(ConnectionClosed):
-            while True:
-                text = await ws.get_message()
-                core.receive_text(conn_id, text, now=trio.current_time())
-                self._flush()
-
-    async def _writer(self, ws: WebSocketConnection, inbox: trio.MemoryReceiveChannel[str]) -> None:
-        with contextlib.suppress(ConnectionClosed):
-            async for text in inbox:
-                await ws.send_message(text)
-
-    async def _aclose(self) -> None:
-        self._closed = True
-        for job_id, waiter in self._waiters.items():
-            if not waiter.done.is_set():
-                waiter.error = ClientClosed(f"job {job_id}: the broker client closed")
-                waiter.done.set()
-        for link in list(self._links.values()):
-            link.scope.cancel()
-        # Let every connection finish its closing handshake (bounded) while
-        # trio-websocket's reader tasks still run; cancelling them first would
-        # make each close wait out CLOSE_TIMEOUT.
-        if self._connection_tasks:
-            with trio.move_on_after(CLOSE_TIMEOUT + 1):
-                await self._no_connection_tasks.wait()
-
-
-def _same_address(seen: str, dialled: str) -> bool:
-    def bare(address: str) -> str:
-        return address.replace("[", "").replace("]", "")
-
-    return bare(seen) == bare(dialled)
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, ConnectionRejected):
-        return f"upgrade refused with HTTP {exc.status_code}"
-    if isinstance(exc, trio.TooSlowError):
-        return f"no answer within {DIAL_TIMEOUT:g}s"
-    return f"{type(exc).__name__}: {exc}"
+                await transport.close(p.CLOSE_NORMAL, "client closing")
+            return
+        core.connected(conn_id, local_addr=local_addr, now=trio.current_time())
+        await self._driver.serve(conn_id, transport)
 
 
 @contextlib.asynccontextmanager
@@ -616,7 +576,7 @@ async def open_broker_client(
     local_host: str | None = None,
     pipes: PipeRegistry | None = None,
     listen: str | None = None,
-    max_frame_bytes: int = 1_048_576,
+    max_frame_bytes: int = MAX_FRAME_BYTES,
     wait_connected: float | None = 10.0,
 ) -> AsyncIterator[BrokerClient]:
     """Open a :class:`BrokerClient` that keeps connections to ``config.addresses``.
@@ -638,7 +598,15 @@ async def open_broker_client(
             address has answered a first dial, with a ``HELLO`` or a failure
             (``None`` or ``0``: do not wait). Unreachable addresses keep being
             dialled in the background; the client is usable either way.
+
+    Raises:
+        Whatever the ``async with`` block raised, as itself. The client's own
+        tasks run in a nursery around the block; an exception of the block is
+        raised again once that nursery has closed, so it is never wrapped in an
+        exception group (one of the client's tasks failing still raises the
+        nursery's group).
     """
+    raised: BaseException | None = None
     async with trio.open_nursery() as nursery:
         registry = pipes if pipes is not None else PipeRegistry(config.backend_id)
         if listen is not None:
@@ -653,8 +621,8 @@ async def open_broker_client(
             pipes=registry,
             max_frame_bytes=max_frame_bytes,
         )
-        nursery.start_soon(client._timers)
-        client._flush()  # the initial Dial effects
+        nursery.start_soon(client._driver.run_timers)
+        client._driver.flush()  # the initial Dial effects
         if wait_connected:
             with trio.move_on_after(wait_connected):
                 await client.wait_until(
@@ -665,7 +633,11 @@ async def open_broker_client(
                 )
         try:
             yield client
+        except BaseException as exc:
+            raised = exc  # raised again outside the nursery, which would wrap it
         finally:
-            await client._aclose()
+            await client.aclose()
             registry.close()
             nursery.cancel_scope.cancel()
+    if raised is not None:
+        raise raised

@@ -4,21 +4,25 @@
 small starlette app:
 
 ``GET /broker``
-    the broker websocket of the protocol. Each connection has one reader (this
-    endpoint's task) and one writer task; both only move frames between the
-    socket and the :class:`~trio_broker.core.broker.Broker` core.
+    the broker websocket of the protocol, carried by the shared
+    :class:`~trio_broker.trio.driver.CoreDriver` (one reader and one writer per
+    connection, a bounded outbox); this module only adapts the ASGI websocket to
+    the driver's :class:`~trio_broker.trio.driver.Transport`.
 ``GET /healthz``
     200 ``{"status": "serving"}``, or 503 ``{"status": "draining"}``.
 ``GET /inspect/system/execserver``
-    JSON: the pool, the reserve, each service, each connection, recent receipts.
+    JSON: the pool, the reserve, each service, each connection, recent receipts
+    (:func:`~trio_broker.trio.inspection.execserver_document`).
 ``GET /metrics``
-    the same figures as Prometheus text.
+    the same figures as Prometheus text
+    (:func:`~trio_broker.trio.inspection.execserver_metrics`).
 
-Everything that decides lives in the core. This module feeds it inputs with
-``now = trio.current_time()`` (so a ``MockClock`` drives every timeout), carries
-its frames to the writers, runs its :class:`~trio_broker.core.broker.StartJob` effects
-on the runner, and sleeps until :meth:`~trio_broker.core.broker.Broker.next_deadline`
-in one timer task.
+Everything that decides lives in the core. This module feeds it the inputs the
+driver does not (a job's end, a callback check's result, draining) with
+``now = trio.current_time()`` (so a ``MockClock`` drives every timeout), and
+carries out its effects: :class:`~trio_broker.core.broker.StartJob` and
+:class:`~trio_broker.core.broker.AbortJob` on the runner, closing connections,
+checking callbacks, and closing every connection once drained.
 """
 
 from __future__ import annotations
@@ -27,15 +31,11 @@ import contextlib
 import functools
 import hmac
 import logging
-import math
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import attrs
 import httpx
 import trio
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -52,7 +52,14 @@ from trio_broker.core.broker import (
     CheckCallback,
     CloseConnection,
     Drained,
+    Effect,
     StartJob,
+)
+from trio_broker.trio.driver import MAX_FRAME_BYTES, CoreDriver
+from trio_broker.trio.inspection import (
+    METRICS_CONTENT_TYPE,
+    execserver_document,
+    execserver_metrics,
 )
 from trio_broker.trio.listener import ListenerSettings, listener_config, serve_app
 from trio_broker.trio.runner import (
@@ -65,39 +72,70 @@ from trio_broker.trio.runner import (
 
 __all__ = [
     "ExecserverHandle",
+    "ExecserverStatistics",
     "serve_execserver",
 ]
 
 log = logging.getLogger("trio_broker.trio.execserver")
 
-CLOSE_GOING_AWAY = 1001
-CLOSE_POLICY = 1008
-CLOSE_TOO_BIG = 1009
-DEFAULT_MAX_FRAME_BYTES = 1_048_576
-SEND_QUEUE_FRAMES = 4096
-"""Frames queued for one connection before it counts as not reading (closed, 1008)."""
+DEFAULT_MAX_FRAME_BYTES = MAX_FRAME_BYTES
 
 
-@attrs.frozen
-class _Close:
-    code: int
-    reason: str
+@attrs.frozen(kw_only=True)
+class ExecserverStatistics:
+    """A frozen snapshot of one execserver (:meth:`ExecserverHandle.statistics`).
+
+    Attributes:
+        broker: the broker core's snapshot: the pool, each service, each
+            connection, the recent receipts and the counters.
+        runner: the runner's snapshot (running jobs and their memory), or None
+            when the runner keeps none (only
+            :class:`~trio_broker.trio.runner.CommandRunner` does).
+    """
+
+    broker: BrokerStatistics
+    runner: RunnerStatistics | None
 
 
-class _Connection:
-    """One accepted broker websocket, as the service sees it."""
+class _AsgiWebsocket:
+    """The ``/broker`` websocket as a driver :class:`~trio_broker.trio.driver.Transport`.
 
-    __slots__ = ("conn_id", "outbox", "scope")
+    It talks ASGI directly rather than through starlette's ``WebSocket``: every
+    frame of every connection goes through here, and the wrappers cost more
+    than the broker core itself.
+    """
 
-    def __init__(
-        self,
-        conn_id: int,
-        outbox: trio.MemorySendChannel[str | _Close],
-        scope: trio.CancelScope,
-    ) -> None:
-        self.conn_id = conn_id
-        self.outbox = outbox
-        self.scope = scope
+    __slots__ = ("_closed", "_receive", "_send")
+
+    def __init__(self, receive: Receive, send: Send) -> None:
+        self._receive = receive
+        self._send = send
+        self._closed = False
+
+    async def send_text(self, text: str) -> None:
+        try:
+            await self._send({"type": "websocket.send", "text": text})
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise trio.BrokenResourceError("the peer is gone") from exc
+
+    async def receive(self) -> str | bytes | None:
+        message = await self._receive()
+        if message["type"] != "websocket.receive":
+            self._closed = True  # websocket.disconnect: nothing may be sent any more
+            return None
+        text: str | None = message.get("text")
+        if text is not None:
+            return text
+        data: bytes = message.get("bytes") or b""
+        return data
+
+    async def close(self, code: int, reason: str) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # the peer may already be gone, or the socket already closing
+        with contextlib.suppress(OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+            await self._send({"type": "websocket.close", "code": code, "reason": reason})
 
 
 class ExecserverHandle:
@@ -106,7 +144,7 @@ class ExecserverHandle:
     Attributes:
         host, port: where the listener is bound (the real port when 0 was asked).
         url: ``ws://host:port/broker`` (``wss://`` with TLS).
-        broker: the core (read-only use: statistics, draining state).
+        http_url: ``http://host:port`` (``https://`` with TLS).
     """
 
     def __init__(self, service: _Service, host: str, port: int, secure: bool) -> None:
@@ -120,6 +158,7 @@ class ExecserverHandle:
 
     @property
     def broker(self) -> Broker:
+        """The core (read-only use: its state, its statistics)."""
         return self._service.core
 
     def drain(self) -> None:
@@ -130,17 +169,17 @@ class ExecserverHandle:
         """Stop now (a second signal): running jobs end with status ``stopped``."""
         self._service.stop()
 
-    def statistics(self) -> dict[str, Any]:
-        """The inspection document of ``/inspect/system/execserver``."""
-        return self._service.inspect()
+    def statistics(self) -> ExecserverStatistics:
+        """A frozen snapshot of the broker core and, when it keeps them, the runner.
+
+        :func:`~trio_broker.trio.inspection.execserver_document` turns it into the
+        ``/inspect/system/execserver`` document.
+        """
+        return self._service.statistics()
 
     async def wait_until(self, predicate: Callable[[], bool]) -> None:
         """Wait until ``predicate()`` holds; it is re-checked after every core input."""
-        service = self._service
-        while not predicate():
-            if service.changed is None:
-                service.changed = trio.Event()
-            await service.changed.wait()
+        await self._service.driver.wait_until(predicate)
 
     async def wait_closed(self) -> None:
         """Wait until draining finished and every connection was closed."""
@@ -148,7 +187,7 @@ class ExecserverHandle:
 
 
 class _Service:
-    """The trio side of one execserver: connections, timers, jobs."""
+    """The trio side of one execserver: connections (through the driver), jobs."""
 
     def __init__(
         self,
@@ -158,96 +197,60 @@ class _Service:
         broker_token: str | None,
         max_frame_bytes: int,
         http: httpx.AsyncClient,
+        nursery: trio.Nursery,
     ) -> None:
         self.core = core
         self.runner = runner
         self.broker_token = broker_token
-        self.max_frame_bytes = max_frame_bytes
         self.http = http
-        self.conns: dict[int, _Connection] = {}
+        self.nursery = nursery
+        self.driver = CoreDriver[Effect](
+            core, self._apply, closed=core.close_connection, max_frame_bytes=max_frame_bytes
+        )
         self.controls: dict[int, JobControl] = {}
-        self.nursery: trio.Nursery | None = None
-        self.wake = trio.Event()
-        self.armed: float | None = None
-        self.changed: trio.Event | None = None  # created only when someone waits
         self.drained = trio.Event()
-        self.all_closed = trio.Event()
         self.closed = trio.Event()
 
-    # -- feeding the core ---------------------------------------------------------
+    # -- the core's effects -------------------------------------------------------------
 
-    def flush(self) -> None:
-        """Carry out everything the core wants after an input."""
-        core = self.core
-        for conn_id, message in core.frames_to_send():
-            conn = self.conns.get(conn_id)
-            if conn is not None:
-                self._enqueue(conn, p.encode(message))
-        for effect in core.effects():
-            if isinstance(effect, StartJob):
-                assert self.nursery is not None
-                self.controls[effect.run_id] = JobControl()
-                self.nursery.start_soon(self._run_job, effect)
-            elif isinstance(effect, AbortJob):
-                control = self.controls.get(effect.run_id)
-                if control is not None:
-                    control.abort(effect.status, effect.reason)
-            elif isinstance(effect, CloseConnection):
-                conn = self.conns.get(effect.conn)
-                if conn is not None:
-                    log.info("closing connection %d: %s", effect.conn, effect.reason)
-                    self._close(conn, effect.code, effect.reason)
-            elif isinstance(effect, CheckCallback):
-                assert self.nursery is not None
-                self.nursery.start_soon(self._check_callback, effect)
-            elif isinstance(effect, Drained):
-                log.info("drained: closing %d connections", len(self.conns))
-                for conn in list(self.conns.values()):
-                    self._close(conn, CLOSE_GOING_AWAY, "the execserver is shutting down")
-                self.drained.set()
-                if not self.conns:
-                    self.all_closed.set()
-        deadline = core.next_deadline()
-        if deadline is not None and (self.armed is None or deadline < self.armed):
-            self.wake.set()
-        if self.changed is not None:
-            self.changed.set()
-            self.changed = None
-
-    def _enqueue(self, conn: _Connection, item: str | _Close) -> None:
-        try:
-            conn.outbox.send_nowait(item)
-        except trio.WouldBlock:
-            log.warning("connection %d does not read its frames: closing it", conn.conn_id)
-            conn.scope.cancel()
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            pass
-
-    def _close(self, conn: _Connection, code: int, reason: str) -> None:
-        self._enqueue(conn, _Close(code, reason))
+    def _apply(self, effect: Effect) -> None:
+        if isinstance(effect, StartJob):
+            self.controls[effect.run_id] = JobControl()
+            self.nursery.start_soon(self._run_job, effect)
+        elif isinstance(effect, AbortJob):
+            control = self.controls.get(effect.run_id)
+            if control is not None:
+                control.abort(effect.status, effect.reason)
+        elif isinstance(effect, CloseConnection):
+            log.info("closing connection %d: %s", effect.conn, effect.reason)
+            self.driver.close(effect.conn, effect.code, effect.reason)
+        elif isinstance(effect, CheckCallback):
+            self.nursery.start_soon(self._check_callback, effect)
+        elif isinstance(effect, Drained):
+            connections = self.driver.connections
+            log.info("drained: closing %d connections", len(connections))
+            for conn_id in connections:
+                self.driver.close(conn_id, p.CLOSE_GOING_AWAY, "the execserver is shutting down")
+            self.drained.set()
 
     def drain(self) -> None:
         log.info("draining")
         self.core.drain(now=trio.current_time())
-        self.flush()
+        self.driver.flush()
 
     def stop(self) -> None:
         log.info("stopping: running jobs end now")
         self.core.stop(now=trio.current_time())
-        self.flush()
+        self.driver.flush()
+
+    def statistics(self) -> ExecserverStatistics:
+        runner = self.runner
+        return ExecserverStatistics(
+            broker=self.core.statistics(),
+            runner=runner.statistics() if isinstance(runner, CommandRunner) else None,
+        )
 
     # -- tasks ----------------------------------------------------------------------
-
-    async def timers(self) -> None:
-        """Sleep until the core's next deadline (or an earlier one appears), tick."""
-        while True:
-            self.armed = self.core.next_deadline()
-            deadline = math.inf if self.armed is None else self.armed
-            with trio.move_on_at(deadline):
-                await self.wake.wait()
-            self.wake = trio.Event()
-            self.core.tick(now=trio.current_time())
-            self.flush()
 
     async def _run_job(self, effect: StartJob) -> None:
         control = self.controls[effect.run_id]
@@ -272,7 +275,7 @@ class _Service:
         finally:
             del self.controls[effect.run_id]
         self.core.job_ended(effect.run_id, receipt, now=trio.current_time())
-        self.flush()
+        self.driver.flush()
 
     async def _check_callback(self, effect: CheckCallback) -> None:
         url = effect.url.rstrip("/") + "/whoami"
@@ -293,7 +296,7 @@ class _Service:
         if result != "ok":
             log.warning("callback check of connection %d: %s", effect.conn, result)
         self.core.callback_checked(effect.conn, result, now=trio.current_time())
-        self.flush()
+        self.driver.flush()
 
     # -- the websocket endpoint ----------------------------------------------------------
 
@@ -305,12 +308,7 @@ class _Service:
         return hmac.compare_digest(given.encode(), expected.encode())
 
     async def broker_endpoint(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The ``/broker`` websocket, as a plain ASGI application.
-
-        It talks ASGI directly rather than through starlette's ``WebSocket``: every
-        frame of every connection goes through here, and the wrappers cost more
-        than the broker core itself.
-        """
+        """The ``/broker`` websocket, as a plain ASGI application."""
         if (await receive())["type"] != "websocket.connect":
             return
         headers = {
@@ -336,212 +334,7 @@ class _Service:
         host, port = scope.get("server") or ("", 0)
         addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         conn_id = self.core.open_connection(addr, now=trio.current_time())
-        outbox, inbox = trio.open_memory_channel[str | _Close](SEND_QUEUE_FRAMES)
-        with trio.CancelScope() as cancel_scope:
-            conn = _Connection(conn_id, outbox, cancel_scope)
-            self.conns[conn_id] = conn
-            try:
-                self.flush()
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._writer, send, inbox, nursery.cancel_scope)
-                    await self._reader(receive, send, conn)
-                    nursery.cancel_scope.cancel()
-            finally:
-                del self.conns[conn_id]
-                if not self.conns and self.drained.is_set():
-                    self.all_closed.set()
-                outbox.close()
-                self.core.close_connection(conn_id, now=trio.current_time())
-                self.flush()
-        if cancel_scope.cancelled_caught:
-            with trio.move_on_after(1) as cleanup:
-                cleanup.shield = True
-                await _close_quietly(send, CLOSE_POLICY, "frames are not being read")
-
-    async def _reader(self, receive: Receive, send: Send, conn: _Connection) -> None:
-        limit = self.max_frame_bytes
-        core = self.core
-        while True:
-            message = await receive()
-            if message["type"] != "websocket.receive":
-                return  # websocket.disconnect
-            data: str | bytes | None = message.get("text")
-            if data is None:
-                data = message.get("bytes") or b""
-            size = len(data) if isinstance(data, bytes) else _utf8_size(data, limit)
-            if size > limit:
-                log.info("connection %d sent a %d-byte frame: closing (1009)", conn.conn_id, size)
-                await _close_quietly(send, CLOSE_TOO_BIG, "frame too big")
-                return
-            core.receive_text(conn.conn_id, data, now=trio.current_time())
-            self.flush()
-
-    async def _writer(
-        self,
-        send: Send,
-        inbox: trio.MemoryReceiveChannel[str | _Close],
-        reader_scope: trio.CancelScope,
-    ) -> None:
-        async with inbox:
-            async for item in inbox:
-                if isinstance(item, _Close):
-                    await _close_quietly(send, item.code, item.reason)
-                    reader_scope.cancel()
-                    return
-                try:
-                    await send({"type": "websocket.send", "text": item})
-                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
-                    reader_scope.cancel()  # the peer is gone; the reader ends the connection
-                    return
-
-    # -- inspection -------------------------------------------------------------------
-
-    def inspect(self) -> dict[str, Any]:
-        stats = self.core.statistics()
-        runner_stats = self.runner.statistics() if isinstance(self.runner, CommandRunner) else None
-        return _inspection(stats, runner_stats)
-
-    def metrics(self) -> bytes:
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Collector(self))
-        return generate_latest(registry)
-
-
-def _utf8_size(text: str, limit: int) -> int:
-    """The UTF-8 size of text, computed only when the character count can't decide."""
-    if len(text) * 4 <= limit:
-        return len(text)
-    return len(text.encode("utf-8", "surrogatepass"))
-
-
-async def _close_quietly(send: Send, code: int, reason: str) -> None:
-    # the peer may already be gone, or the socket already closing
-    with contextlib.suppress(OSError, trio.BrokenResourceError, trio.ClosedResourceError):
-        await send({"type": "websocket.close", "code": code, "reason": reason})
-
-
-def _inspection(stats: BrokerStatistics, runner: RunnerStatistics | None) -> dict[str, Any]:
-    running_jobs = {job.job_id: job for job in runner.running} if runner else {}
-    return {
-        "instance_id": stats.instance_id,
-        "name": stats.name,
-        "draining": stats.draining,
-        "pool": {
-            "slots": stats.slots,
-            "fast_reserve": stats.fast_reserve,
-            "unknown_cap": stats.unknown_cap,
-            "busy": stats.busy,
-            "idle": stats.idle,
-            "memory_budget": stats.memory_budget,
-            "memory_reserved": stats.memory_reserved,
-            "memory_used": runner.memory_used if runner else None,
-        },
-        "services": {
-            s.name: {
-                "kind": s.kind,
-                "max_slots": s.max_slots,
-                "capacity": s.capacity,
-                "running": s.running,
-                "offered": s.offered,
-                "parked": s.parked,
-                "completed": s.completed,
-                "mean_runtime_s": s.mean_runtime,
-                "peak_memory": s.peak_memory,
-                "footprint": s.footprint,
-            }
-            for s in stats.services
-        },
-        "connections": [
-            {
-                "id": c.conn,
-                "addr": c.addr,
-                "backend_id": c.register.backend_id if c.register else None,
-                "name": c.register.name if c.register else None,
-                "version": c.register.version if c.register else None,
-                "callback_url": c.register.callback_url if c.register else None,
-                "callback_check": c.callback_check,
-                "parked": c.parked,
-                "offered": c.offered,
-                "running": c.running,
-            }
-            for c in stats.connections
-        ],
-        "running": [
-            {
-                "job_id": job.job_id,
-                "service": job.service,
-                "pid": job.pid,
-                "rss": job.rss,
-                "peak_memory": job.peak_memory,
-            }
-            for job in running_jobs.values()
-        ],
-        "recent": [
-            {
-                "job_id": f.job_id,
-                "service": f.service,
-                "subject": f.subject,
-                "backend_id": f.backend_id,
-                "delivered": f.delivered,
-                "receipt": p.converter.unstructure(f.receipt),
-            }
-            for f in reversed(stats.recent)
-        ],
-        "counters": stats.counters,
-    }
-
-
-class _Collector:
-    """Prometheus metrics read from a statistics snapshot at scrape time."""
-
-    def __init__(self, service: _Service) -> None:
-        self.service = service
-
-    def collect(self) -> list[Metric]:
-        stats = self.service.core.statistics()
-        pool = [
-            ("slots", "Slots in the pool.", stats.slots),
-            ("busy", "Slots running a job or holding an offer.", stats.busy),
-            ("idle", "Slots outside the fast reserve free through the last second.", stats.idle),
-            ("fast_reserve", "Slots heavy services never take.", stats.fast_reserve),
-            ("connections", "Open broker connections.", len(stats.connections)),
-            ("draining", "1 while the execserver drains.", int(stats.draining)),
-        ]
-        metrics: list[Metric] = [
-            GaugeMetricFamily(f"trio_broker_execserver_{name}", text, value=value)
-            for name, text, value in pool
-        ]
-        per_service: list[tuple[str, str, Callable[[Any], float | None]]] = [
-            ("running", "Running jobs of the service.", lambda s: s.running),
-            ("offered", "Outstanding offers of the service.", lambda s: s.offered),
-            ("parked", "Parked wants of the service.", lambda s: s.parked),
-            ("mean_runtime_seconds", "Rolling mean runtime.", lambda s: s.mean_runtime),
-            ("footprint_bytes", "Learned memory footprint.", lambda s: s.footprint),
-        ]
-        for name, text, read in per_service:
-            family = GaugeMetricFamily(
-                f"trio_broker_execserver_service_{name}", text, labels=["service"]
-            )
-            for s in stats.services:
-                value = read(s)
-                if value is not None:
-                    family.add_metric([s.name], value)
-            metrics.append(family)
-        completed = CounterMetricFamily(
-            "trio_broker_execserver_service_jobs_completed",
-            "Jobs of the service that ran to a measured end.",
-            labels=["service"],
-        )
-        for s in stats.services:
-            completed.add_metric([s.name], s.completed)
-        metrics.append(completed)
-        for name, value in stats.counters.items():
-            metrics.append(
-                CounterMetricFamily(
-                    f"trio_broker_execserver_{name}", f"Count of {name}.", value=value
-                )
-            )
-        return metrics
+        await self.driver.serve(conn_id, _AsgiWebsocket(receive, send))
 
 
 def _make_app(service: _Service) -> ASGIApp:
@@ -551,10 +344,10 @@ def _make_app(service: _Service) -> ASGIApp:
         return JSONResponse({"status": "serving"})
 
     async def inspect(request: Request) -> Response:
-        return JSONResponse(service.inspect())
+        return JSONResponse(execserver_document(service.statistics()))
 
     async def metrics(request: Request) -> Response:
-        return Response(service.metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(execserver_metrics(service.statistics()), media_type=METRICS_CONTENT_TYPE)
 
     async def not_found(websocket: WebSocket) -> None:
         await websocket.send_denial_response(PlainTextResponse("not found\n", status_code=404))
@@ -618,9 +411,10 @@ async def serve_execserver(
             broker_token=broker_token,
             max_frame_bytes=max_frame_bytes,
             http=http,
+            nursery=nursery,
         )
-        service.nursery = nursery
-        nursery.start_soon(service.timers)
+        driver = service.driver
+        nursery.start_soon(driver.run_timers)
         host, port = await nursery.start(
             functools.partial(
                 serve_app, _make_app(service), hyper, shutdown_trigger=service.drained.wait
@@ -632,6 +426,6 @@ async def serve_execserver(
         await service.drained.wait()
         # every connection was told to close (1001); give them a moment to go
         with trio.move_on_after(hyper.graceful_timeout + 1.0):
-            await service.all_closed.wait()
+            await driver.wait_until(lambda: not driver.connections)
         service.closed.set()
         nursery.cancel_scope.cancel()
