@@ -454,3 +454,26 @@ async def test_callback_check_failure_keeps_the_connection(nursery: trio.Nursery
         assert conn.callback_check.startswith("failed:")
         offer = await peer.want("still-served", "noop")
         assert isinstance(offer, p.Offer)
+
+
+@pytest.mark.parametrize("base", ["http://exa mple/\x00", "http://[::1/", "ftp://nowhere"])
+async def test_a_callback_url_that_is_no_url_fails_its_check_and_nothing_else(
+    nursery: trio.Nursery, base: str
+) -> None:
+    """A made-up callback base (a control character, a broken host) is a failed check on
+    that connection; the execserver keeps serving it and everyone else."""
+    handle = await start_execserver(nursery)
+    async with connect(handle, register=False) as peer:
+        await peer.register(backend_id="me", callback_url=base)
+
+        def checked() -> bool:
+            return any(c.callback_check for c in handle.statistics().broker.connections)
+
+        with trio.fail_after(WAIT):
+            await handle.wait_until(checked)
+        (conn,) = handle.statistics().broker.connections
+        assert conn.callback_check is not None
+        assert conn.callback_check.startswith("failed:")
+        assert isinstance(await peer.want("still-served", "noop"), p.Offer)
+    async with connect(handle) as other:
+        assert isinstance(await other.want("another", "noop"), p.Offer)

@@ -601,13 +601,3 @@ async def test_builtin_refuses_a_bad_job_object(jobs_dir: Path) -> None:
             JobRequest(job_id="j", service="svc", job={"stdin_url": "not a url"}), JobControl()
         )
     assert (receipt.status, receipt.error) == ("error", "stdin_url must be an http or https URL")
-
-
-def test_the_command_runner_is_still_importable_from_the_runner_module() -> None:
-    """The old import path of CommandRunner and CommandSpec resolves to the command module's."""
-    from trio_broker.trio import command, runner
-
-    assert runner.CommandRunner is command.CommandRunner
-    assert runner.CommandSpec is command.CommandSpec
-    with pytest.raises(AttributeError, match="no attribute 'fill_argv'"):
-        runner.fill_argv  # noqa: B018

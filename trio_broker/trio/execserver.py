@@ -55,6 +55,7 @@ from trio_broker.core.broker import (
     Effect,
     StartJob,
 )
+from trio_broker.core.job import error_receipt
 from trio_broker.trio.driver import MAX_FRAME_BYTES, CoreDriver
 from trio_broker.trio.inspection import (
     METRICS_CONTENT_TYPE,
@@ -63,12 +64,15 @@ from trio_broker.trio.inspection import (
 )
 from trio_broker.trio.listener import ListenerSettings, listener_config, serve_app
 from trio_broker.trio.runner import (
-    CommandRunner,
     JobControl,
     JobRequest,
+    ReportingRunner,
     Runner,
     RunnerStatistics,
 )
+
+CALLBACK_CHECK_TIMEOUT = 5.0
+"""Seconds the whole callback check (connect, request, answer) may take."""
 
 __all__ = [
     "ExecserverHandle",
@@ -247,7 +251,7 @@ class _Service:
         runner = self.runner
         return ExecserverStatistics(
             broker=self.core.statistics(),
-            runner=runner.statistics() if isinstance(runner, CommandRunner) else None,
+            runner=runner.statistics() if isinstance(runner, ReportingRunner) else None,
         )
 
     # -- tasks ----------------------------------------------------------------------
@@ -262,12 +266,8 @@ class _Service:
             receipt = await self.runner.run(request, control)
         except Exception as exc:
             log.exception("the runner failed on job %r", effect.job_id)
-            receipt = p.Receipt(
-                status="error",
-                error=f"the runner failed: {type(exc).__name__}: {exc}",
-                stdout_prefix="",
-                stdout_bytes=0,
-                stdin_bytes=0,
+            receipt = error_receipt(
+                f"the runner failed: {type(exc).__name__}: {exc}",
                 started_at=0.0,
                 duration_s=trio.current_time() - started,
                 instance_id="",
@@ -279,24 +279,32 @@ class _Service:
 
     async def _check_callback(self, effect: CheckCallback) -> None:
         url = effect.url.rstrip("/") + "/whoami"
-        try:
-            response = await self.http.get(url)
-            response.raise_for_status()
-            answer = response.json()
-            seen = answer.get("backend_id") if isinstance(answer, dict) else None
-            if seen == effect.backend_id:
-                result = "ok"
-            else:
-                result = (
-                    f"mismatch: {url} answered backend_id {seen!r}, "
-                    f"not {effect.backend_id!r} (a balancer in front of several clients?)"
-                )
-        except (httpx.HTTPError, ValueError) as exc:
-            result = f"failed: {url}: {type(exc).__name__}: {exc}"
+        result = f"failed: {url}: no answer within {CALLBACK_CHECK_TIMEOUT:g}s"
+        # one bound on the whole check (httpx's timeout applies to each phase)
+        with trio.move_on_after(CALLBACK_CHECK_TIMEOUT):
+            result = await self._whoami(url, effect.backend_id)
         if result != "ok":
             log.warning("callback check of connection %d: %s", effect.conn, result)
         self.core.callback_checked(effect.conn, result, now=trio.current_time())
         self.driver.flush()
+
+    async def _whoami(self, url: str, backend_id: str) -> str:
+        """``ok``, or what is wrong with the answer of ``url`` (never raises)."""
+        try:
+            response = await self.http.get(url)
+            response.raise_for_status()
+            answer = response.json()
+        # InvalidURL is not an HTTPError: a callback_url the client made up must not
+        # escape this task, which would stop the execserver
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
+            return f"failed: {url}: {type(exc).__name__}: {exc}"
+        seen = answer.get("backend_id") if isinstance(answer, dict) else None
+        if seen == backend_id:
+            return "ok"
+        return (
+            f"mismatch: {url} answered backend_id {seen!r}, "
+            f"not {backend_id!r} (a balancer in front of several clients?)"
+        )
 
     # -- the websocket endpoint ----------------------------------------------------------
 

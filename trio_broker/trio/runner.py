@@ -23,7 +23,7 @@ it streams through is :mod:`trio_broker.trio.pipe_io`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal, Protocol, TypeAlias
+from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
 import attrs
 import trio
@@ -34,6 +34,7 @@ __all__ = [
     "AbortStatus",
     "JobControl",
     "JobRequest",
+    "ReportingRunner",
     "Runner",
     "RunnerStatistics",
     "RunningJob",
@@ -150,17 +151,10 @@ class RunnerStatistics:
     memory_budget: int | None
 
 
-_MOVED = {"CommandRunner", "CommandSpec"}
+@runtime_checkable
+class ReportingRunner(Runner, Protocol):
+    """A runner that can also say what it runs now (the inspection pages show it)."""
 
-
-def __getattr__(name: str) -> Any:
-    """The reference runner's names, at their old address until every caller moved.
-
-    They live in :mod:`trio_broker.trio.command` now; importing them from here
-    still works, loaded on first use (an import at the top would be circular).
-    """
-    if name in _MOVED:
-        from trio_broker.trio import command
-
-        return getattr(command, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    def statistics(self) -> RunnerStatistics:
+        """A snapshot of the running jobs and the memory they use."""
+        ...
