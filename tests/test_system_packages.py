@@ -28,13 +28,25 @@ def make_check(path: str, mode: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def fake_programs(folder: Path, *names: str) -> str:
+    """A PATH whose only sbin-like programs are do-nothing stand-ins for ``names``."""
+    for name in names:
+        fake = folder / name
+        fake.write_text("#!/bin/sh\nexit 0\n")
+        fake.chmod(0o755)
+    return f"{folder}:/usr/bin:/bin"
+
+
+OTHERS = ("nft", "ip")  # what make test needs beside haproxy and PostgreSQL
+
+
 def lines_naming(text: str, word: str) -> list[str]:
     return [line for line in text.splitlines() if word in line]
 
 
 def test_a_missing_haproxy_is_named_in_one_line(tmp_path: Path) -> None:
     """Without haproxy on PATH the check fails with one line naming the package."""
-    result = make_check(f"{tmp_path}:/usr/bin:/bin", "check")
+    result = make_check(fake_programs(tmp_path, *OTHERS), "check")
     assert result.returncode != 0
     (line,) = lines_naming(result.stderr, "missing system packages")
     assert "haproxy" in line
@@ -45,15 +57,12 @@ def test_a_missing_haproxy_is_named_in_one_line(tmp_path: Path) -> None:
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root installs with apt-get")
 def test_as_root_the_missing_package_would_be_installed(tmp_path: Path) -> None:
     """As root the check installs what is missing: the dry run shows the apt-get call."""
-    result = make_check(f"{tmp_path}:/usr/bin:/bin", "dry-run")
+    result = make_check(fake_programs(tmp_path, *OTHERS), "dry-run")
     assert result.returncode != 0
     assert lines_naming(result.stdout, "apt-get") == ["would run: apt-get install -y haproxy"]
 
 
 def test_nothing_is_said_when_everything_is_there(tmp_path: Path) -> None:
     """With every program present the check is silent and succeeds."""
-    fake = tmp_path / "haproxy"
-    fake.write_text("#!/bin/sh\nexit 0\n")
-    fake.chmod(0o755)
-    result = make_check(f"{tmp_path}:/usr/bin:/bin", "check")
+    result = make_check(fake_programs(tmp_path, "haproxy", *OTHERS), "check")
     assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
