@@ -74,7 +74,7 @@ from trio_broker.core.admission import (
     odd_reserve,
     plan_claims,
 )
-from trio_broker.core.errors import NoExecserver, NoSlot
+from trio_broker.core.errors import NoExecserver, NoSlot, RetryLater
 from trio_broker.trio.host import cpu_count
 from trio_broker.trio.store import ClaimRequest, Outcome, QueueItem, Store, StoreUnavailable
 
@@ -91,26 +91,6 @@ __all__ = [
 log = logging.getLogger("trio_broker.trio.dispatcher")
 
 Handler = Callable[[QueueItem], Awaitable[None]]
-
-
-class RetryLater(Exception):
-    """Raised by a handler: requeue the item after ``delay`` seconds.
-
-    For a ``stopped`` receipt (the execserver drained before the job ended), or
-    any other temporary reason the handler knows of.
-
-    Args:
-        delay: seconds before the item may be claimed again (at least 0).
-        reason: stored as the item's ``last_error``.
-    """
-
-    def __init__(self, delay: float, reason: str) -> None:
-        super().__init__(delay, reason)
-        self.delay = max(0.0, float(delay))
-        self.reason = reason
-
-    def __str__(self) -> str:
-        return f"retry in {self.delay:g} s: {self.reason}"
 
 
 class ExecClient(Protocol):
