@@ -18,7 +18,7 @@ something?* The tree has three branches, one per answer::
         ├── UnknownService               no reachable execserver offers the service
         ├── JobLost                      the connection holding the slot closed
         ├── ClientClosed                 the client closed while the job waited or ran
-        ├── JobStopped                   the execserver stopped the job (it drained)
+        ├── JobStopped                   the execserver stopped the job before its end
         ├── StoreUnavailable             the queue database could not be reached
         └── RetryLater                   a handler's own reason to try again later
 
@@ -148,11 +148,13 @@ class ClientClosed(BrokerError):
 
 
 class JobStopped(BrokerError):
-    """The execserver stopped the job before its end (a ``stopped`` receipt: it drained).
+    """The job was interrupted before a whole end: the execserver stopped it.
 
+    A ``stopped`` receipt (the execserver drained, or the job's stream broke), or
+    a job whose streamed output did not arrive whole.
     :meth:`BrokerClient.run <trio_broker.trio.client.BrokerClient.run>` returns
     such receipts like any other; a queue handler raises this to have the item
-    run again on another execserver.
+    run again later, on whichever execserver is there then.
     """
 
 

@@ -177,7 +177,7 @@ def dispatcher_config(config: FylrConfig, *, backend_id: str) -> DispatcherConfi
         stale_after=config.stale_after,
         local_workers=config.resolved_local_workers(),
         admission=AdmissionConfig(max_in_flight=config.max_in_flight),
-        no_slot_delay=config.retry_delay,
+        retry_delay=config.retry_delay,
         shutdown_timeout=_SHUTDOWN_TIMEOUT,
     )
 

@@ -26,16 +26,18 @@ which also queues the next step:
     ends the version ``error`` with the receipt's ``stderr_line``. The original
     is ``done`` when every version has ended.
 
-Retries. No slot within ``connect_timeout`` (:class:`~trio_broker.core.errors.NoSlot`),
-a job the execserver ``stopped`` (draining), a service no connected execserver
-offers and a lost connection requeue the item after ``retry_delay`` (at once for
-a lost connection; while no execserver is reachable, exec-bound items are not
-claimed at all), and the file goes back to the state the step started from. Any
-other exception fails the step: the version (or, for a metadata step, the
-original) ends ``error`` with the exception's text, and the queue row ``failed``.
-Every write of a step is fenced by the state it expects, so a step that runs
-twice (its process was killed after the work but before its outcome was
-written) changes nothing the second time.
+Retries. A step that cannot finish raises a typed outcome and lets it go on
+to the dispatcher: the broker client's ``NoSlot``, ``NoExecserver``,
+``UnknownService``, ``JobLost`` or ``ClientClosed``, the store's
+``StoreUnavailable``, or :class:`~trio_broker.core.errors.JobStopped` for a job
+the execserver stopped (draining) or whose output did not arrive whole. The
+one outcome table (:func:`trio_broker.core.dispatch.judge`) decides, for the
+dispatcher and for the step alike, whether the item runs again (then the file
+goes back to the state the step started from) or fails (then the version, or
+for a metadata step the original, ends ``error`` with the exception's text, and
+the queue row ``failed``). Every write of a step is fenced by the state it
+expects, so a step that runs twice (its process was killed after the work but
+before its outcome was written) changes nothing the second time.
 """
 
 from __future__ import annotations
@@ -48,10 +50,11 @@ from typing import Any, Final, cast
 import trio
 
 from trio_broker.core import protocol as p
-from trio_broker.core.errors import ClientClosed, JobLost, NoExecserver, NoSlot, UnknownService
-from trio_broker.trio.dispatcher import Action, RetryLater
+from trio_broker.core.dispatch import Verdict, judge
+from trio_broker.core.errors import JobStopped, NoExecserver, StoreUnavailable
+from trio_broker.trio.dispatcher import Action
 from trio_broker.trio.pipes import OutPipe, Sink
-from trio_broker.trio.store import QueueItem, StoreUnavailable
+from trio_broker.trio.store import QueueItem
 from trio_broker_daemons.fylr.config import VersionConfig
 from trio_broker_daemons.fylr.files import (
     ACTION_METADATA,
@@ -114,9 +117,11 @@ def _receipt_reason(receipt: p.Receipt) -> str:
     return receipt.stderr_line or receipt.error or f"status {receipt.status}"
 
 
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+def _stopped(receipt: p.Receipt, what: str) -> JobStopped | None:
+    """The outcome of a job the execserver interrupted, ``None`` for any other end."""
+    if receipt.status in ("stopped", "cancelled"):
+        return JobStopped(f"{what} was {receipt.status}: {_receipt_reason(receipt)}")
+    return None
 
 
 class FileWorker:
@@ -208,8 +213,12 @@ class FileWorker:
                 await source.aclose()
         return receipt, stdout
 
+    def judge(self, exc: BaseException) -> Verdict:
+        """What the dispatcher will make of a step that raised ``exc`` (the outcome table)."""
+        return judge(exc, retry_delay=self.state.config.retry_delay)
+
     async def requeue(
-        self, action: str, file_id: int, old: FileState, new: FileState, exc: BaseException
+        self, action: str, file_id: int, old: FileState, new: FileState, verdict: Verdict
     ) -> None:
         """A step will run again: move its file back (best effort) and count it."""
         with contextlib.suppress(StoreUnavailable):
@@ -217,7 +226,7 @@ class FileWorker:
         self.state.step(action, "requeued")
         log.info(
             "step requeued",
-            extra=fields(action=action, file=file_id, reason=_describe(exc)),
+            extra=fields(action=action, file=file_id, reason=verdict.error, delay=verdict.delay),
         )
 
     # -- the actions -----------------------------------------------------------------------
@@ -254,20 +263,17 @@ class FileWorker:
                     priority=row.priority,
                     subject=f"{row.filename} #{file_id} metadata",
                 )
-            except Exception as raised:
-                exc = _sole(raised)
-                if isinstance(exc, _TEMPORARY):
-                    await self.requeue(ACTION_METADATA, file_id, "metadata", "new", exc)
-                    raise _retry(exc, state.config.retry_delay) from None
-                await self.files.fail_original(file_id, f"metadata: {_describe(exc)}")
-                state.step(ACTION_METADATA, "error")
-                state.changed(file_id)
-                raise exc from None
-            if receipt.status in ("stopped", "cancelled"):
-                await self.requeue(
-                    ACTION_METADATA, file_id, "metadata", "new", Exception(_receipt_reason(receipt))
-                )
-                raise RetryLater(state.config.retry_delay, f"metadata job {receipt.status}")
+                if stopped := _stopped(receipt, "the metadata job"):
+                    raise stopped
+            except Exception as exc:
+                verdict = self.judge(exc)
+                if verdict.kind == "requeue":
+                    await self.requeue(ACTION_METADATA, file_id, "metadata", "new", verdict)
+                else:
+                    await self.files.fail_original(file_id, f"metadata: {verdict.error}")
+                    state.step(ACTION_METADATA, "error")
+                    state.changed(file_id)
+                raise
             if receipt.status == "ok":
                 text = bytes(output) if stdout.state == "done" else receipt.stdout_prefix.encode()
                 metadata = parse_metadata_output(text.decode("utf-8", "replace"))
@@ -342,17 +348,17 @@ class FileWorker:
         name = cast(str, version.version)
         try:
             receipt, stored = await self._produce(start, recipe)
-        except Exception as raised:
-            exc = _sole(raised)
-            if isinstance(exc, _TEMPORARY):
-                await self.requeue(ACTION_PRODUCE, version_id, "produce", "new", exc)
-                raise _retry(exc, state.config.retry_delay) from None
-            await self.files.end_version(
-                version_id, version.produce_hash, stored=None, error=_describe(exc)
-            )
-            state.step(ACTION_PRODUCE, "error")
-            state.changed(original.id)
-            raise exc from None
+        except Exception as exc:
+            verdict = self.judge(exc)
+            if verdict.kind == "requeue":
+                await self.requeue(ACTION_PRODUCE, version_id, "produce", "new", verdict)
+            else:
+                await self.files.end_version(
+                    version_id, version.produce_hash, stored=None, error=verdict.error
+                )
+                state.step(ACTION_PRODUCE, "error")
+                state.changed(original.id)
+            raise
         metadata = version_metadata(name, recipe, receipt)
         if stored is not None:
             # A database error here may or may not have committed: the file is kept
@@ -400,11 +406,10 @@ class FileWorker:
             its whole output received.
 
         Raises:
-            RetryLater: the execserver stopped the job, or the output did not
+            JobStopped: the execserver stopped the job, or the output did not
                 arrive whole.
         """
         version, original = start.version, start.original
-        retry_delay = self.state.config.retry_delay
         send, receive = trio.open_memory_channel[bytes](0)
         stored: list[StoredFile] = []
 
@@ -436,51 +441,10 @@ class FileWorker:
                 await send.aclose()  # the writer finishes the file
             else:
                 nursery.cancel_scope.cancel()  # the writer deletes what it has
-        if receipt.status in ("stopped", "cancelled"):
-            raise RetryLater(
-                retry_delay, f"the job was {receipt.status}: {_receipt_reason(receipt)}"
-            )
+        if stopped := _stopped(receipt, "the job"):
+            raise stopped
         if receipt.status == "ok":
             if not stored:
-                raise RetryLater(
-                    retry_delay,
-                    f"the output did not arrive whole (out-pipe {stdout.state})",
-                )
+                raise JobStopped(f"the output did not arrive whole (out-pipe {stdout.state})")
             return receipt, stored[0]
         return receipt, None
-
-
-_TEMPORARY: Final = (
-    NoSlot,
-    NoExecserver,
-    UnknownService,
-    JobLost,
-    ClientClosed,
-    StoreUnavailable,
-    RetryLater,
-)
-"""What makes a step run again later rather than fail its file.
-
-``UnknownService`` too: the execservers that offer it may be restarting; a service
-that nobody offers shows as a step requeued again and again with that error."""
-
-
-def _sole(exc: BaseException) -> BaseException:
-    """The one exception inside nested single-exception groups, else ``exc``."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
-
-
-def _retry(exc: BaseException, delay: float) -> BaseException:
-    """The exception that makes the dispatcher requeue a step the way ``exc`` calls for.
-
-    A lost connection or a closing client runs the step again at once, an unknown
-    service after ``delay``; the others are what the dispatcher already requeues
-    (``NoSlot`` after ``retry_delay``, ``NoExecserver`` at once).
-    """
-    if isinstance(exc, JobLost | ClientClosed):
-        return RetryLater(0.0, _describe(exc))
-    if isinstance(exc, UnknownService):
-        return RetryLater(delay, _describe(exc))
-    return exc
