@@ -322,3 +322,21 @@ def test_backoff_doubles_to_its_ceiling_and_resets() -> None:
     assert [backoff.failed() for _ in range(5)] == [0.1, 0.2, 0.4, 0.5, 0.5]
     backoff.succeeded()
     assert backoff.failed() == 0.1
+
+
+def test_sweep_reclaim_outcomes_in_one_batch_race() -> None:
+    """A row swept back while its item ran and claimed again has two claims in one batch;
+    when the store applies the row's id, only the latest claim counts, the older is fenced."""
+    c = core()
+    c.plan(LOADS)
+    first = Item(5, "exec", attempts=1)
+    c.claimed([first])
+    c.plan(LOADS)
+    second = Item(5, "exec", attempts=2)
+    c.claimed([second])
+    c.finished(first, None)
+    c.finished(second, None)
+    assert [d.key for d in c.take_outcomes()] == [(5, 1), (5, 2)]
+    c.written({5})
+    stats = c.statistics()
+    assert (stats.completed, stats.fenced, stats.unwritten) == (1, 1, 0)

@@ -613,9 +613,15 @@ class DispatchCore:
         if not self._batch_out:
             raise DispatchUsageError("written() without a batch from take_outcomes()")
         counts = self._counts
+        # The store answers with row ids. A row swept back to the queue while its
+        # item ran, and claimed again, has two claims in one batch; only the latest
+        # can have applied (the row's attempts moved past the older one).
+        latest: dict[int, int] = {}
+        for decision in self._writing:
+            latest[decision.item_id] = max(latest.get(decision.item_id, 0), decision.attempts)
         for decision in self._writing:
             self._unwritten.discard(decision.key)
-            if decision.item_id not in applied:
+            if decision.item_id not in applied or decision.attempts != latest[decision.item_id]:
                 counts["fenced"] += 1
             elif decision.verdict.kind == "complete":
                 counts["completed"] += 1
