@@ -157,7 +157,7 @@ def test_ended_receipt_carries_every_field() -> None:
         stdin_bytes=7,
         peak_memory=1024,
     )
-    assert p.decode_as(p.encode(p.Done(job_id="j", receipt=receipt)), p.Done) == p.Done(
+    assert p.decode(p.encode(p.Done(job_id="j", receipt=receipt))) == p.Done(
         job_id="j", receipt=receipt
     )
     assert (receipt.exit_code, receipt.stderr_line, receipt.stdin_bytes) == (3, "bad", 7)

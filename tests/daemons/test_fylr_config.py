@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from trio_broker_daemons.config import ConfigError
+from trio_broker_daemons.fylr.app import dispatcher_config
 from trio_broker_daemons.fylr.config import (
     FileClass,
     FylrConfig,
@@ -20,6 +21,7 @@ from trio_broker_daemons.fylr.config import (
     new_backend_id,
 )
 
+from trio_broker.core.admission import InstanceLoad, auto_max_in_flight, exec_limit
 from trio_broker.trio.host import cpu_count
 
 MINIMAL: dict[str, Any] = {"execservers": []}
@@ -439,17 +441,20 @@ def test_resolved_local_workers(tmp_path: Path) -> None:
     [(20, 0, 32), (20, 5, 32), (20, 9, 36), (20, 20, 40), (20, 100, 40), (10, 3, 20)],
 )
 def test_automatic_max_in_flight(pool: int, base: int, expected: int) -> None:
-    """Automatic max_in_flight is 4 × base, at least 32, at most twice the database pool."""
+    """Automatic max_in_flight is 4 × base, at least 32, at most twice the database pool: the
+    fylr hands 0 to the admission arithmetic, which computes it from the store's pool."""
     config = FylrConfig.from_mapping({**MINIMAL, "database_pool": pool})
-    assert config.resolved_max_in_flight(base) == expected
+    admission = dispatcher_config(config, backend_id="b").admission
+    assert admission.max_in_flight == 0
+    assert auto_max_in_flight(base, config.database_pool) == expected
 
 
 def test_fixed_max_in_flight() -> None:
-    """A configured max_in_flight is used as it is; a negative base is a caller's bug."""
+    """A configured max_in_flight caps the exec-bound limit as it is, however big the fleet."""
     config = FylrConfig.from_mapping({**MINIMAL, "max_in_flight": 3})
-    assert config.resolved_max_in_flight(1000) == 3
-    with pytest.raises(ValueError, match="base must be >= 0"):
-        config.resolved_max_in_flight(-1)
+    admission = dispatcher_config(config, backend_id="b").admission
+    fleet = [InstanceLoad(instance_id="x", processes=1000, clients=1, idle=0)]
+    assert exec_limit(fleet, waiting=0, queue_deep=True, config=admission) == 3
 
 
 # -- source graphs --------------------------------------------------------------------

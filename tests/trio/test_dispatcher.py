@@ -21,7 +21,15 @@ from trio_broker_daemons.pgcluster import PgCluster
 from tests.support.wire import WAIT, start_execserver
 from trio_broker.core.admission import AdmissionConfig, InstanceLoad
 from trio_broker.core.client import ClientConfig
-from trio_broker.core.errors import NoExecserver, NoSlot
+from trio_broker.core.errors import (
+    ClientClosed,
+    JobLost,
+    JobStopped,
+    NoExecserver,
+    NoSlot,
+    StoreUnavailable,
+    UnknownService,
+)
 from trio_broker.trio.client import BrokerClient, open_broker_client
 from trio_broker.trio.dispatcher import (
     Action,
@@ -102,24 +110,40 @@ def rows(store_dsn: str) -> dict[int, tuple[str, int, str | None, bool]]:
 
 
 async def test_handler_outcomes_map_to_rows(pg_dsn: str) -> None:
-    """Return completes, NoSlot and RetryLater requeue later, NoExecserver at once, errors fail."""
+    """Every row of the outcome table reaches the database: return completes; NoSlot,
+    JobStopped, UnknownService and RetryLater requeue later; NoExecserver, JobLost,
+    ClientClosed and StoreUnavailable at once; other errors fail, in a group too."""
     seen: Counter[str] = Counter()
+    at_once = {
+        "noexec": NoExecserver("nothing reachable"),
+        "lost": JobLost("the connection closed"),
+        "closed": ClientClosed("the client closed"),
+        "store": StoreUnavailable("the database went away"),
+    }
 
     async def handler(item: QueueItem) -> None:
         seen[item.file_ref] += 1
         kind = item.file_ref
         if kind == "noslot":
             raise NoSlot("no slot within 60 s")
-        if kind == "noexec" and item.attempts == 1:
-            raise NoExecserver("nothing reachable")
+        if kind in at_once and item.attempts == 1:
+            raise at_once[kind]
         if kind == "stopped":
             raise RetryLater(30, "stopped: the execserver drained")
+        if kind == "jobstopped":
+            raise JobStopped("the job was stopped: draining")
+        if kind == "unknown":
+            raise UnknownService("nobody offers it")
         if kind == "boom":
             raise ValueError("boom")
         if kind == "group":
             raise ExceptionGroup("inner", [NoSlot("in a group")])
+        if kind == "mixed":
+            raise ExceptionGroup("inner", [NoSlot("busy"), KeyError("a bug")])
 
-    kinds = ["ok", "noslot", "noexec", "stopped", "boom", "group"]
+    kinds = ["ok", "noslot", "noexec", "stopped", "boom", "group", *at_once]
+    kinds += ["jobstopped", "unknown", "mixed"]
+    kinds = list(dict.fromkeys(kinds))
     async with open_store(pg_dsn, pool_size=4) as store:
         ids = dict(
             zip(
@@ -132,8 +156,8 @@ async def test_handler_outcomes_map_to_rows(pg_dsn: str) -> None:
         )
         actions = [Action("work", True, handler)]
         async with running(store, actions, dconfig(), one_instance(8)) as dispatcher:
-            await until(dispatcher, lambda s: s.completed == 2 and s.failed == 1)
-            await until(dispatcher, lambda s: s.requeued == 4)
+            await until(dispatcher, lambda s: s.completed == 5 and s.failed == 2)
+            await until(dispatcher, lambda s: s.requeued == 9)
         state = rows(pg_dsn)
     assert ids["ok"] not in state
     assert ids["noexec"] not in state  # requeued at once, then done at the second attempt
@@ -145,6 +169,17 @@ async def test_handler_outcomes_map_to_rows(pg_dsn: str) -> None:
     assert state[ids["boom"]][0:3] == ("failed", 1, "ValueError: boom")
     assert state[ids["group"]][0:2] == ("new", 1)
     assert "in a group" in (state[ids["group"]][2] or "")
+    for kind in at_once:
+        assert ids[kind] not in state  # requeued at once, then done at the second attempt
+        assert seen[kind] == 2
+    assert state[ids["jobstopped"]] == (
+        "new",
+        1,
+        "JobStopped: the job was stopped: draining",
+        False,
+    )
+    assert state[ids["unknown"]] == ("new", 1, "UnknownService: nobody offers it", False)
+    assert state[ids["mixed"]][0:3] == ("failed", 1, "KeyError: 'a bug'")
 
 
 async def test_claims_follow_finishes_not_only_ticks(pg_dsn: str) -> None:
@@ -222,6 +257,37 @@ async def test_shutdown_returns_in_flight_items_at_once(pg_dsn: str) -> None:
         assert (counts.ready, counts.claimed) == (10, 0)
         assert stats.returned == 3
         assert await store.heartbeat("d1") is False  # it unregistered itself
+
+
+async def test_a_handler_cancelled_at_shutdown_has_no_outcome_even_inside_a_group(
+    pg_dsn: str,
+) -> None:
+    """A handler whose nursery raises NoSlot while shutdown cancels it gets no outcome: its
+    row goes back to the queue, due now, and the dispatcher stops cleanly."""
+    started = trio.Event()
+
+    async def raise_when_cancelled() -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            raise NoSlot("raised while being cancelled")
+
+    async def handler(item: QueueItem) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(raise_when_cancelled)
+            started.set()
+            await trio.sleep_forever()
+
+    async with open_store(pg_dsn, pool_size=4) as store:
+        item_id = await store.enqueue("x", "exec", priority=0)
+        async with running(
+            store, [Action("exec", True, handler)], dconfig(), one_instance(2)
+        ) as dispatcher:
+            with trio.fail_after(WAIT):
+                await started.wait()
+        stats = dispatcher.statistics()
+    assert rows(pg_dsn)[item_id] == ("new", 1, None, True)
+    assert (stats.returned, stats.requeued, stats.failed, stats.pending_outcomes) == (1, 0, 0, 0)
 
 
 async def test_rows_of_an_earlier_life_are_returned_at_start(pg_dsn: str) -> None:

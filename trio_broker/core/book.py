@@ -213,10 +213,6 @@ class WantBook(Generic[C]):
         """Every parked want (in no particular order)."""
         return iter(self._index.values())
 
-    def count_for(self, service: str) -> int:
-        """How many wants of this service are parked."""
-        return sum(self._svc_prio_count.get(service, {}).values())
-
     def connection_wants(self, conn: C) -> list[ParkedWant[C]]:
         """This connection's parked wants, by priority (high first), then FIFO."""
         levels = self._conns.get(conn, {})
@@ -367,10 +363,6 @@ class WantBook(Generic[C]):
         if level is None:
             return []
         return sorted(level.stamps, key=level.stamps.__getitem__)
-
-    def priorities(self) -> list[int]:
-        """The priorities with parked wants, highest first."""
-        return sorted(self._levels, reverse=True)
 
     # -- internals -----------------------------------------------------------------
 

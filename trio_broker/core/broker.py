@@ -50,9 +50,17 @@ Invariants (:meth:`Broker.check_invariants`)
 Errors by blame
 ---------------
 
-A peer's bad frame never raises: it becomes an ``ERROR`` frame with the
-protocol's code and changes nothing else. A caller's misuse (an unknown
-connection or run id, time going backwards) raises :class:`BrokerUsageError`.
+The exception tree is drawn in :mod:`trio_broker.core.errors`. A peer's bad
+frame never raises: it becomes an ``ERROR`` frame with the protocol's code and
+changes nothing else (remote). A caller's misuse (a connection id this broker
+never issued, a run id that is not running, time going backwards) raises
+:class:`~trio_broker.core.errors.BrokerUsageError` *before* anything changes,
+the clock included (local).
+
+A connection id the broker issued and has since closed is not misuse: a reader
+may have had a frame in hand when the close happened, and the transport reports
+every close, even one the broker asked for. Inputs naming such a connection
+are taken (the time advances) and otherwise ignored.
 """
 
 from __future__ import annotations
@@ -68,6 +76,7 @@ import attrs
 
 from trio_broker.core import protocol as p
 from trio_broker.core.book import WantBook
+from trio_broker.core.errors import BrokerUsageError
 from trio_broker.core.liveness import Liveness
 from trio_broker.core.pool import PoolConfig, SlotPool
 from trio_broker.core.sansio import SansIOCore
@@ -95,10 +104,6 @@ HELLO_INTERVAL: Final = 1.0
 def new_token() -> str:
     """A fresh offer token: 128 random bits, URL-safe, 22 characters."""
     return secrets.token_urlsafe(16)
-
-
-class BrokerUsageError(RuntimeError):
-    """The code driving the broker misused it (not a peer's fault)."""
 
 
 # -- configuration and outputs --------------------------------------------------
@@ -345,7 +350,7 @@ class Broker(SansIOCore[Effect, _TimerKind]):
         self.book: WantBook[ConnId] = WantBook()
         self._now = now
         self._conns: dict[ConnId, _Conn] = {}
-        self._conn_ids = itertools.count(1)
+        self._last_conn_id: ConnId = 0  # ids 1..this were issued
         self._run_ids = itertools.count(1)
         self._offers: dict[str, _Offer] = {}
         self._runs: dict[RunId, _Run] = {}
@@ -386,7 +391,8 @@ class Broker(SansIOCore[Effect, _TimerKind]):
         Sends the first ``HELLO`` at once. Drain frames afterwards.
         """
         self._enter(now)
-        conn = _Conn(next(self._conn_ids), addr, now)
+        self._last_conn_id += 1
+        conn = _Conn(self._last_conn_id, addr, now)
         self._conns[conn.id] = conn
         self.counters["connections_opened"] += 1
         self._send_hello(conn)
@@ -399,20 +405,29 @@ class Broker(SansIOCore[Effect, _TimerKind]):
 
         Its parked wants leave the book, its offers are released and its running
         jobs are stopped (:class:`AbortJob`); their receipts will not be delivered.
-        Unknown or already closed connections are ignored. Drain frames and effects.
+        An already closed connection is ignored (the broker may have closed it
+        itself, with :class:`CloseConnection`). Drain frames and effects.
+
+        Raises:
+            BrokerUsageError: the broker never issued ``conn_id``; nothing changed.
         """
+        conn = self._open_or_closed(conn_id)
         self._enter(now)
-        if conn_id in self._conns:
+        if conn is not None:
             self._drop_connection(conn_id)
         self._leave()
 
     def receive_text(self, conn_id: ConnId, text: str | bytes, *, now: float) -> None:
-        """A frame arrived (``bytes`` = a binary frame). Decodes, then :meth:`receive`."""
+        """A frame arrived (``bytes`` = a binary frame). Decodes, then :meth:`receive`.
+
+        Raises:
+            BrokerUsageError: the broker never issued ``conn_id``; nothing changed.
+        """
         try:
             message = p.decode(text, accept=p.CLIENT_TO_EXEC)
         except p.ProtocolError as exc:
+            conn = self._open_or_closed(conn_id)
             self._enter(now)
-            conn = self._conns.get(conn_id)
             if conn is not None:
                 conn.last_recv = now
                 self._error(conn, exc.code, exc.message, exc.job_id)
@@ -425,9 +440,12 @@ class Broker(SansIOCore[Effect, _TimerKind]):
 
         Frames for a connection that is already closed are ignored (the reader may
         have had one in hand when the close happened).
+
+        Raises:
+            BrokerUsageError: the broker never issued ``conn_id``; nothing changed.
         """
+        conn = self._open_or_closed(conn_id)
         self._enter(now)
-        conn = self._conns.get(conn_id)
         if conn is not None:
             conn.last_recv = now
             self._dispatch(conn, message)
@@ -441,12 +459,12 @@ class Broker(SansIOCore[Effect, _TimerKind]):
         order, so a waiting client can redeem at once). Drain frames and effects.
 
         Raises:
-            BrokerUsageError: the run id is not running.
+            BrokerUsageError: the run id is not running; nothing changed.
         """
-        self._enter(now)
-        run = self._runs.pop(run_id, None)
-        if run is None:
+        if run_id not in self._runs:
             raise BrokerUsageError(f"run {run_id} is not running")
+        self._enter(now)
+        run = self._runs.pop(run_id)
         receipt = attrs.evolve(receipt, instance_id=self.config.instance_id)
         self.pool.release(run.service, run.reserved)
         self.pool.record(run.service, receipt)
@@ -478,9 +496,15 @@ class Broker(SansIOCore[Effect, _TimerKind]):
         self._leave()
 
     def callback_checked(self, conn_id: ConnId, result: str, *, now: float) -> None:
-        """Record the outcome of a :class:`CheckCallback` ("ok" or what went wrong)."""
+        """Record the outcome of a :class:`CheckCallback` ("ok" or what went wrong).
+
+        A connection closed meanwhile is ignored.
+
+        Raises:
+            BrokerUsageError: the broker never issued ``conn_id``; nothing changed.
+        """
+        conn = self._open_or_closed(conn_id)
         self._enter(now)
-        conn = self._conns.get(conn_id)
         if conn is not None:
             conn.callback_check = result
         self._leave()
@@ -533,8 +557,15 @@ class Broker(SansIOCore[Effect, _TimerKind]):
         return 0 if self.draining else self._idle
 
     def hello_for(self, conn_id: ConnId) -> p.Hello:
-        """The ``HELLO`` this connection would be sent now."""
-        return self._hello(self._conns[conn_id])
+        """The ``HELLO`` this connection would be sent now.
+
+        Raises:
+            BrokerUsageError: the connection is not open.
+        """
+        conn = self._conns.get(conn_id)
+        if conn is None:
+            raise BrokerUsageError(f"connection {conn_id} is not open")
+        return self._hello(conn)
 
     def statistics(self) -> BrokerStatistics:
         """A frozen snapshot of the pool, the services, connections and receipts."""
@@ -908,6 +939,13 @@ class Broker(SansIOCore[Effect, _TimerKind]):
         self._min_free = self.pool.free
 
     # -- plumbing -----------------------------------------------------------------------------
+
+    def _open_or_closed(self, conn_id: ConnId) -> _Conn | None:
+        """The open connection, ``None`` for one that closed; raise for one never issued."""
+        conn = self._conns.get(conn_id)
+        if conn is None and not 1 <= conn_id <= self._last_conn_id:
+            raise BrokerUsageError(f"connection {conn_id} was never opened")
+        return conn
 
     def _enter(self, now: float) -> None:
         self._advance(now)

@@ -46,11 +46,22 @@ Invariants (:meth:`ClientCore.check_invariants`): a job is parked on a
 connection exactly when that connection lists it; a job that holds a slot (its
 ``JOB`` sent) is parked nowhere; a connection never has two live uses of one
 job id.
+
+Errors by blame (the tree is in :mod:`trio_broker.core.errors`). An
+execserver's bad frame never raises: it becomes a :class:`PeerError` effect for
+the log. The driving code's misuse raises
+:class:`~trio_broker.core.errors.ClientUsageError` before anything changes, the
+clock included: a connection id the core never issued, ``connected`` twice,
+a frame on a connection not yet connected, a job id submitted twice. A
+connection the core issued and has since forgotten (it lost it, or closed a
+duplicate) is not misuse: its late frames and its close report are taken (the
+time advances) and otherwise ignored. Unknown job ids in :meth:`~ClientCore.cancel`
+and :meth:`~ClientCore.query` are ignored too: a caller's cancel races with the
+job's end by design.
 """
 
 from __future__ import annotations
 
-import itertools
 import random as _random
 from collections.abc import Iterator
 from typing import Any, Literal, TypeAlias
@@ -58,6 +69,7 @@ from typing import Any, Literal, TypeAlias
 import attrs
 
 from trio_broker.core import protocol as p
+from trio_broker.core.errors import ClientUsageError
 from trio_broker.core.job import with_pipe_urls
 from trio_broker.core.liveness import Liveness
 from trio_broker.core.sansio import SansIOCore
@@ -67,6 +79,7 @@ __all__ = [
     "ClientConfig",
     "ClientCore",
     "ClientEffect",
+    "ClientUsageError",
     "Close",
     "Dial",
     "Failed",
@@ -278,10 +291,6 @@ class _Job:
 _TimerKind: TypeAlias = Literal["deadline", "redial", "grow", "reprobe", "ping", "dead"]
 
 
-class ClientUsageError(RuntimeError):
-    """The code driving the client core misused it."""
-
-
 class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
     """The client side of the protocol. See the module docstring.
 
@@ -303,7 +312,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         super().__init__(now=now, liveness=Liveness(config.ping_interval, config.ping_timeout))
         self.config = config
         self._random = random if random is not None else _random.Random(config.backend_id)
-        self._conn_ids = itertools.count(1)
+        self._last_conn_id: ConnId = 0  # ids 1..this were issued
         self._conns: dict[ConnId, _Conn] = {}
         self._addresses = {a: _Address(a, config.reconnect_min) for a in config.addresses}
         self._jobs: dict[str, _Job] = {}
@@ -316,13 +325,20 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
     # -- transport inputs ---------------------------------------------------------------
 
     def connected(self, conn_id: ConnId, *, local_addr: str | None = None, now: float) -> None:
-        """The dial of :class:`Dial` succeeded; sends ``REGISTER``."""
-        self._enter(now)
-        conn = self._conns[conn_id]
-        if conn.state != "dialing":
-            raise ClientUsageError(f"connection {conn_id} is already connected")
+        """The dial of :class:`Dial` succeeded; sends ``REGISTER``.
+
+        Raises:
+            ClientUsageError: the connection is not one being dialled (never
+                issued, already connected, or closed), or ``local_addr`` is
+                missing while ``callback_port`` needs it; nothing changed.
+        """
+        conn = self._open_or_closed(conn_id)
+        if conn is None or conn.state != "dialing":
+            state = "closed" if conn is None else "already connected"
+            raise ClientUsageError(f"connection {conn_id} is {state}")
         if local_addr is None and self.config.callback_port is not None:
             raise ClientUsageError("callback_port needs the local_addr of every connection")
+        self._enter(now)
         conn.state = "open"
         conn.local_addr = local_addr
         conn.last_recv = now
@@ -340,25 +356,42 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         self._leave()
 
     def dial_failed(self, conn_id: ConnId, *, now: float) -> None:
-        """The dial of :class:`Dial` failed; the address is dialled again later."""
+        """The dial of :class:`Dial` failed; the address is dialled again later.
+
+        Raises:
+            ClientUsageError: the core never issued ``conn_id``; nothing changed.
+        """
+        self._open_or_closed(conn_id)
         self._enter(now)
         self._lose(conn_id, redial=True)
         self._leave()
 
     def connection_closed(self, conn_id: ConnId, *, now: float) -> None:
-        """The connection is gone, for whatever reason. Unknown ids are ignored."""
+        """The connection is gone, for whatever reason.
+
+        One the core already forgot (it closed a duplicate with :class:`Close`)
+        is ignored.
+
+        Raises:
+            ClientUsageError: the core never issued ``conn_id``; nothing changed.
+        """
+        conn = self._open_or_closed(conn_id)
         self._enter(now)
-        if conn_id in self._conns:
+        if conn is not None:
             self._lose(conn_id, redial=True)
         self._leave()
 
     def receive_text(self, conn_id: ConnId, text: str | bytes, *, now: float) -> None:
-        """A frame arrived; bad frames become a :class:`PeerError` for the log."""
+        """A frame arrived; bad frames become a :class:`PeerError` for the log.
+
+        Raises:
+            ClientUsageError: as :meth:`receive`; nothing changed.
+        """
         try:
             message = p.decode(text, accept=p.EXEC_TO_CLIENT)
         except p.ProtocolError as exc:
+            conn = self._receiving(conn_id)
             self._enter(now)
-            conn = self._conns.get(conn_id)
             if conn is not None:
                 conn.last_recv = now
                 self._effects.append(
@@ -372,10 +405,15 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         self.receive(conn_id, message, now=now)
 
     def receive(self, conn_id: ConnId, message: p.Message, *, now: float) -> None:
-        """A decoded frame arrived. Frames of closed connections are ignored."""
+        """A decoded frame arrived. Frames of closed connections are ignored.
+
+        Raises:
+            ClientUsageError: the core never issued ``conn_id``, or the connection
+                is not connected yet; nothing changed.
+        """
+        conn = self._receiving(conn_id)
         self._enter(now)
-        conn = self._conns.get(conn_id)
-        if conn is not None and conn.state != "dialing":
+        if conn is not None:
             conn.last_recv = now
             self._dispatch(conn, message)
         self._leave()
@@ -404,15 +442,15 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
 
         Raises:
             ClientUsageError: the job id is already in use by this client, or the
-                job has pipes and the config has no callback base.
+                job has pipes and the config has no callback base; nothing changed.
         """
-        self._enter(now)
         if job_id in self._jobs:
             raise ClientUsageError(f"job_id {job_id!r} is already submitted")
         if pipes and self.config.callback_url is None and self.config.callback_port is None:
             raise ClientUsageError(
                 "a job with pipes needs callback_url or callback_port in the ClientConfig"
             )
+        self._enter(now)
         ready = [c for c in self._conns.values() if c.state == "ready"]
         refusal: tuple[FailReason, str] | None = None
         if not ready:
@@ -473,13 +511,6 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
     def hello(self, conn_id: ConnId) -> p.Hello | None:
         conn = self._conns.get(conn_id)
         return conn.hello if conn else None
-
-    def local_addr(self, conn_id: ConnId) -> str | None:
-        conn = self._conns.get(conn_id)
-        return conn.local_addr if conn else None
-
-    def address_of(self, conn_id: ConnId) -> str:
-        return self._conns[conn_id].address
 
     def callback_base(self, conn_id: ConnId) -> str | None:
         """The callback base this connection registered (pipes are served under it)."""
@@ -666,8 +697,23 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
 
     # -- connections -------------------------------------------------------------------------
 
+    def _open_or_closed(self, conn_id: ConnId) -> _Conn | None:
+        """The known connection, ``None`` for one forgotten; raise for one never issued."""
+        conn = self._conns.get(conn_id)
+        if conn is None and not 1 <= conn_id <= self._last_conn_id:
+            raise ClientUsageError(f"connection {conn_id} was never dialled")
+        return conn
+
+    def _receiving(self, conn_id: ConnId) -> _Conn | None:
+        """:meth:`_open_or_closed` for a frame: a connection still dialling is misuse."""
+        conn = self._open_or_closed(conn_id)
+        if conn is not None and conn.state == "dialing":
+            raise ClientUsageError(f"connection {conn_id} received a frame before connected()")
+        return conn
+
     def _dial(self, address: _Address) -> None:
-        conn = _Conn(next(self._conn_ids), address.address, self._now)
+        self._last_conn_id += 1
+        conn = _Conn(self._last_conn_id, address.address, self._now)
         self._conns[conn.id] = conn
         address.conns.add(conn.id)
         self._effects.append(Dial(conn=conn.id, address=address.address))

@@ -1,18 +1,127 @@
-"""Exceptions a library user catches around :meth:`BrokerClient.run`.
+"""Every exception of the library, sorted by whose fault it is.
 
-They are split by what the caller should do next: :class:`NoSlot` and
-:class:`NoExecserver` mean "try again later" (a queue requeues the item),
-:class:`UnknownService` means the fleet cannot run this at all, and
-:class:`JobLost` means the job may have run but its end will never be known.
+Theory of operation
+===================
+
+An exception answers one question for whoever catches it: *who has to do
+something?* The tree has three branches, one per answer::
+
+    Exception
+    ├── ProtocolError ·············· remote: the peer broke the wire protocol
+    ├── UsageError (RuntimeError) ·· local: the calling code misused an object
+    │   ├── BrokerUsageError             the execserver core (core.broker)
+    │   ├── ClientUsageError             the client core (core.client)
+    │   └── DispatchUsageError           the dispatch core (core.dispatch)
+    └── BrokerError ················ operational: the work could not reach a known end
+        ├── NoSlot                       no slot within connect_timeout
+        ├── NoExecserver                 no execserver reachable (or all drain)
+        ├── UnknownService               no reachable execserver offers the service
+        ├── JobLost                      the connection holding the slot closed
+        ├── ClientClosed                 the client closed while the job waited or ran
+        ├── JobStopped                   the execserver stopped the job before its end
+        ├── StoreUnavailable             the queue database could not be reached
+        └── RetryLater                   a handler's own reason to try again later
+
+**Remote.** :class:`ProtocolError` is raised only by the codec
+(:func:`trio_broker.core.protocol.decode`); the cores catch it and answer with an
+``ERROR`` frame (execserver) or report it for the log (client). It never reaches
+the code driving a core, and the core's state is unchanged by the bad frame.
+
+**Local.** A :class:`UsageError` is a bug in the code around an object: time
+going backwards, an id the object never issued, a job id submitted twice. It is
+raised *before* anything changes, so the object is exactly as it was (its clock
+included) and the caller may carry on. Fix the caller; never retry.
+
+**Operational.** A :class:`BrokerError` means the system this process depends
+on (a slot, an execserver, a connection, the database) was not there or went
+away: nobody's code is wrong, and trying again later may succeed. What a queue
+does with each one (requeue at once, requeue later, or fail the item) is the
+table of :mod:`trio_broker.core.dispatch`, the one place that decides it.
+
+:func:`describe` renders any of them (or an exception group of them) as the
+one-line text the queue stores and the logs show.
 """
 
 from __future__ import annotations
 
-__all__ = ["BrokerError", "ClientClosed", "JobLost", "NoExecserver", "NoSlot", "UnknownService"]
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trio_broker.core.protocol import ErrorCode
+
+__all__ = [
+    "BrokerError",
+    "BrokerUsageError",
+    "ClientClosed",
+    "ClientUsageError",
+    "DispatchUsageError",
+    "JobLost",
+    "JobStopped",
+    "NoExecserver",
+    "NoSlot",
+    "ProtocolError",
+    "RetryLater",
+    "StoreUnavailable",
+    "UnknownService",
+    "UsageError",
+    "describe",
+]
+
+
+# -- remote ------------------------------------------------------------------------------
+
+
+class ProtocolError(Exception):
+    """A frame broke the protocol. Raised by :func:`~trio_broker.core.protocol.decode` only.
+
+    Args:
+        code: the ``ERROR`` code of PROTOCOL.md (``bad_frame``, ``unknown_type``
+            or ``bad_field`` from the codec).
+        message: a sentence for humans that names the offending member.
+        job_id: the frame's ``job_id`` member when it had a string one (valid or
+            not), otherwise ``None``; an ``ERROR`` answer echoes it.
+    """
+
+    def __init__(self, code: ErrorCode, message: str, job_id: str | None = None) -> None:
+        super().__init__(code, message, job_id)
+        self.code: ErrorCode = code
+        self.message = message
+        self.job_id = job_id
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+
+# -- local -------------------------------------------------------------------------------
+
+
+class UsageError(RuntimeError):
+    """The code driving an object misused it; nothing changed. Fix the caller."""
+
+
+class BrokerUsageError(UsageError):
+    """The code driving the execserver core (:class:`~trio_broker.core.broker.Broker`)
+    misused it."""
+
+
+class ClientUsageError(UsageError):
+    """The code driving the client core (:class:`~trio_broker.core.client.ClientCore`)
+    misused it."""
+
+
+class DispatchUsageError(UsageError):
+    """The code driving the dispatch core (:class:`~trio_broker.core.dispatch.DispatchCore`)
+    misused it."""
+
+
+# -- operational -------------------------------------------------------------------------
 
 
 class BrokerError(Exception):
-    """Base class: the broker could not get this job run to a known end."""
+    """Base class of operational failures: the work could not reach a known end.
+
+    Nobody's code is at fault; trying again later may succeed.
+    """
 
 
 class NoSlot(BrokerError):
@@ -20,16 +129,74 @@ class NoSlot(BrokerError):
 
 
 class NoExecserver(BrokerError):
-    """No execserver is reachable right now."""
+    """No execserver is reachable right now (or every reachable one drains)."""
 
 
 class UnknownService(BrokerError):
-    """No reachable execserver offers this service."""
+    """No reachable execserver offers this service (the ones that do may be restarting)."""
 
 
 class JobLost(BrokerError):
-    """The connection holding the job's slot closed before its ``DONE``."""
+    """The connection holding the job's slot closed before its ``DONE``.
+
+    The job may have run; its end will never be known.
+    """
 
 
 class ClientClosed(BrokerError):
     """The client was closed while the job waited or ran."""
+
+
+class JobStopped(BrokerError):
+    """The job was interrupted before a whole end: the execserver stopped it.
+
+    A ``stopped`` receipt (the execserver drained, or the job's stream broke), or
+    a job whose streamed output did not arrive whole.
+    :meth:`BrokerClient.run <trio_broker.trio.client.BrokerClient.run>` returns
+    such receipts like any other; a queue handler raises this to have the item
+    run again later, on whichever execserver is there then.
+    """
+
+
+class StoreUnavailable(BrokerError):
+    """The database could not be reached, or the connection broke mid-call.
+
+    The call may or may not have taken effect; every queue operation is safe to
+    retry after a short back-off (the pool reconnects meanwhile).
+    """
+
+
+class RetryLater(BrokerError):
+    """A handler's own temporary reason: requeue the item after ``delay`` seconds.
+
+    Args:
+        delay: seconds before the item may be claimed again (negative counts as 0).
+        reason: stored as the item's ``last_error``.
+    """
+
+    def __init__(self, delay: float, reason: str) -> None:
+        super().__init__(delay, reason)
+        self.delay = max(0.0, float(delay))
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"retry in {self.delay:g} s: {self.reason}"
+
+
+def describe(exc: BaseException) -> str:
+    """One line for the queue's ``last_error`` and the logs.
+
+    Args:
+        exc: any exception, or an exception group.
+
+    Returns:
+        ``"<type name>: <text>"`` (just the name when the text is empty); a
+        :class:`RetryLater` gives its reason; a group gives its members' lines
+        joined by ``"; "``.
+    """
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(describe(member) for member in exc.exceptions)
+    if isinstance(exc, RetryLater):
+        return exc.reason
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -22,18 +22,22 @@ Rules enforced here:
 * Strings are Unicode scalar values: a lone surrogate, escaped or not, makes the
   frame ``bad_frame`` (it cannot be represented as UTF-8).
 
-:func:`decode` raises :class:`ProtocolError` and nothing else, whatever the input.
+:func:`decode` raises :class:`ProtocolError` and nothing else, whatever the input
+(the class lives in :mod:`trio_broker.core.errors`, in the remote branch of the
+library's exception tree, and is re-exported here).
 """
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, ClassVar, Final, Literal, TypeAlias, TypeVar, get_args
+from typing import Annotated, Any, ClassVar, Final, Literal, TypeAlias, get_args
 
 import attrs
 import orjson
 from cattrs.errors import ClassValidationError, IterableValidationError
 from cattrs.gen import make_dict_structure_fn
 from cattrs.preconf.orjson import make_converter
+
+from trio_broker.core.errors import ProtocolError
 
 __all__ = [
     "CLIENT_TO_EXEC",
@@ -118,27 +122,6 @@ ServiceName = Annotated[str, "service: 1..200 characters"]
 Count = Annotated[int, "int32 >= 0"]
 ByteCount = Annotated[int, "int64 >= 0"]
 JsonObject = Annotated[dict[str, Any], "any JSON object"]
-
-
-class ProtocolError(Exception):
-    """A frame broke the protocol. Raised by :func:`decode` only.
-
-    Attributes:
-        code: the ``ERROR`` code of PROTOCOL.md (``bad_frame``, ``unknown_type``
-            or ``bad_field`` from the codec).
-        message: a sentence for humans that names the offending member.
-        job_id: the frame's ``job_id`` member when it had a string one (valid or
-            not), otherwise ``None``; an ``ERROR`` answer echoes it.
-    """
-
-    def __init__(self, code: ErrorCode, message: str, job_id: str | None = None) -> None:
-        super().__init__(code, message, job_id)
-        self.code: ErrorCode = code
-        self.message = message
-        self.job_id = job_id
-
-    def __str__(self) -> str:
-        return f"{self.code}: {self.message}"
 
 
 # -- messages -----------------------------------------------------------------
@@ -551,8 +534,6 @@ def _first_failure(exc: BaseException) -> tuple[str, str]:
 
 # -- the codec ----------------------------------------------------------------
 
-_M = TypeVar("_M", bound=Message)
-
 
 def encode(message: Message) -> str:
     """Serialise a message to the text of one frame.
@@ -603,11 +584,4 @@ def decode(text: str | bytes, *, accept: frozenset[str] | None = None) -> Messag
     except (ClassValidationError, _FieldError) as exc:
         path, reason = _first_failure(exc)
         raise ProtocolError("bad_field", f"{kind}.{path}: {reason}", job_id) from None
-    return message
-
-
-def decode_as(text: str | bytes, cls: type[_M]) -> _M:
-    """Decode a frame that must be of one message class (tests, tools)."""
-    message = decode(text, accept=frozenset({cls.TYPE}))
-    assert isinstance(message, cls)
     return message

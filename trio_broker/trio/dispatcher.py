@@ -25,23 +25,24 @@ Tasks, all in one nursery (:meth:`Dispatcher.serve`):
   requeues the rows of backends silent for ``stale_after`` (any survivor does
   this for a dispatcher that was killed).
 
-Outcomes. The handler returns: the item is complete (its row is deleted). It
-raises :class:`~trio_broker.core.errors.NoSlot`: requeued after ``no_slot_delay``
-(a minute). :class:`~trio_broker.core.errors.NoExecserver`: requeued at once (no
-exec-bound item is claimed while no execserver is connected, so it waits).
-:class:`RetryLater` (for example a ``stopped`` receipt of a draining
-execserver): requeued after its delay. :class:`~trio_broker.trio.store.StoreUnavailable`
-(the handler's own database work failed): requeued at once. Any other exception:
-the item fails with the exception's text. An exception group of a single exception counts as that
-exception.
+Outcomes. Every decision about an item is the sans-IO
+:class:`~trio_broker.core.dispatch.DispatchCore`'s; this module claims, runs and
+writes for it. A handler *returns* (the item is complete: its row is deleted)
+or *raises*; what each exception means is the one outcome table of
+:mod:`trio_broker.core.dispatch`: ``NoSlot``, ``JobStopped`` and
+``UnknownService`` requeue after ``retry_delay``; ``NoExecserver``, ``JobLost``,
+``ClientClosed`` and ``StoreUnavailable`` requeue at once; ``RetryLater``
+after its own delay; anything else fails the item with the exception's text.
+The handler's end is caught with ``except*`` (so an exception group is judged
+by the table, and a cancellation inside one still cancels); a handler that was
+cancelled (shutdown) has no outcome, and its row goes back to the queue.
 
-Admission. Exec-bound items in flight are bounded by
-:func:`~trio_broker.core.admission.exec_limit` over the client's
-:meth:`ExecClient.instance_loads` and :meth:`ExecClient.waiting`, with the
-odd-priority reserve; local-bound items by ``local_workers``. An item is in
-flight from its claim until its handler ends.
+Admission. The core plans each claim with :mod:`trio_broker.core.admission`
+over the client's :meth:`ExecClient.instance_loads` and :meth:`ExecClient.waiting`
+(the odd-priority reserve on top of the limit); local-bound items are bounded by
+``local_workers``. An item is in flight from its claim until its handler ends.
 
-Failures. A database call that fails (:class:`~trio_broker.trio.store.StoreUnavailable`)
+Failures. A database call that fails (:class:`~trio_broker.core.errors.StoreUnavailable`)
 is retried after a back-off that doubles from ``retry_min`` to ``retry_max``.
 Outcomes are fenced to their claim, so a retried outcome never touches a row
 claimed again since. A claim whose reply was lost may have claimed rows this
@@ -65,18 +66,11 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from trio_broker.core.admission import (
-    AdmissionConfig,
-    ClaimPlan,
-    InstanceLoad,
-    exec_limit,
-    is_odd,
-    odd_reserve,
-    plan_claims,
-)
-from trio_broker.core.errors import NoExecserver, NoSlot
+from trio_broker.core.admission import AdmissionConfig, ClaimPlan, InstanceLoad
+from trio_broker.core.dispatch import Backoff, Decision, DispatchConfig, DispatchCore
+from trio_broker.core.errors import RetryLater, StoreUnavailable
 from trio_broker.trio.host import cpu_count
-from trio_broker.trio.store import ClaimRequest, Outcome, QueueItem, Store, StoreUnavailable
+from trio_broker.trio.store import ClaimRequest, Outcome, QueueItem, Store
 
 __all__ = [
     "Action",
@@ -91,26 +85,6 @@ __all__ = [
 log = logging.getLogger("trio_broker.trio.dispatcher")
 
 Handler = Callable[[QueueItem], Awaitable[None]]
-
-
-class RetryLater(Exception):
-    """Raised by a handler: requeue the item after ``delay`` seconds.
-
-    For a ``stopped`` receipt (the execserver drained before the job ended), or
-    any other temporary reason the handler knows of.
-
-    Args:
-        delay: seconds before the item may be claimed again (at least 0).
-        reason: stored as the item's ``last_error``.
-    """
-
-    def __init__(self, delay: float, reason: str) -> None:
-        super().__init__(delay, reason)
-        self.delay = max(0.0, float(delay))
-        self.reason = reason
-
-    def __str__(self) -> str:
-        return f"retry in {self.delay:g} s: {self.reason}"
 
 
 class ExecClient(Protocol):
@@ -136,8 +110,8 @@ class Action:
         name: the ``action`` column of the rows it handles.
         exec_bound: whether the work holds an execserver slot (admission by the
             execservers) or runs locally (the CPU-count semaphore).
-        handler: ``async (QueueItem) -> None``; see the module docstring for how
-            its end maps to the item's outcome.
+        handler: ``async (QueueItem) -> None``; how its end maps to the item's
+            outcome is the table of :mod:`trio_broker.core.dispatch`.
     """
 
     name: str
@@ -172,7 +146,9 @@ class DispatcherConfig:
         admission: headroom, odd reserve, ``max_in_flight`` (0 = automatic),
             whether idle slots count; its ``db_pool`` is replaced by the store's
             pool size.
-        no_slot_delay: requeue delay after :class:`~trio_broker.core.errors.NoSlot`.
+        retry_delay: the requeue delay of the outcomes that try again *later*
+            (``NoSlot``, ``JobStopped``, ``UnknownService``; see
+            :mod:`trio_broker.core.dispatch`).
         retry_min, retry_max: the back-off range after a database error.
         shutdown_timeout: bound on writing outcomes and returning rows at shutdown.
     """
@@ -184,7 +160,7 @@ class DispatcherConfig:
     stale_after: float = attrs.field(default=45.0, validator=_positive)
     local_workers: int = attrs.field(default=0, validator=_not_negative)
     admission: AdmissionConfig = attrs.field(factory=AdmissionConfig)
-    no_slot_delay: float = attrs.field(default=60.0, validator=_not_negative)
+    retry_delay: float = attrs.field(default=60.0, validator=_not_negative)
     retry_min: float = attrs.field(default=0.1, validator=_positive)
     retry_max: float = attrs.field(default=5.0, validator=_positive)
     shutdown_timeout: float = attrs.field(default=10.0, validator=_positive)
@@ -245,18 +221,6 @@ class DispatcherStatistics:
     pending_outcomes: int
 
 
-def _sole(exc: BaseException) -> BaseException:
-    """The one exception inside nested single-exception groups, else ``exc``."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
 class Dispatcher:
     """Drains ``file_queue`` into registered actions (see the module docstring).
 
@@ -292,38 +256,21 @@ class Dispatcher:
         self._local_names = tuple(
             sorted(a.name for a in self._actions.values() if not a.exec_bound)
         )
-        self._admission = attrs.evolve(config.admission, db_pool=store.pool_size)
-        self._local_limit = config.local_workers or cpu_count()
-        self._local_slots = trio.CapacityLimiter(self._local_limit)
-        # claimed rows whose outcome is not written yet, by (id, attempts)
-        self._unwritten: dict[tuple[int, int], QueueItem] = {}
-        self._pending: list[Outcome] = []
-        self._exec_in_flight = 0
-        self._odd_in_flight = 0
-        self._local_in_flight = 0
-        self._peak_exec = 0
-        self._last_limit = 0
-        self._last_reserve = 0
-        self._queue_deep = False
-        self._reconcile = False
+        local_limit = config.local_workers or cpu_count()
+        self._core = DispatchCore(
+            DispatchConfig(
+                exec_actions=frozenset(self._exec_names),
+                local_actions=frozenset(self._local_names),
+                local_limit=local_limit,
+                admission=attrs.evolve(config.admission, db_pool=store.pool_size),
+                retry_delay=config.retry_delay,
+            )
+        )
+        self._local_slots = trio.CapacityLimiter(local_limit)
         self._claim_wanted = trio.Event()
         self._outcome_ready = trio.Event()
         self._changed = trio.Event()
-        self._counters = dict.fromkeys(
-            (
-                "ticks",
-                "claims",
-                "claimed",
-                "completed",
-                "requeued",
-                "failed",
-                "fenced",
-                "returned",
-                "stale_requeued",
-                "store_errors",
-            ),
-            0,
-        )
+        self._counters = dict.fromkeys(("ticks", "stale_requeued", "store_errors"), 0)
         self._store_down = False
 
     # -- public API ------------------------------------------------------------------------
@@ -355,28 +302,29 @@ class Dispatcher:
 
     def statistics(self) -> DispatcherStatistics:
         """A frozen snapshot of the counters and what is in flight."""
+        core = self._core.statistics()
         c = self._counters
         return DispatcherStatistics(
             backend_id=self.config.backend_id,
-            exec_limit=self._last_limit,
-            odd_reserve=self._last_reserve,
-            exec_in_flight=self._exec_in_flight,
-            odd_in_flight=self._odd_in_flight,
-            peak_exec_in_flight=self._peak_exec,
-            local_limit=self._local_limit,
-            local_in_flight=self._local_in_flight,
-            queue_deep=self._queue_deep,
+            exec_limit=core.exec_limit,
+            odd_reserve=core.odd_reserve,
+            exec_in_flight=core.exec_in_flight,
+            odd_in_flight=core.odd_in_flight,
+            peak_exec_in_flight=core.peak_exec_in_flight,
+            local_limit=core.local_limit,
+            local_in_flight=core.local_in_flight,
+            queue_deep=core.queue_deep,
             ticks=c["ticks"],
-            claims=c["claims"],
-            claimed=c["claimed"],
-            completed=c["completed"],
-            requeued=c["requeued"],
-            failed=c["failed"],
-            fenced=c["fenced"],
-            returned=c["returned"],
+            claims=core.claims,
+            claimed=core.claimed,
+            completed=core.completed,
+            requeued=core.requeued,
+            failed=core.failed,
+            fenced=core.fenced,
+            returned=core.returned,
             stale_requeued=c["stale_requeued"],
             store_errors=c["store_errors"],
-            pending_outcomes=len(self._pending),
+            pending_outcomes=core.pending_outcomes,
         )
 
     async def wait_until(self, predicate: Callable[[DispatcherStatistics], bool]) -> None:
@@ -386,33 +334,9 @@ class Dispatcher:
 
     # -- claiming --------------------------------------------------------------------------
 
-    def plan(self) -> ClaimPlan:
-        """How many items of each kind a claim would ask for right now."""
-        if self._exec is not None and self._exec_names:
-            loads: Sequence[InstanceLoad] = self._exec.instance_loads()
-            waiting = self._exec.waiting()
-        else:
-            loads, waiting = (), 0
-        limit = exec_limit(
-            loads, waiting=waiting, queue_deep=self._queue_deep, config=self._admission
-        )
-        # The odd reserve comes on top of the limit: even items keep the whole fair
-        # share and its pipelining headroom (on a small fleet a reserve taken out
-        # of the limit would leave no even want parked ahead of a freed slot), and
-        # odd ones may go ``reserve`` beyond it, waiting ahead of the even wants.
-        reserve = odd_reserve(limit, self._admission.odd_reserve)
-        self._last_limit, self._last_reserve = limit, reserve
-        return plan_claims(
-            exec_limit=limit + reserve,
-            reserve=reserve,
-            exec_in_flight=self._exec_in_flight,
-            even_in_flight=self._exec_in_flight - self._odd_in_flight,
-            local_limit=self._local_limit if self._local_names else 0,
-            local_in_flight=self._local_in_flight,
-        )
-
     async def _claimer(self, nursery: trio.Nursery) -> None:
-        backoff = self.config.retry_min
+        core = self._core
+        backoff = Backoff(self.config.retry_min, self.config.retry_max)
         deadline = trio.current_time()
         while True:
             with trio.move_on_at(deadline):
@@ -421,20 +345,24 @@ class Dispatcher:
             deadline = trio.current_time() + self.config.tick_interval
             self._counters["ticks"] += 1
             try:
-                if self._reconcile:
+                if core.needs_reconcile:
                     await self._return_unknown()
-                plan = self.plan()
+                plan = self._plan()
                 if plan.total:
                     items = await self._claim(plan)
-                    self._start(nursery, items, plan)
+                    self._start(nursery, items)
             except StoreUnavailable as exc:
                 self._store_failed("claim", exc)
-                deadline = trio.current_time() + backoff
-                backoff = min(backoff * 2, self.config.retry_max)
+                deadline = trio.current_time() + backoff.failed()
             else:
-                backoff = self.config.retry_min
+                backoff.succeeded()
                 self._store_ok()
             self._notify()
+
+    def _plan(self) -> ClaimPlan:
+        if self._exec is not None and self._exec_names:
+            return self._core.plan(self._exec.instance_loads(), waiting=self._exec.waiting())
+        return self._core.plan()
 
     async def _claim(self, plan: ClaimPlan) -> list[QueueItem]:
         requests = [
@@ -442,44 +370,30 @@ class Dispatcher:
             ClaimRequest(limit=plan.odd_only, actions=self._exec_names, odd_only=True),
             ClaimRequest(limit=plan.local, actions=self._local_names),
         ]
-        self._counters["claims"] += 1
         try:
             return await self._store.claim_batch(self.config.backend_id, requests)
         except StoreUnavailable:
             # the claim may have taken rows whose reply never came
-            self._reconcile = True
+            self._core.claim_failed()
             raise
 
     async def _return_unknown(self) -> None:
-        keep = {item_id for item_id, _ in self._unwritten}
-        returned = await self._store.return_claimed(self.config.backend_id, keep=keep)
-        self._reconcile = False
+        core = self._core
+        returned = await self._store.return_claimed(self.config.backend_id, keep=core.known_ids())
+        core.reconciled(returned)
         if returned:
             log.info("returned %d rows claimed by a claim whose reply was lost", returned)
-            self._counters["returned"] += returned
 
-    def _start(self, nursery: trio.Nursery, items: Sequence[QueueItem], plan: ClaimPlan) -> None:
-        exec_items = 0
+    def _start(self, nursery: trio.Nursery, items: Sequence[QueueItem]) -> None:
+        self._core.claimed(items)
         for item in items:
-            action = self._actions[item.action]
-            self._unwritten[item.id, item.attempts] = item
-            if action.exec_bound:
-                exec_items += 1
-                self._exec_in_flight += 1
-                if is_odd(item.priority):
-                    self._odd_in_flight += 1
-            else:
-                self._local_in_flight += 1
-            nursery.start_soon(self._run_item, item, action)
-        self._peak_exec = max(self._peak_exec, self._exec_in_flight)
-        self._counters["claimed"] += len(items)
-        if plan.general:
-            self._queue_deep = exec_items >= plan.general
+            nursery.start_soon(self._run_item, item, self._actions[item.action])
 
     # -- running ---------------------------------------------------------------------------
 
     async def _run_item(self, item: QueueItem, action: Action) -> None:
-        outcome: Outcome | None = None
+        failure: BaseException | None = None
+        ended = False
         try:
             try:
                 if action.exec_bound:
@@ -487,45 +401,29 @@ class Dispatcher:
                 else:
                     async with self._local_slots:
                         await action.handler(item)
-            except Exception as raised:
-                outcome = self._outcome_of(item, _sole(raised))
-            else:
-                outcome = Outcome(item_id=item.id, attempts=item.attempts, kind="complete")
+            except* Exception as group:
+                failure = group
+            ended = True
         finally:
             # on cancellation (shutdown) there is no outcome: the row is returned
-            if action.exec_bound:
-                self._exec_in_flight -= 1
-                if is_odd(item.priority):
-                    self._odd_in_flight -= 1
+            if ended:
+                self._decided(self._core.finished(item, failure), item)
             else:
-                self._local_in_flight -= 1
-            if outcome is not None:
-                self._pending.append(outcome)
-                self._outcome_ready.set()
+                self._core.abandoned(item)
             self._claim_wanted.set()
             self._notify()
 
-    def _outcome_of(self, item: QueueItem, exc: BaseException) -> Outcome:
-        def requeue(delay: float, error: str) -> Outcome:
-            return Outcome(
-                item_id=item.id, attempts=item.attempts, kind="requeue", delay=delay, error=error
-            )
-
-        if isinstance(exc, NoSlot):
-            return requeue(self.config.no_slot_delay, _describe(exc))
-        if isinstance(exc, NoExecserver | StoreUnavailable):
-            return requeue(0.0, _describe(exc))
-        if isinstance(exc, RetryLater):
-            return requeue(exc.delay, exc.reason)
-        log.info("item %d (%s) failed: %s", item.id, item.action, _describe(exc))
-        return Outcome(item_id=item.id, attempts=item.attempts, kind="fail", error=_describe(exc))
+    def _decided(self, decision: Decision, item: QueueItem) -> None:
+        if decision.verdict.kind == "fail":
+            log.info("item %d (%s) failed: %s", item.id, item.action, decision.verdict.error)
+        self._outcome_ready.set()
 
     # -- writing outcomes ------------------------------------------------------------------
 
     async def _writer(self) -> None:
-        backoff = self.config.retry_min
+        backoff = Backoff(self.config.retry_min, self.config.retry_max)
         while True:
-            if not self._pending:
+            if not self._core.pending:
                 await self._outcome_ready.wait()
                 self._outcome_ready = trio.Event()
                 continue
@@ -533,35 +431,38 @@ class Dispatcher:
                 await self._write_pending()
             except StoreUnavailable as exc:
                 self._store_failed("outcome", exc)
-                await trio.sleep(backoff)
-                backoff = min(backoff * 2, self.config.retry_max)
+                await trio.sleep(backoff.failed())
             else:
-                backoff = self.config.retry_min
+                backoff.succeeded()
                 self._store_ok()
 
     async def _write_pending(self) -> None:
-        batch, self._pending = self._pending, []
+        core = self._core
+        batch = core.take_outcomes()
+        if not batch:
+            return
+        outcomes = [
+            Outcome(
+                item_id=d.item_id,
+                attempts=d.attempts,
+                kind=d.verdict.kind,
+                delay=d.verdict.delay,
+                error=d.verdict.error,
+            )
+            for d in batch
+        ]
         try:
-            applied = await self._store.finish(self.config.backend_id, batch)
+            applied = await self._store.finish(self.config.backend_id, outcomes)
         except BaseException:
-            self._pending[:0] = batch
+            core.write_failed()
             raise
-        for outcome in batch:
-            self._unwritten.pop((outcome.item_id, outcome.attempts), None)
-            if outcome.item_id not in applied:
-                self._counters["fenced"] += 1
-            elif outcome.kind == "complete":
-                self._counters["completed"] += 1
-            elif outcome.kind == "requeue":
-                self._counters["requeued"] += 1
-            else:
-                self._counters["failed"] += 1
+        core.written(applied)
         self._notify()
 
     # -- heartbeats ------------------------------------------------------------------------
 
     async def _register(self) -> None:
-        backoff = self.config.retry_min
+        backoff = Backoff(self.config.retry_min, self.config.retry_max)
         while True:
             try:
                 await self._store.register_backend(self.config.backend_id, self.config.name)
@@ -569,13 +470,12 @@ class Dispatcher:
                 returned = await self._store.return_claimed(self.config.backend_id)
             except StoreUnavailable as exc:
                 self._store_failed("register", exc)
-                await trio.sleep(backoff)
-                backoff = min(backoff * 2, self.config.retry_max)
+                await trio.sleep(backoff.failed())
             else:
                 self._store_ok()
+                self._core.returned(returned)
                 if returned:
                     log.info("returned %d rows left claimed by an earlier start", returned)
-                    self._counters["returned"] += returned
                 return
 
     async def _heartbeats(self) -> None:
@@ -602,12 +502,14 @@ class Dispatcher:
     # -- shutdown --------------------------------------------------------------------------
 
     async def _shutdown(self) -> None:
+        core = self._core
         backend_id = self.config.backend_id
+        core.close()
+        returned: int | None = None
         try:
-            if self._pending:
+            if core.pending:
                 await self._write_pending()
             returned = await self._store.return_claimed(backend_id)
-            self._counters["returned"] += returned
             await self._store.unregister_backend(backend_id)
         except StoreUnavailable as exc:
             log.warning(
@@ -616,7 +518,9 @@ class Dispatcher:
                 backend_id,
                 exc,
             )
-        self._notify()
+        finally:
+            core.stopped(returned)
+            self._notify()
 
     # -- helpers ---------------------------------------------------------------------------
 

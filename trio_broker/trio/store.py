@@ -71,6 +71,8 @@ from psycopg.rows import TupleRow
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
+from trio_broker.core.errors import StoreUnavailable
+
 __all__ = [
     "QUEUE_SCOPE",
     "ClaimRequest",
@@ -100,14 +102,6 @@ MIGRATION_NAME = re.compile(r"^(\d+)_([\w\-]+)\.sql$")
 PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 ERROR_CHECK_INTERVAL = 1.0
 """After a connection error the idle pooled connections are checked, at most this often."""
-
-
-class StoreUnavailable(Exception):
-    """The database could not be reached, or the connection broke mid-call.
-
-    The call may or may not have taken effect; every queue operation is safe to
-    retry after a short back-off (the pool reconnects meanwhile).
-    """
 
 
 # -- values --------------------------------------------------------------------------------

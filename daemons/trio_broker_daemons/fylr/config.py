@@ -58,7 +58,8 @@ Top-level keys (:class:`FylrConfig`):
 ``pool_grow_interval`` (2s, > 0), ``pool_max`` (16, >= 1), ``pool_reprobe_interval`` (60s, > 0)
     The client-side connection pool per address (PROTOCOL.md).
 ``max_in_flight`` (0, >= 0)
-    Cap on queue items in flight; 0 = automatic (:meth:`FylrConfig.resolved_max_in_flight`).
+    Cap on queue items in flight; 0 = automatic
+    (:func:`~trio_broker.core.admission.auto_max_in_flight` of the database pool).
 ``local_workers`` (0, >= 0)
     Concurrent local-bound actions (sync, checksum, copy); 0 =
     :func:`~trio_broker.trio.host.cpu_count`.
@@ -638,23 +639,3 @@ class FylrConfig:
             The count, at least 1.
         """
         return self.local_workers or cpu_count(root=root)
-
-    def resolved_max_in_flight(self, base: int) -> int:
-        """The cap on queue items in flight.
-
-        Args:
-            base: the exec-bound base the dispatcher computed (Σ over connected
-                execserver instances of ``ceil(processes / clients)``), >= 0.
-
-        Returns:
-            ``max_in_flight`` when set; otherwise 4 × ``base``, at least 32, at
-            most 2 × ``database_pool``.
-
-        Raises:
-            ValueError: ``base`` is negative.
-        """
-        if base < 0:
-            raise ValueError(f"base must be >= 0, got {base}")
-        if self.max_in_flight:
-            return self.max_in_flight
-        return min(max(4 * base, 32), 2 * self.database_pool)

@@ -3,7 +3,7 @@
 Theory of operation
 ===================
 
-The fylr's file worker (:mod:`trio_broker_daemons.fylr.app`) decides with the pure functions
+The fylr's file worker (:mod:`trio_broker_daemons.fylr.worker`) decides with the pure functions
 of :mod:`trio_broker_daemons.fylr.produce`; this module reads and writes what they decide,
 through :meth:`Store.call <trio_broker.trio.store.Store.call>` (one pooled connection in
 a worker thread per call). Migration ``002_files.sql`` holds the schema.

@@ -1,0 +1,372 @@
+"""The fylr's HTTP API: upload, get a file, sync again, download, health.
+
+Theory of operation
+===================
+
+:func:`build_app` makes the starlette application the fylr's one listener
+serves; its handlers (:class:`FileApi`) work on the process's
+:class:`~trio_broker_daemons.fylr.state.FylrState`:
+
+``PUT /eas/put?filename=NAME&priority=N``
+    the body is streamed into storage (hashed on the way), then the original's
+    row is inserted with its first step queued, in one transaction; 201 with the
+    file's document, 400 for a bad query, 413 over ``max_upload_size``, 503
+    while stopping or when the database is unavailable. An upload whose sender
+    goes away keeps nothing.
+``GET /api/v1/eas/<id>[?wait=S]``
+    the file's document (:func:`file_document`); 404 for an unknown id. With
+    ``wait``, it answers at once when the file has ended, otherwise when this
+    process next changes it (or after ``S`` seconds, at most :data:`MAX_WAIT`):
+    clients and tests follow a file's progress without polling.
+``POST /api/v1/eas/<id>/sync``
+    sync an original again (202); 409 while it waits for its metadata step.
+``GET /api/v1/eas/download/<id>/<version>``
+    the stored original (``original``) or a ``done`` version; 404 otherwise.
+``GET /healthz``
+    200 ``{"status": "serving"}``, 503 ``{"status": "stopping"}``.
+
+The application also carries the inspection routes
+(:func:`trio_broker_daemons.fylr.metrics.routes`) and the broker client's
+one-time pipes and ``/whoami``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import mimetypes
+import urllib.parse
+from collections.abc import Mapping, Sequence
+from typing import Any, Final, cast
+
+import trio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from trio_broker.trio.store import StoreUnavailable
+from trio_broker_daemons.fylr import metrics
+from trio_broker_daemons.fylr.files import FileRow
+from trio_broker_daemons.fylr.produce import api_status, class_of
+from trio_broker_daemons.fylr.state import FylrState
+from trio_broker_daemons.fylr.storage import FileReader, FileTooLarge
+from trio_broker_daemons.fylr.worker import OCTET_STREAM
+from trio_broker_daemons.logfmt import fields
+
+__all__ = ["MAX_FILENAME_CHARS", "MAX_WAIT", "FileApi", "build_app", "file_document"]
+
+log = logging.getLogger("trio_broker_daemons.fylr.api")
+
+MAX_WAIT: Final = 60.0
+"""The longest ``?wait=`` a file request may ask for, in seconds."""
+MAX_FILENAME_CHARS: Final = 1000
+"""The longest file name an upload may carry."""
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
+
+
+class _UploadInterrupted(Exception):
+    """The uploading client went away before the end of the body."""
+
+
+class _RequestBody:
+    """An upload's body as an async iterator of chunks, read from ASGI messages.
+
+    Not an async generator: :meth:`Storage.write_stream` may stop iterating
+    anywhere (a size limit), and an abandoned generator would be finalized late.
+    """
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self._ended = False
+
+    def __aiter__(self) -> _RequestBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._ended:
+            raise StopAsyncIteration
+        message = await self._receive()
+        if message["type"] == "http.disconnect":
+            self._ended = True
+            raise _UploadInterrupted("the client went away before the end of the body")
+        if not message.get("more_body", False):
+            self._ended = True
+        return cast(bytes, message.get("body", b""))
+
+
+class _Download(StreamingResponse):
+    """A stored file streamed out; the file is closed however the response ends."""
+
+    def __init__(self, reader: FileReader, headers: Mapping[str, str], media_type: str) -> None:
+        super().__init__(reader, headers=dict(headers), media_type=media_type)
+        self.reader = reader
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.reader.aclose()
+
+
+def _file_id(text: str) -> int | None:
+    if not text.isascii() or not text.isdigit() or len(text) > 18:
+        return None
+    return int(text)
+
+
+def _guess_mimetype(filename: str) -> str | None:
+    guess, _ = mimetypes.guess_type(filename, strict=False)
+    return guess
+
+
+def _not_found() -> Response:
+    return JSONResponse({"error": "not found"}, status_code=404)
+
+
+def _quote(text: str) -> str:
+    return urllib.parse.quote(text, safe="")
+
+
+# -- documents ---------------------------------------------------------------------------
+
+
+def _row_document(row: FileRow, base: str) -> dict[str, Any]:
+    name = "original" if row.kind == "original" else row.version
+    owner = row.id if row.kind == "original" else row.parent_id
+    stored = row.storage_key is not None and (row.kind == "original" or row.status == "done")
+    return {
+        "id": row.id,
+        "kind": row.kind,
+        "status": api_status(row.status),
+        "state": row.status,
+        "filename": row.filename,
+        "class": row.file_class,
+        "filesize": row.size,
+        "hash": {"sha256": row.sha256} if row.sha256 else None,
+        "mimetype": row.mimetype,
+        "metadata": dict(row.metadata),
+        "error": row.error,
+        "priority": row.priority,
+        "created_at": row.created_at.isoformat(),
+        "updated_at": row.updated_at.isoformat(),
+        "url": f"{base}/api/v1/eas/download/{owner}/{name}" if stored else None,
+    }
+
+
+def file_document(row: FileRow, versions: Sequence[FileRow], *, base: str = "") -> dict[str, Any]:
+    """The JSON document ``GET /api/v1/eas/<id>`` answers.
+
+    Args:
+        row: the file (an original or a version).
+        versions: an original's versions (empty for a version).
+        base: prefixed to the download URLs (``http://host:port``; ``""``: paths).
+
+    Returns:
+        ``id``, ``kind``, ``status`` (the API status), ``state`` (the internal
+        one), ``filename``, ``class``, ``filesize``, ``hash`` (``{"sha256": …}``),
+        ``mimetype``, ``metadata``, ``error``, ``priority``, timestamps, ``url``
+        (its download, once stored); an original has ``versions`` (name → the
+        same members), a version ``version``, ``source`` and ``original``.
+    """
+    document = _row_document(row, base)
+    if row.kind == "original":
+        document["versions"] = {
+            cast(str, version.version): {
+                **_row_document(version, base),
+                "source": version.source,
+                "produce_hash": version.produce_hash,
+            }
+            for version in versions
+        }
+    else:
+        document["version"] = row.version
+        document["source"] = row.source
+        document["original"] = row.parent_id
+        document["produce_hash"] = row.produce_hash
+    return document
+
+
+# -- the handlers ------------------------------------------------------------------------
+
+
+class FileApi:
+    """The request handlers of the file API (routes in the module docstring).
+
+    Args:
+        state: the process's shared state.
+    """
+
+    def __init__(self, state: FylrState) -> None:
+        self.state = state
+        self.files = state.files
+        self.storage = state.storage
+
+    async def upload(self, request: Request) -> Response:
+        """``PUT /eas/put?filename=…&priority=…``: store the body, record the file."""
+        state = self.state
+        filename = request.query_params.get("filename", "")
+        raw_priority = request.query_params.get("priority", "0")
+        problem = None
+        if not filename or len(filename) > MAX_FILENAME_CHARS or "\x00" in filename:
+            problem = f"filename: expected 1 to {MAX_FILENAME_CHARS} characters"
+        try:
+            priority = int(raw_priority)
+        except ValueError:
+            priority = 0
+            problem = problem or f"priority: expected an integer, got {raw_priority!r}"
+        if problem is None and not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+            problem = f"priority: expected a 32-bit signed integer, got {priority}"
+        if state.stopping:
+            return JSONResponse({"error": "the server is shutting down"}, status_code=503)
+        if problem is not None:
+            state.count("uploads_refused")
+            return JSONResponse({"error": problem}, status_code=400)
+        limit = state.config.max_upload_size
+        declared = request.headers.get("content-length", "")
+        if limit is not None and declared.isdigit() and int(declared) > limit:
+            state.count("uploads_refused")
+            return JSONResponse({"error": f"the file is larger than {limit} bytes"}, 413)
+        try:
+            stored = await self.storage.write_stream(
+                "original", _RequestBody(request.receive), max_size=limit
+            )
+        except FileTooLarge as exc:
+            state.count("uploads_refused")
+            return JSONResponse({"error": str(exc)}, status_code=413)
+        except _UploadInterrupted:
+            state.count("uploads_aborted")
+            log.info("upload interrupted", extra=fields(filename=filename))
+            return Response(status_code=400)  # nobody reads it
+        class_name = class_of(filename, state.config)
+        file_class = state.file_class(class_name)
+        try:
+            with trio.CancelScope(shield=True):
+                row = await self.files.create_original(
+                    filename=filename,
+                    file_class=class_name,
+                    priority=priority,
+                    stored=stored,
+                    mimetype=_guess_mimetype(filename),
+                    metadata_step=file_class is not None and file_class.metadata is not None,
+                )
+        except StoreUnavailable as exc:
+            # it may or may not have committed: the stored bytes stay (never a row
+            # without its file; at worst a file without a row)
+            return JSONResponse({"error": f"the database is unavailable: {exc}"}, 503)
+        state.count("uploads")
+        state.count("bytes_uploaded", stored.size)
+        state.wake_dispatcher()
+        state.changed(row.id)
+        log.info(
+            "file stored",
+            extra=fields(
+                file=row.id,
+                filename=filename,
+                size=stored.size,
+                sha256=stored.sha256,
+                file_class=class_name,
+                priority=priority,
+            ),
+        )
+        return JSONResponse(file_document(row, [], base=state.base_url), status_code=201)
+
+    async def get_file(self, request: Request) -> Response:
+        """``GET /api/v1/eas/<id>[?wait=S]``: the file and its versions."""
+        file_id = _file_id(request.path_params["file_id"])
+        if file_id is None:
+            return _not_found()
+        try:
+            wait = float(request.query_params.get("wait", "0"))
+        except ValueError:
+            return JSONResponse({"error": "wait: expected seconds"}, status_code=400)
+        if not math.isfinite(wait) or wait < 0:
+            return JSONResponse({"error": "wait: expected seconds"}, status_code=400)
+        with self.state.watch(file_id) as event:  # before reading: no change is missed
+            found = await self.files.with_versions(file_id)
+            if found is not None and wait > 0 and not found[0].finished:
+                with trio.move_on_after(min(wait, MAX_WAIT)):
+                    await event.wait()
+                found = await self.files.with_versions(file_id)
+        if found is None:
+            return _not_found()
+        row, versions = found
+        return JSONResponse(file_document(row, versions, base=self.state.base_url))
+
+    async def resync(self, request: Request) -> Response:
+        """``POST /api/v1/eas/<id>/sync``: sync an original again (after a configuration change)."""
+        file_id = _file_id(request.path_params["file_id"])
+        if file_id is None:
+            return _not_found()
+        row, queued = await self.files.request_sync(file_id)
+        if row is None:
+            return _not_found()
+        if not queued:
+            return JSONResponse(
+                {"error": "the file waits for its metadata step; it is synced after it"},
+                status_code=409,
+            )
+        self.state.wake_dispatcher()
+        self.state.changed(file_id)
+        return JSONResponse(file_document(row, [], base=self.state.base_url), status_code=202)
+
+    async def download(self, request: Request) -> Response:
+        """``GET /api/v1/eas/download/<id>/<version>``: a stored original or version."""
+        file_id = _file_id(request.path_params["file_id"])
+        name = request.path_params["version"]
+        if file_id is None:
+            return _not_found()
+        if name == "original":
+            row = await self.files.get(file_id)
+            if row is None or row.kind != "original":
+                return _not_found()
+        else:
+            row = await self.files.version_of(file_id, name)
+            if row is None or row.status != "done":
+                return _not_found()
+        if row.storage_key is None:
+            return _not_found()
+        try:
+            reader = await self.storage.open_read(row.storage_key)
+        except (FileNotFoundError, ValueError):
+            return _not_found()
+        self.state.count("downloads")
+        download_name = row.filename if name == "original" else f"{row.filename}.{name}"
+        headers = {
+            "content-length": str(reader.size),
+            "content-disposition": f"attachment; filename*=UTF-8''{_quote(download_name)}",
+            "cache-control": "no-store",
+        }
+        if row.sha256:
+            headers["x-content-sha256"] = row.sha256
+        return _Download(reader, headers, row.mimetype or OCTET_STREAM)
+
+    async def healthz(self, request: Request) -> Response:
+        """``GET /healthz``: serving, or stopping (503)."""
+        if self.state.stopping:
+            return JSONResponse({"status": "stopping"}, status_code=503)
+        return JSONResponse({"status": "serving"})
+
+
+def build_app(state: FylrState) -> Starlette:
+    """The starlette application of one fylr process (every route of the listener).
+
+    Args:
+        state: the process's shared state; its pipes are served here too.
+
+    Returns:
+        The file API, health, inspection and metrics, the pipes and ``/whoami``.
+    """
+    api = FileApi(state)
+    return Starlette(
+        routes=[
+            Route("/eas/put", api.upload, methods=["PUT"]),
+            Route("/api/v1/eas/download/{file_id}/{version}", api.download, methods=["GET"]),
+            Route("/api/v1/eas/{file_id}/sync", api.resync, methods=["POST"]),
+            Route("/api/v1/eas/{file_id}", api.get_file, methods=["GET"]),
+            Route("/healthz", api.healthz, methods=["GET"]),
+            *metrics.routes(state),
+            *state.pipes.routes(),
+        ]
+    )

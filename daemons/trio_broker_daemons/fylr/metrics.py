@@ -1,0 +1,234 @@
+"""The fylr's inspection document and Prometheus metrics.
+
+Theory of operation
+===================
+
+Both are taken from one snapshot when they are asked for, never kept up to date
+in the background: :func:`inspect_document` (``GET /inspect/system/fylr``, JSON)
+and :func:`metrics_text` (``GET /metrics``, the Prometheus text exposition) read
+the queue's and the ``files`` table's counts from the database, and the process's
+own counters, dispatcher, broker client and pipes from
+:meth:`FylrState.statistics <trio_broker_daemons.fylr.state.FylrState.statistics>`.
+The Prometheus side registers a one-shot collector in a fresh registry for each
+scrape, so nothing is global.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from trio_broker._version import __version__
+from trio_broker.trio.client import ClientStatistics
+from trio_broker.trio.store import QueueCounts
+from trio_broker_daemons.fylr.state import FylrState, FylrStatistics
+
+__all__ = ["inspect_document", "metrics_text", "routes"]
+
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+async def inspect_document(state: FylrState) -> dict[str, Any]:
+    """The document of ``/inspect/system/fylr`` (reads the database).
+
+    Args:
+        state: the process's shared state.
+
+    Returns:
+        Identity, the queue's and the files' counts by state, the HTTP and step
+        counters, and the dispatcher's, the client's and the pipes' snapshots.
+
+    Raises:
+        StoreUnavailable: the database could not be read.
+    """
+    queue = await state.store.counts()
+    counts = await state.files.counts()
+    stats = state.statistics()
+    files: dict[str, dict[str, int]] = {"original": {}, "version": {}}
+    for (kind, status), count in sorted(counts.items()):
+        files.setdefault(kind, {})[status] = count
+    config = state.config
+    return {
+        "backend_id": state.backend_id,
+        "name": config.name,
+        "version": __version__,
+        "url": state.base_url,
+        "database": state.database,
+        "state_dir": str(config.state_dir),
+        "stopping": state.stopping,
+        "queue": attrs.asdict(queue),
+        "files": files,
+        "http": dict(state.counters),
+        "steps": dict(stats.steps),
+        "dispatcher": attrs.asdict(stats.dispatcher) if stats.dispatcher else None,
+        "client": _client_document(stats.client, config.execservers),
+        "pipes": attrs.asdict(stats.pipes),
+    }
+
+
+async def metrics_text(state: FylrState) -> bytes:
+    """The Prometheus text exposition of one snapshot (reads the database).
+
+    Raises:
+        StoreUnavailable: the database could not be read.
+    """
+    queue = await state.store.counts()
+    counts = await state.files.counts()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(state.statistics(), queue, counts))
+    return bytes(generate_latest(registry))
+
+
+def routes(state: FylrState) -> list[Route]:
+    """``GET /inspect/system/fylr`` and ``GET /metrics`` on ``state``."""
+
+    async def inspect_page(request: Request) -> Response:
+        return JSONResponse(await inspect_document(state))
+
+    async def metrics(request: Request) -> Response:
+        return Response(await metrics_text(state), media_type=PROMETHEUS_TEXT)
+
+    return [
+        Route("/inspect/system/fylr", inspect_page, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+
+
+def _client_document(
+    stats: ClientStatistics | None, addresses: Sequence[str]
+) -> dict[str, Any] | None:
+    if stats is None:
+        return None
+    return {
+        "waiting": stats.waiting,
+        "running": stats.running,
+        "finished": stats.finished,
+        "failed": stats.failed,
+        "surplus_offers": stats.surplus_offers,
+        "addresses": [
+            {
+                "address": a.address,
+                "connections": a.connections,
+                "instances": list(a.instances),
+                "names": dict(a.names),
+                "covered": a.covered,
+                "balanced": a.balanced,
+            }
+            for a in stats.addresses
+        ],
+    }
+
+
+class _Collector:
+    """Prometheus metrics from one snapshot, taken when ``/metrics`` is scraped."""
+
+    def __init__(
+        self,
+        stats: FylrStatistics,
+        queue: QueueCounts,
+        files: Mapping[tuple[str, str], int],
+    ) -> None:
+        self.stats = stats
+        self.queue = queue
+        self.files = files
+
+    def collect(self) -> list[Metric]:
+        stats = self.stats
+        metrics: list[Metric] = []
+        files = GaugeMetricFamily(
+            "trio_broker_fylr_files", "Files by kind and internal state.", labels=["kind", "state"]
+        )
+        for (kind, state), count in sorted(self.files.items()):
+            files.add_metric([kind, state], count)
+        metrics.append(files)
+        queue = GaugeMetricFamily(
+            "trio_broker_fylr_queue_items", "Rows of file_queue by state.", labels=["state"]
+        )
+        for state, count in attrs.asdict(self.queue).items():
+            queue.add_metric([state], count)
+        metrics.append(queue)
+        http = [
+            ("uploads", "Uploads stored and recorded.", stats.uploads),
+            ("uploads_refused", "Uploads refused before storing.", stats.uploads_refused),
+            ("uploads_aborted", "Uploads whose sender went away.", stats.uploads_aborted),
+            ("uploaded_bytes", "Bytes of recorded uploads.", stats.bytes_uploaded),
+            ("downloads", "Downloads started.", stats.downloads),
+        ]
+        for name, text, value in http:
+            metrics.append(CounterMetricFamily(f"trio_broker_fylr_{name}", text, value=value))
+        steps = CounterMetricFamily(
+            "trio_broker_fylr_steps",
+            "Step ends by action and outcome.",
+            labels=["action", "outcome"],
+        )
+        for key, value in sorted(stats.steps.items()):
+            action, _, outcome = key.partition(".")
+            steps.add_metric([action, outcome], value)
+        metrics.append(steps)
+        if stats.dispatcher is not None:
+            d = stats.dispatcher
+            for name, value in (
+                ("exec_limit", d.exec_limit),
+                ("exec_in_flight", d.exec_in_flight),
+                ("local_in_flight", d.local_in_flight),
+                ("pending_outcomes", d.pending_outcomes),
+            ):
+                metrics.append(
+                    GaugeMetricFamily(
+                        f"trio_broker_fylr_dispatcher_{name}", f"Dispatcher {name}.", value=value
+                    )
+                )
+            for name, value in (
+                ("claims", d.claims),
+                ("claimed", d.claimed),
+                ("completed", d.completed),
+                ("requeued", d.requeued),
+                ("failed", d.failed),
+                ("stale_requeued", d.stale_requeued),
+                ("store_errors", d.store_errors),
+            ):
+                metrics.append(
+                    CounterMetricFamily(
+                        f"trio_broker_fylr_dispatcher_{name}", f"Dispatcher {name}.", value=value
+                    )
+                )
+        if stats.client is not None:
+            c = stats.client
+            metrics.append(
+                GaugeMetricFamily(
+                    "trio_broker_fylr_jobs_waiting", "Jobs waiting for a slot.", value=c.waiting
+                )
+            )
+            metrics.append(
+                GaugeMetricFamily(
+                    "trio_broker_fylr_jobs_running", "Jobs holding a slot.", value=c.running
+                )
+            )
+            metrics.append(
+                CounterMetricFamily(
+                    "trio_broker_fylr_jobs_finished", "Jobs ended with a receipt.", value=c.finished
+                )
+            )
+            connections = GaugeMetricFamily(
+                "trio_broker_fylr_broker_connections",
+                "Open broker connections per configured address.",
+                labels=["address"],
+            )
+            for a in c.addresses:
+                connections.add_metric([a.address], a.connections)
+            metrics.append(connections)
+        pipes = stats.pipes
+        for name, text, value in (
+            ("pipe_bytes_served", "Bytes sent through in-pipes.", pipes.bytes_served),
+            ("pipe_bytes_received", "Bytes received through out-pipes.", pipes.bytes_received),
+            ("pipes_aborted", "Pipes whose transfer did not complete.", pipes.aborted),
+        ):
+            metrics.append(CounterMetricFamily(f"trio_broker_fylr_{name}", text, value=value))
+        return metrics

@@ -1,0 +1,185 @@
+"""What the parts of one fylr process share: its resources, counters and change events.
+
+Theory of operation
+===================
+
+One :class:`FylrState` per process is made by :func:`~trio_broker_daemons.fylr.app.serve_fylr`
+once the database is open, and handed to the three parts that work with it: the
+HTTP API (:mod:`~trio_broker_daemons.fylr.api`), the queue worker
+(:mod:`~trio_broker_daemons.fylr.worker`) and the inspection pages
+(:mod:`~trio_broker_daemons.fylr.metrics`). It owns no task and does no I/O of
+its own; it holds:
+
+- the resources: the configuration, the queue store and the ``files`` table on
+  it, the stored files, the one-time pipes, and (once started) the broker client
+  and the dispatcher;
+- the counters the HTTP side and the steps keep (:meth:`FylrState.count`,
+  :meth:`FylrState.step`), read as a frozen :class:`FylrStatistics`;
+- change notification without polling: :meth:`FylrState.changed` wakes whoever
+  :meth:`~FylrState.watch`\\ es one original (``GET /api/v1/eas/<id>?wait=S``) and
+  every :meth:`~FylrState.wait_changed` waiter (``FylrHandle.wait_until``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+
+import attrs
+import trio
+
+from trio_broker.trio.client import BrokerClient, ClientStatistics
+from trio_broker.trio.dispatcher import Dispatcher, DispatcherStatistics
+from trio_broker.trio.pipes import PipeRegistry, PipeStatistics
+from trio_broker.trio.store import Store
+from trio_broker_daemons.fylr.config import FileClass, FylrConfig
+from trio_broker_daemons.fylr.files import FileStore
+from trio_broker_daemons.fylr.storage import Storage
+
+__all__ = ["FylrState", "FylrStatistics"]
+
+COUNTERS = ("uploads", "uploads_refused", "uploads_aborted", "bytes_uploaded", "downloads")
+"""The HTTP side's counters, by name."""
+
+
+@attrs.frozen(kw_only=True)
+class FylrStatistics:
+    """A snapshot of one fylr process (``FylrHandle.statistics()``).
+
+    Attributes:
+        backend_id: this process's backend id.
+        uploads: uploads stored and recorded.
+        uploads_refused: uploads refused before storing (bad request, too large).
+        uploads_aborted: uploads whose sender went away before the end (nothing kept).
+        bytes_uploaded: bytes of the recorded uploads.
+        downloads: downloads started.
+        steps: step ends by ``"<action>.<outcome>"`` (``produce.done``,
+            ``produce.error``, ``metadata.ok``, ``metadata.failed``, ``sync.done``,
+            ``<action>.requeued``, ``<action>.replayed``, ``<action>.error``).
+        dispatcher: the dispatcher's snapshot (``None`` before it started).
+        client: the broker client's snapshot (``None`` without execservers).
+        pipes: the one-time pipes' counts and bytes.
+    """
+
+    backend_id: str
+    uploads: int
+    uploads_refused: int
+    uploads_aborted: int
+    bytes_uploaded: int
+    downloads: int
+    steps: Mapping[str, int]
+    dispatcher: DispatcherStatistics | None
+    client: ClientStatistics | None
+    pipes: PipeStatistics
+
+
+class FylrState:
+    """The state of one fylr process: what the API, the worker and the pages share.
+
+    Args:
+        config: the fylr configuration.
+        backend_id: this process's backend id.
+        store: the opened queue store (the ``files`` table lives beside the queue).
+        storage: the stored files.
+        database: how to describe the database in logs and pages.
+    """
+
+    def __init__(
+        self,
+        config: FylrConfig,
+        *,
+        backend_id: str,
+        store: Store,
+        storage: Storage,
+        database: str,
+    ) -> None:
+        self.config = config
+        self.backend_id = backend_id
+        self.store = store
+        self.files = FileStore(store)
+        self.storage = storage
+        self.database = database
+        self.pipes = PipeRegistry(backend_id)
+        self.client: BrokerClient | None = None
+        self.dispatcher: Dispatcher | None = None
+        self.base_url = ""
+        self.stopping = False
+        self.stop_requested = trio.Event()
+        self.closed = trio.Event()
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.steps: dict[str, int] = {}
+        self._watchers: dict[int, trio.Event] = {}
+        self._watching: dict[int, int] = {}
+        self._changed = trio.Event()
+
+    # -- notifications ---------------------------------------------------------------------
+
+    def changed(self, *file_ids: int | None) -> None:
+        """Wake whoever waits for these originals, and every statistics waiter."""
+        for file_id in file_ids:
+            if file_id is not None:
+                event = self._watchers.pop(file_id, None)
+                if event is not None:
+                    event.set()
+        self._changed.set()
+        self._changed = trio.Event()
+
+    @contextlib.contextmanager
+    def watch(self, file_id: int) -> Iterator[trio.Event]:
+        """An event set at this process's next change of the original ``file_id``."""
+        event = self._watchers.get(file_id)
+        if event is None:
+            event = self._watchers[file_id] = trio.Event()
+        self._watching[file_id] = self._watching.get(file_id, 0) + 1
+        try:
+            yield event
+        finally:
+            left = self._watching.pop(file_id) - 1
+            if left:
+                self._watching[file_id] = left
+            elif self._watchers.get(file_id) is event:
+                del self._watchers[file_id]
+
+    async def wait_changed(self) -> None:
+        """Wait for the next :meth:`changed`."""
+        await self._changed.wait()
+
+    # -- counters --------------------------------------------------------------------------
+
+    def count(self, counter: str, amount: int = 1) -> None:
+        """Add ``amount`` to one of the HTTP side's counters."""
+        self.counters[counter] += amount
+        self.changed()
+
+    def step(self, action: str, outcome: str) -> None:
+        """Count one step's end as ``<action>.<outcome>``."""
+        key = f"{action}.{outcome}"
+        self.steps[key] = self.steps.get(key, 0) + 1
+        self.changed()
+
+    def statistics(self) -> FylrStatistics:
+        """A frozen snapshot of the counters, the dispatcher, the client and the pipes."""
+        c = self.counters
+        return FylrStatistics(
+            backend_id=self.backend_id,
+            uploads=c["uploads"],
+            uploads_refused=c["uploads_refused"],
+            uploads_aborted=c["uploads_aborted"],
+            bytes_uploaded=c["bytes_uploaded"],
+            downloads=c["downloads"],
+            steps=dict(self.steps),
+            dispatcher=self.dispatcher.statistics() if self.dispatcher else None,
+            client=self.client.statistics() if self.client else None,
+            pipes=self.pipes.statistics(),
+        )
+
+    # -- configuration lookups -------------------------------------------------------------
+
+    def file_class(self, name: str | None) -> FileClass | None:
+        """The configured class of this name (``None`` for no class or an unknown one)."""
+        return None if name is None else self.config.classes.get(name)
+
+    def wake_dispatcher(self) -> None:
+        """Claim now (new work was queued), when the dispatcher runs."""
+        if self.dispatcher is not None:
+            self.dispatcher.wake()

@@ -1,0 +1,450 @@
+"""The fylr's queue worker: the handlers of the ``metadata``, ``sync`` and ``produce`` steps.
+
+Theory of operation
+===================
+
+An upload is stored (hashed on the way) and its row inserted with its first step
+queued (:mod:`~trio_broker_daemons.fylr.api`); then each step is a queue item
+that the dispatcher (:mod:`trio_broker.trio.dispatcher`) hands to one handler of
+:class:`FileWorker`. Each handler decides with :mod:`trio_broker_daemons.fylr.produce`
+and writes with one transaction of :class:`~trio_broker_daemons.fylr.files.FileStore`,
+which also queues the next step:
+
+``metadata`` (exec-bound)
+    the class's metadata service reads the original through an in-pipe; its
+    stdout (through an out-pipe, kept up to :data:`METADATA_OUTPUT_LIMIT`) becomes
+    the technical metadata. A command that fails leaves the metadata empty and
+    the reason in the original's ``error``; the file goes on to sync.
+``sync`` (local-bound)
+    creates the missing version rows, removes the unwanted ones (and their
+    stored files), queues a produce for each version whose source exists.
+    Idempotent: a second sync of an unchanged file changes nothing.
+``produce`` (exec-bound, body mode)
+    the version's service reads its source (the original, or a ``done`` source
+    version) through an in-pipe and writes the rendition through an out-pipe
+    straight into storage. A receipt ``ok`` stores it (``done``); any failure
+    ends the version ``error`` with the receipt's ``stderr_line``. The original
+    is ``done`` when every version has ended.
+
+Retries. A step that cannot finish raises a typed outcome and lets it go on
+to the dispatcher: the broker client's ``NoSlot``, ``NoExecserver``,
+``UnknownService``, ``JobLost`` or ``ClientClosed``, the store's
+``StoreUnavailable``, or :class:`~trio_broker.core.errors.JobStopped` for a job
+the execserver stopped (draining) or whose output did not arrive whole. The
+one outcome table (:func:`trio_broker.core.dispatch.judge`) decides, for the
+dispatcher and for the step alike, whether the item runs again (then the file
+goes back to the state the step started from) or fails (then the version, or
+for a metadata step the original, ends ``error`` with the exception's text, and
+the queue row ``failed``). Every write of a step is fenced by the state it
+expects, so a step that runs twice (its process was killed after the work but
+before its outcome was written) changes nothing the second time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping
+from typing import Any, Final, cast
+
+import trio
+
+from trio_broker.core import protocol as p
+from trio_broker.core.dispatch import Verdict, judge
+from trio_broker.core.errors import JobStopped, NoExecserver, StoreUnavailable
+from trio_broker.trio.dispatcher import Action
+from trio_broker.trio.pipes import OutPipe, Sink
+from trio_broker.trio.store import QueueItem
+from trio_broker_daemons.fylr.config import VersionConfig
+from trio_broker_daemons.fylr.files import (
+    ACTION_METADATA,
+    ACTION_PRODUCE,
+    ACTION_SYNC,
+    FileRow,
+    ProduceStart,
+    WantedVersion,
+    source_failed,
+)
+from trio_broker_daemons.fylr.produce import (
+    FileState,
+    class_of,
+    parse_metadata_output,
+    version_metadata,
+    wanted_versions,
+)
+from trio_broker_daemons.fylr.state import FylrState
+from trio_broker_daemons.fylr.storage import FileReader, Storage, StoredFile
+from trio_broker_daemons.logfmt import fields
+
+__all__ = ["METADATA_OUTPUT_LIMIT", "OCTET_STREAM", "FileWorker"]
+
+log = logging.getLogger("trio_broker_daemons.fylr.worker")
+
+METADATA_OUTPUT_LIMIT: Final = 1 << 20
+"""Bytes of a metadata service's stdout that are kept (the rest is dropped)."""
+OCTET_STREAM: Final = "application/octet-stream"
+"""The mimetype of a stored file whose recipe names none."""
+_CLEANUP_TIMEOUT: Final = 10.0
+
+
+class _StoredSource:
+    """An in-pipe's source: a stored file, opened only when the execserver asks for it."""
+
+    def __init__(self, storage: Storage, key: str) -> None:
+        self._storage = storage
+        self._key = key
+        self._reader: FileReader | None = None
+        self._closed = False
+
+    def __aiter__(self) -> _StoredSource:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._closed:
+            raise StopAsyncIteration
+        if self._reader is None:
+            self._reader = await self._storage.open_read(self._key)
+        return await self._reader.__anext__()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        if self._reader is not None:
+            await self._reader.aclose()
+
+
+def _receipt_reason(receipt: p.Receipt) -> str:
+    """A failed job's reason: the decisive stderr line, else the receipt's error."""
+    return receipt.stderr_line or receipt.error or f"status {receipt.status}"
+
+
+def _stopped(receipt: p.Receipt, what: str) -> JobStopped | None:
+    """The outcome of a job the execserver interrupted, ``None`` for any other end."""
+    if receipt.status in ("stopped", "cancelled"):
+        return JobStopped(f"{what} was {receipt.status}: {_receipt_reason(receipt)}")
+    return None
+
+
+class FileWorker:
+    """The step handlers of one fylr process, registered with its dispatcher.
+
+    Args:
+        state: the process's shared state (store, storage, client, counters).
+    """
+
+    def __init__(self, state: FylrState) -> None:
+        self.state = state
+        self.files = state.files
+        self.storage = state.storage
+
+    def actions(self) -> list[Action]:
+        """The dispatcher's actions: ``metadata`` and ``produce`` exec-bound, ``sync`` local."""
+        return [
+            Action(ACTION_METADATA, exec_bound=True, handler=self.metadata),
+            Action(ACTION_SYNC, exec_bound=False, handler=self.sync),
+            Action(ACTION_PRODUCE, exec_bound=True, handler=self.produce),
+        ]
+
+    # -- configuration lookups -------------------------------------------------------------
+
+    def decide(self, original: FileRow) -> tuple[str | None, dict[str, WantedVersion]]:
+        """Sync's view of the configuration (pure: it runs inside a transaction)."""
+        config = self.state.config
+        class_name = class_of(original.filename, config)
+        file_class = self.state.file_class(class_name)
+        assert original.sha256 is not None
+        hashes = wanted_versions(file_class, original.sha256)
+        wanted: dict[str, WantedVersion] = {}
+        for name, produce_hash in hashes.items():
+            assert file_class is not None
+            version = file_class.versions[name]
+            wanted[name] = WantedVersion(
+                produce_hash=produce_hash, source=version.source, mimetype=version.mimetype
+            )
+        return class_name, wanted
+
+    def recipe(self, start: ProduceStart) -> VersionConfig | None:
+        """The configured recipe of a version, if it still is the one it was synced for."""
+        file_class = self.state.file_class(start.version.file_class)
+        if file_class is None or start.version.version not in file_class.versions:
+            return None
+        assert start.original.sha256 is not None
+        wanted = wanted_versions(file_class, start.original.sha256)
+        if wanted.get(cast(str, start.version.version)) != start.version.produce_hash:
+            return None
+        return file_class.versions[cast(str, start.version.version)]
+
+    # -- running jobs ----------------------------------------------------------------------
+
+    async def run_piped(
+        self,
+        service: str,
+        params: Mapping[str, Any],
+        *,
+        source_key: str,
+        sink: Sink,
+        priority: int,
+        subject: str,
+    ) -> tuple[p.Receipt, OutPipe]:
+        """Run a body-mode job: ``source_key`` on its stdin, its stdout into ``sink``.
+
+        Raises:
+            FileNotFoundError: the stored input is gone (a hard failure, not a retry).
+            NoExecserver, NoSlot, JobLost, ClientClosed: see :meth:`BrokerClient.run`.
+        """
+        client = self.state.client
+        if client is None:
+            raise NoExecserver("no execserver is configured")
+        if not await self.storage.exists(source_key):
+            raise FileNotFoundError(f"the stored input {source_key} is missing")
+        source = _StoredSource(self.storage, source_key)
+        try:
+            stdin = client.pipe_in(source)
+            stdout = client.pipe_out(sink)
+            receipt = await client.run(
+                service,
+                {"params": dict(params)},
+                priority=priority,
+                subject=subject,
+                stdin=stdin,
+                stdout=stdout,
+            )
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(_CLEANUP_TIMEOUT):
+                await source.aclose()
+        return receipt, stdout
+
+    def judge(self, exc: BaseException) -> Verdict:
+        """What the dispatcher will make of a step that raised ``exc`` (the outcome table)."""
+        return judge(exc, retry_delay=self.state.config.retry_delay)
+
+    async def requeue(
+        self, action: str, file_id: int, old: FileState, new: FileState, verdict: Verdict
+    ) -> None:
+        """A step will run again: move its file back (best effort) and count it."""
+        with contextlib.suppress(StoreUnavailable):
+            await self.files.move(file_id, old, new)
+        self.state.step(action, "requeued")
+        log.info(
+            "step requeued",
+            extra=fields(action=action, file=file_id, reason=verdict.error, delay=verdict.delay),
+        )
+
+    # -- the actions -----------------------------------------------------------------------
+
+    async def metadata(self, item: QueueItem) -> None:
+        """The ``metadata`` action: the class's metadata service on the original."""
+        state = self.state
+        file_id = int(item.file_ref)
+        row = await self.files.begin_metadata(file_id)
+        if row is None:
+            state.step(ACTION_METADATA, "replayed")
+            return
+        state.changed(file_id)
+        file_class = state.file_class(row.file_class)
+        step = file_class.metadata if file_class is not None else None
+        metadata: dict[str, Any] = {}
+        mimetype: str | None = None
+        error: str | None = None
+        if step is not None:
+            assert row.storage_key is not None
+            output = bytearray()
+
+            async def keep(chunk: bytes) -> None:
+                room = METADATA_OUTPUT_LIMIT - len(output)
+                if room > 0:
+                    output.extend(chunk[:room])
+
+            try:
+                receipt, stdout = await self.run_piped(
+                    step.service,
+                    step.params,
+                    source_key=row.storage_key,
+                    sink=keep,
+                    priority=row.priority,
+                    subject=f"{row.filename} #{file_id} metadata",
+                )
+                if stopped := _stopped(receipt, "the metadata job"):
+                    raise stopped
+            except Exception as exc:
+                verdict = self.judge(exc)
+                if verdict.kind == "requeue":
+                    await self.requeue(ACTION_METADATA, file_id, "metadata", "new", verdict)
+                else:
+                    await self.files.fail_original(file_id, f"metadata: {verdict.error}")
+                    state.step(ACTION_METADATA, "error")
+                    state.changed(file_id)
+                raise
+            if receipt.status == "ok":
+                text = bytes(output) if stdout.state == "done" else receipt.stdout_prefix.encode()
+                metadata = parse_metadata_output(text.decode("utf-8", "replace"))
+                found = metadata.get("mimetype")
+                mimetype = found if isinstance(found, str) and found else None
+            else:
+                error = f"metadata: {_receipt_reason(receipt)}"
+            state.step(ACTION_METADATA, "ok" if error is None else "failed")
+        applied = await self.files.end_metadata(
+            file_id, metadata=metadata, mimetype=mimetype, error=error
+        )
+        state.changed(file_id)
+        log.info(
+            "metadata stored" if error is None else "metadata step failed",
+            extra=fields(file=file_id, mimetype=mimetype, error=error, applied=applied),
+        )
+
+    async def sync(self, item: QueueItem) -> None:
+        """The ``sync`` action: version rows in line with the configuration."""
+        state = self.state
+        file_id = int(item.file_ref)
+        result = await self.files.sync(file_id, self.decide)
+        if result is None:
+            state.step(ACTION_SYNC, "replayed")
+            return
+        for key in result.removed_keys:
+            with contextlib.suppress(OSError, ValueError):
+                await self.storage.delete(key)
+        state.step(ACTION_SYNC, "done")
+        state.changed(file_id)
+        log.info(
+            "synced",
+            extra=fields(
+                file=file_id,
+                created=",".join(result.created),
+                kept=",".join(result.kept),
+                removed=",".join(result.removed),
+                status=result.status,
+            ),
+        )
+
+    async def produce(self, item: QueueItem) -> None:
+        """The ``produce`` action: one version, from its source, into storage."""
+        state = self.state
+        version_id = int(item.file_ref)
+        start = await self.files.begin_produce(version_id)
+        if start == "gone" or start == "waiting":
+            state.step(ACTION_PRODUCE, "replayed")
+            return
+        if start == "source_failed":
+            row = await self.files.get(version_id)
+            if row is not None and row.produce_hash is not None:
+                end = await self.files.end_version(
+                    version_id,
+                    row.produce_hash,
+                    stored=None,
+                    error=source_failed(cast(str, row.source)),
+                )
+                state.changed(end.original_id)
+            state.step(ACTION_PRODUCE, "error")
+            return
+        version, original = start.version, start.original
+        assert version.produce_hash is not None
+        state.changed(original.id, version_id)
+        recipe = self.recipe(start)
+        if recipe is None:
+            # the configuration changed since the sync: sync again (it replaces this row)
+            await self.files.request_sync(original.id)
+            state.step(ACTION_PRODUCE, "resync")
+            state.changed(original.id)
+            return
+        name = cast(str, version.version)
+        try:
+            receipt, stored = await self._produce(start, recipe)
+        except Exception as exc:
+            verdict = self.judge(exc)
+            if verdict.kind == "requeue":
+                await self.requeue(ACTION_PRODUCE, version_id, "produce", "new", verdict)
+            else:
+                await self.files.end_version(
+                    version_id, version.produce_hash, stored=None, error=verdict.error
+                )
+                state.step(ACTION_PRODUCE, "error")
+                state.changed(original.id)
+            raise
+        metadata = version_metadata(name, recipe, receipt)
+        if stored is not None:
+            # A database error here may or may not have committed: the file is kept
+            # either way (an unreferenced file is the safe loss).
+            end = await self.files.end_version(
+                version_id,
+                version.produce_hash,
+                stored=stored,
+                mimetype=recipe.mimetype or OCTET_STREAM,
+                metadata=metadata,
+            )
+            if not end.applied:  # a replay, or a removed version: keep nothing
+                await self.storage.delete(stored.key)
+        else:
+            end = await self.files.end_version(
+                version_id,
+                version.produce_hash,
+                stored=None,
+                metadata=metadata,
+                error=_receipt_reason(receipt),
+            )
+        outcome = ("done" if stored is not None else "error") if end.applied else "replayed"
+        state.step(ACTION_PRODUCE, outcome)
+        state.changed(original.id, version_id)
+        log.info(
+            "version produced" if stored is not None else "version failed",
+            extra=fields(
+                file=original.id,
+                version=name,
+                status=receipt.status,
+                size=stored.size if stored else None,
+                duration_s=receipt.duration_s,
+                error=None if stored is not None else _receipt_reason(receipt),
+                original_done=end.original_done,
+            ),
+        )
+
+    async def _produce(
+        self, start: ProduceStart, recipe: VersionConfig
+    ) -> tuple[p.Receipt, StoredFile | None]:
+        """Run a version's job with its rendition streamed into storage.
+
+        Returns:
+            The receipt, and the stored rendition when the job ended ``ok`` with
+            its whole output received.
+
+        Raises:
+            JobStopped: the execserver stopped the job, or the output did not
+                arrive whole.
+        """
+        version, original = start.version, start.original
+        send, receive = trio.open_memory_channel[bytes](0)
+        stored: list[StoredFile] = []
+
+        async def write() -> None:
+            async with receive:
+                stored.append(await self.storage.write_stream("version", receive))
+
+        async def sink(chunk: bytes) -> None:
+            await send.send(chunk)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(write)
+            try:
+                receipt, stdout = await self.run_piped(
+                    recipe.service,
+                    recipe.params,
+                    source_key=start.source_key,
+                    sink=sink,
+                    priority=original.priority,
+                    subject=f"{original.filename} #{original.id} {version.version}",
+                )
+            except BaseException:
+                nursery.cancel_scope.cancel()
+                raise
+            complete = stdout.state == "done" or (
+                stdout.state == "closed" and receipt.stdout_bytes == 0
+            )
+            if receipt.status == "ok" and complete:
+                await send.aclose()  # the writer finishes the file
+            else:
+                nursery.cancel_scope.cancel()  # the writer deletes what it has
+        if stopped := _stopped(receipt, "the job"):
+            raise stopped
+        if receipt.status == "ok":
+            if not stored:
+                raise JobStopped(f"the output did not arrive whole (out-pipe {stdout.state})")
+            return receipt, stored[0]
+        return receipt, None

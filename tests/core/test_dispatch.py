@@ -1,0 +1,342 @@
+"""The dispatch core: the outcome table, exception groups, and the bookkeeping's misuse rules."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import attrs
+import pytest
+
+from trio_broker.core import dispatch
+from trio_broker.core.admission import AdmissionConfig, ClaimPlan, InstanceLoad
+from trio_broker.core.dispatch import (
+    OUTCOMES,
+    Backoff,
+    DispatchConfig,
+    DispatchCore,
+    Verdict,
+    judge,
+)
+from trio_broker.core.errors import (
+    ClientClosed,
+    DispatchUsageError,
+    JobLost,
+    JobStopped,
+    NoExecserver,
+    NoSlot,
+    RetryLater,
+    StoreUnavailable,
+    UnknownService,
+)
+
+RETRY = 60.0
+
+# -- the table -------------------------------------------------------------------------------
+
+
+def table_rows() -> list[list[str]]:
+    """The rows of the outcome table in the module docstring, as three cells each."""
+    doc = dispatch.__doc__ or ""
+    block = doc.split("The outcome table", 1)[1].split("Why.", 1)[0]
+    lines = [line for line in block.splitlines() if line.startswith("``")]
+    return [re.split(r"\s{2,}", line.strip()) for line in lines]
+
+
+def test_the_docstring_table_is_the_table() -> None:
+    """Every row of the docstring's table names the same outcome, exception and verdict
+    as OUTCOMES, in the same order."""
+    rows = table_rows()
+    assert [row[0].strip("`") for row in rows] == [rule.outcome for rule in OUTCOMES]
+    for (_, raised, item), rule in zip(rows, OUTCOMES, strict=True):
+        if rule.raised:
+            assert raised == f"raises ``{rule.raised[0].__name__}``"
+        expected = {
+            ("complete", None): "complete: its row is deleted",
+            ("requeue", "retry_delay"): "requeued after ``retry_delay``",
+            ("requeue", "at_once"): "requeued at once",
+            ("requeue", "raised"): "requeued after its ``delay``",
+            ("fail", None): "failed, with the exception's text",
+        }[rule.kind, rule.delay]
+        assert item == expected
+
+
+@pytest.mark.parametrize(
+    ("exc", "outcome", "kind", "delay"),
+    [
+        (None, "ok", "complete", 0.0),
+        (NoSlot("no slot within 60 s"), "no_slot", "requeue", RETRY),
+        (JobStopped("drained"), "stopped", "requeue", RETRY),
+        (UnknownService("nobody offers x"), "unknown_service", "requeue", RETRY),
+        (NoExecserver("none"), "no_execserver", "requeue", 0.0),
+        (JobLost("gone"), "lost", "requeue", 0.0),
+        (ClientClosed("closing"), "client_closed", "requeue", 0.0),
+        (StoreUnavailable("down"), "store_unavailable", "requeue", 0.0),
+        (RetryLater(7, "busy upstream"), "retry_later", "requeue", 7.0),
+        (ValueError("boom"), "failed", "fail", 0.0),
+        (TimeoutError(), "failed", "fail", 0.0),
+    ],
+)
+def test_each_row_judges_its_exception(
+    exc: Exception | None, outcome: str, kind: str, delay: float
+) -> None:
+    """A handler's end is judged by its row: the outcome, what is written and the delay."""
+    verdict = judge(exc, retry_delay=RETRY)
+    assert (verdict.outcome, verdict.kind, verdict.delay) == (outcome, kind, delay)
+
+
+def test_the_text_is_the_exceptions_description() -> None:
+    """The stored text names the type and message, a RetryLater's reason, nothing for ok."""
+    assert judge(None, retry_delay=RETRY).error is None
+    assert judge(NoSlot("no slot"), retry_delay=RETRY).error == "NoSlot: no slot"
+    assert judge(RetryLater(1, "stopped: drained"), retry_delay=RETRY).error == "stopped: drained"
+    assert judge(ValueError("boom"), retry_delay=RETRY).error == "ValueError: boom"
+
+
+def test_a_subclass_follows_its_bases_row() -> None:
+    """An exception derived from a row's type is judged by that row."""
+
+    class SlotTimeout(NoSlot):
+        pass
+
+    assert judge(SlotTimeout("x"), retry_delay=RETRY).outcome == "no_slot"
+
+
+def test_a_group_of_one_is_judged_as_its_exception() -> None:
+    """A single exception inside (nested) groups gets the same verdict as on its own."""
+    alone = judge(NoSlot("in a group"), retry_delay=RETRY)
+    nested = ExceptionGroup("outer", [ExceptionGroup("inner", [NoSlot("in a group")])])
+    assert judge(nested, retry_delay=RETRY) == alone
+    assert judge(ExceptionGroup("", [ValueError("x")]), retry_delay=RETRY) == judge(
+        ValueError("x"), retry_delay=RETRY
+    )
+
+
+def test_in_a_group_a_failure_wins_over_any_requeue() -> None:
+    """A group holding a bug and a temporary reason fails, with the bug's text."""
+    group = ExceptionGroup("", [NoSlot("busy"), ExceptionGroup("", [KeyError("k")])])
+    verdict = judge(group, retry_delay=RETRY)
+    assert (verdict.outcome, verdict.kind, verdict.error) == ("failed", "fail", "KeyError: 'k'")
+
+
+def test_in_a_group_of_requeues_the_longest_delay_wins() -> None:
+    """Of several temporary reasons the most patient decides; RetryLaters give their longest."""
+    at_once_and_later = ExceptionGroup("", [JobLost("a"), UnknownService("b")])
+    verdict = judge(at_once_and_later, retry_delay=RETRY)
+    assert (verdict.outcome, verdict.delay, verdict.error) == (
+        "unknown_service",
+        RETRY,
+        "UnknownService: b",
+    )
+    retries = ExceptionGroup("", [RetryLater(5, "a"), ExceptionGroup("", [RetryLater(500, "b")])])
+    assert judge(retries, retry_delay=RETRY) == Verdict(
+        outcome="retry_later", kind="requeue", delay=500.0, error="a; b"
+    )
+    assert judge(ExceptionGroup("", [RetryLater(5, "a"), NoSlot("n")]), retry_delay=RETRY) == (
+        Verdict(outcome="no_slot", kind="requeue", delay=RETRY, error="NoSlot: n")
+    )
+
+
+def test_in_a_group_a_tie_goes_to_the_earlier_row() -> None:
+    """Two reasons with the same delay: the one listed first in the table decides."""
+    group = ExceptionGroup("", [StoreUnavailable("s"), NoExecserver("n")])
+    assert judge(group, retry_delay=RETRY).outcome == "no_execserver"
+
+
+# -- the bookkeeping -------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Item:
+    id: int
+    action: str
+    priority: int = 0
+    attempts: int = 1
+
+
+LOADS = [InstanceLoad(instance_id="x", processes=4, clients=1, idle=0)]
+
+
+def core(**overrides: Any) -> DispatchCore:
+    settings: dict[str, Any] = {
+        "exec_actions": frozenset({"exec"}),
+        "local_actions": frozenset({"sync"}),
+        "local_limit": 2,
+        "admission": AdmissionConfig(headroom=2, odd_reserve=2, db_pool=10),
+        "retry_delay": RETRY,
+    }
+    settings.update(overrides)
+    return DispatchCore(DispatchConfig(**settings))
+
+
+def test_a_plan_takes_the_limit_plus_the_odd_reserve() -> None:
+    """Four slots: limit 6 (share + headroom) for any priority, 2 more for odd ones only."""
+    c = core()
+    assert c.plan(LOADS) == ClaimPlan(general=6, odd_only=2, local=2)
+    c.claimed([Item(i, "exec", priority=1) for i in range(8)])
+    stats = c.statistics()
+    assert (stats.exec_limit, stats.odd_reserve, stats.exec_in_flight) == (6, 2, 8)
+    assert c.plan(LOADS) == ClaimPlan(general=0, odd_only=0, local=2)
+
+
+def test_no_exec_action_means_no_exec_claim() -> None:
+    """A core without exec-bound actions plans nothing exec-bound, whatever the loads."""
+    c = core(exec_actions=frozenset())
+    assert c.plan(LOADS) == ClaimPlan(general=0, odd_only=0, local=2)
+
+
+def test_finishing_frees_the_slot_and_queues_one_decision() -> None:
+    """A finished item leaves the counts in flight and waits to be written, once."""
+    c = core()
+    c.plan(LOADS)
+    item = Item(1, "exec", priority=3)
+    c.claimed([item])
+    decision = c.finished(item, NoSlot("busy"))
+    assert decision.verdict.delay == RETRY
+    assert c.statistics().exec_in_flight == c.statistics().odd_in_flight == 0
+    assert c.take_outcomes() == [decision]
+    c.written({1})
+    assert (c.statistics().requeued, c.statistics().unwritten) == (1, 0)
+    c.check_invariants()
+
+
+def test_a_failed_write_goes_first_in_the_next_batch() -> None:
+    """Decisions whose write failed are written again, ahead of the newer ones."""
+    c = core()
+    c.plan(LOADS)
+    a, b = Item(1, "exec"), Item(2, "exec")
+    c.claimed([a, b])
+    first = c.finished(a, None)
+    assert c.take_outcomes() == [first]
+    second = c.finished(b, None)
+    c.write_failed()
+    assert c.take_outcomes() == [first, second]
+    c.written({2})  # 1 committed unseen before: fenced now
+    stats = c.statistics()
+    assert (stats.completed, stats.fenced, stats.pending_outcomes) == (1, 1, 0)
+
+
+def test_a_lost_claim_keeps_the_known_rows() -> None:
+    """After a claim's reply is lost, the rows to keep are the ones claimed and unwritten."""
+    c = core()
+    c.plan(LOADS)
+    c.claimed([Item(1, "exec"), Item(2, "sync")])
+    c.plan(LOADS)
+    c.claim_failed()
+    assert c.needs_reconcile
+    with pytest.raises(DispatchUsageError, match="reconciled"):
+        c.plan(LOADS)
+    assert c.known_ids() == {1, 2}
+    c.reconciled(returned=3)
+    assert (c.needs_reconcile, c.statistics().returned) == (False, 3)
+
+
+def test_shutdown_returns_what_is_unwritten() -> None:
+    """Abandoned items and undelivered decisions are all returned when the core stops."""
+    c = core()
+    c.plan(LOADS)
+    a, b = Item(1, "exec"), Item(2, "sync")
+    c.claimed([a, b])
+    c.abandoned(a)
+    c.finished(b, None)
+    c.close()
+    assert c.plan(LOADS).total == 0
+    c.stopped(returned=2)
+    stats = c.statistics()
+    assert (stats.unwritten, stats.pending_outcomes, stats.returned) == (0, 0, 2)
+    c.check_invariants()
+
+
+def planned(c: DispatchCore) -> DispatchCore:
+    c.plan(LOADS)
+    return c
+
+
+MISUSES: dict[str, tuple[Any, Any]] = {
+    "more even rows than the general share": (
+        planned,
+        lambda c: c.claimed([Item(i, "exec") for i in range(7)]),
+    ),
+    "more exec rows than general plus odd-only": (
+        planned,
+        lambda c: c.claimed([Item(i, "exec", priority=1) for i in range(9)]),
+    ),
+    "more local rows than the local share": (
+        planned,
+        lambda c: c.claimed([Item(i, "sync") for i in range(3)]),
+    ),
+    "a row of an unknown action": (planned, lambda c: c.claimed([Item(1, "other")])),
+    "the same claim twice in one reply": (
+        planned,
+        lambda c: c.claimed([Item(1, "exec"), Item(1, "exec")]),
+    ),
+    "a reply without a plan": (lambda c: c, lambda c: c.claimed([Item(1, "exec")])),
+    "a failed claim without a plan": (lambda c: c, lambda c: c.claim_failed()),
+    "a plan while a claim is out": (planned, lambda c: c.plan(LOADS)),
+    "finishing an item that is not running": (planned, lambda c: c.finished(Item(9, "x"), None)),
+    "abandoning an item that is not running": (planned, lambda c: c.abandoned(Item(9, "x"))),
+    "a write reported without a batch": (planned, lambda c: c.written({1})),
+    "a failed write without a batch": (planned, lambda c: c.write_failed()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MISUSES))
+def test_misuse_raises_and_changes_nothing(name: str) -> None:
+    """Each misuse of the dispatch core raises DispatchUsageError and leaves it as it was."""
+    setup, misuse = MISUSES[name]
+    c = setup(core())
+    before = c.statistics()
+    with pytest.raises(DispatchUsageError):
+        misuse(c)
+    assert c.statistics() == before
+    c.check_invariants()
+
+
+def test_a_known_claim_a_second_batch_and_stopping_while_running_are_misuse() -> None:
+    """A row claimed again under the same attempt, a second batch before the first is
+    written, and stopping while items run all raise."""
+    c = core()
+    c.plan(LOADS)
+    item = Item(1, "exec")
+    c.claimed([item])
+    c.plan(LOADS)
+    before = c.statistics()
+    with pytest.raises(DispatchUsageError, match="is known"):
+        c.claimed([item])
+    assert c.statistics() == before
+    c.claimed([])
+    c.finished(item, None)
+    c.take_outcomes()
+    with pytest.raises(DispatchUsageError, match="being written"):
+        c.take_outcomes()
+    running = core()
+    running.plan(LOADS)
+    running.claimed([Item(5, "exec")])
+    with pytest.raises(DispatchUsageError, match="items run"):
+        running.stopped(0)
+
+
+def test_backoff_doubles_to_its_ceiling_and_resets() -> None:
+    """A failing call waits low, 2·low, … up to high; a success starts over at low."""
+    backoff = Backoff(0.1, 0.5)
+    assert [backoff.failed() for _ in range(5)] == [0.1, 0.2, 0.4, 0.5, 0.5]
+    backoff.succeeded()
+    assert backoff.failed() == 0.1
+
+
+def test_sweep_reclaim_outcomes_in_one_batch_race() -> None:
+    """A row swept back while its item ran and claimed again has two claims in one batch;
+    when the store applies the row's id, only the latest claim counts, the older is fenced."""
+    c = core()
+    c.plan(LOADS)
+    first = Item(5, "exec", attempts=1)
+    c.claimed([first])
+    c.plan(LOADS)
+    second = Item(5, "exec", attempts=2)
+    c.claimed([second])
+    c.finished(first, None)
+    c.finished(second, None)
+    assert [d.key for d in c.take_outcomes()] == [(5, 1), (5, 2)]
+    c.written({5})
+    stats = c.statistics()
+    assert (stats.completed, stats.fenced, stats.unwritten) == (1, 1, 0)

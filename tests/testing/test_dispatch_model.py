@@ -1,0 +1,26 @@
+"""The public model check of the dispatch core, run against several admission settings."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+
+from trio_broker.core.admission import AdmissionConfig
+from trio_broker.testing.dispatch import dispatch_machine
+
+_STEPS = settings(max_examples=300, stateful_step_count=50)
+
+TestSmallFleet = dispatch_machine().TestCase
+TestSmallFleet.settings = _STEPS
+
+TestNoOddReserve = dispatch_machine(
+    admission=AdmissionConfig(headroom=2, odd_reserve=0, db_pool=4), local_limit=1
+).TestCase
+TestNoOddReserve.settings = _STEPS
+
+TestFixedCapBigReserve = dispatch_machine(
+    admission=AdmissionConfig(headroom=0, odd_reserve=5, max_in_flight=3, use_idle=False),
+    local_limit=3,
+    retry_delay=0.0,
+    priorities=(-1, 0, 1, 4),
+).TestCase
+TestFixedCapBigReserve.settings = _STEPS

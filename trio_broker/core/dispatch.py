@@ -1,0 +1,751 @@
+"""The dispatch core: what becomes of a claimed queue item, and what is in flight.
+
+Theory of operation
+===================
+
+A dispatcher claims rows of the queue, runs each through the handler of its
+action, and writes how it ended. This module is every decision of that loop,
+without I/O: the trio dispatcher (:mod:`trio_broker.trio.dispatcher`) claims,
+runs and writes for it and owns no policy.
+
+The outcome table
+-----------------
+
+A handler ends in one of these outcomes; :data:`OUTCOMES` is the table itself,
+in this order, and :func:`judge` the only reader of it:
+
+=====================  ===============================  =================================
+outcome                the handler…                     the item
+=====================  ===============================  =================================
+``ok``                 returns                          complete: its row is deleted
+``no_slot``            raises ``NoSlot``                requeued after ``retry_delay``
+``stopped``            raises ``JobStopped``            requeued after ``retry_delay``
+``unknown_service``    raises ``UnknownService``        requeued after ``retry_delay``
+``no_execserver``      raises ``NoExecserver``          requeued at once
+``lost``               raises ``JobLost``               requeued at once
+``client_closed``      raises ``ClientClosed``          requeued at once
+``store_unavailable``  raises ``StoreUnavailable``      requeued at once
+``retry_later``        raises ``RetryLater``            requeued after its ``delay``
+``failed``             raises anything else             failed, with the exception's text
+=====================  ===============================  =================================
+
+Why. *Later* (``retry_delay``, a minute by default) when trying again at once
+would meet the same wall: every slot was busy for all of ``connect_timeout``
+(``no_slot``); the execserver running the job went away in the middle, as a
+whole fleet does during a rolling restart (``stopped``); no execserver offers
+the service, which is what a fleet that is being redeployed looks like, so the
+item waits instead of failing its file (``unknown_service``; a service that
+nobody will ever offer shows as an item requeued again and again with that
+error). *At once* when the queue itself already holds the item back, or the
+reason is gone by the time it is claimed again: while no execserver is
+connected nothing exec-bound is claimed at all (``no_execserver``); the
+connection that broke under a running job is redialled and other execservers
+may be free (``lost``); this process is closing and another one takes the item
+(``client_closed``); the handler's own database work failed, and the claim
+loop backs off until the database answers (``store_unavailable``). Every step
+a handler runs must be safe to run twice for that to hold: the item may have
+done its work before its end was lost. Anything else is a bug or bad input
+that would fail the same way again, so the item fails and its row keeps the
+text for someone to read (``failed``).
+
+Exception groups are judged by the same table: the group is split by each
+row's exception types in turn (:meth:`BaseExceptionGroup.split`), what no row
+takes is ``failed``, and of the parts, a failure wins (a bug must surface, not
+be retried forever), else the longest delay (the most patient reason is the
+safe one), ties going to the earlier row. A group of one exception is judged
+as that exception.
+
+The bookkeeping
+---------------
+
+:class:`DispatchCore` holds what the loop knows between statements:
+
+- the admission plan (:mod:`trio_broker.core.admission`): :meth:`~DispatchCore.plan`
+  asks how many items of each kind a claim may take, :meth:`~DispatchCore.claimed`
+  admits the rows the claim returned and refuses (before any change) more than
+  the plan allowed, so exec-bound items in flight never exceed the limit plus
+  the odd reserve, and even ones never exceed the limit;
+- the items in flight: exec-bound (all, and odd ones) and local-bound counts,
+  the peak, from the claim until :meth:`~DispatchCore.finished` (a decision) or
+  :meth:`~DispatchCore.abandoned` (cancelled at shutdown: no decision, the row
+  goes back to the queue);
+- the decisions not yet written, handed out one batch at a time
+  (:meth:`~DispatchCore.take_outcomes`, then :meth:`~DispatchCore.written` or
+  :meth:`~DispatchCore.write_failed`);
+- every row claimed and not yet written (*unwritten*): the rows to keep when the
+  reply of a claim was lost and the backend's other rows go back
+  (:meth:`~DispatchCore.known_ids`), and what shutdown returns.
+
+Invariants (:meth:`DispatchCore.check_invariants`): the counts in flight are
+the running items' counts; every unwritten row is exactly one of running,
+decided (pending or being written) or abandoned; a row has at most one
+decision; the peak is at least what is in flight. Each claimed row therefore
+ends with exactly one written outcome, or goes back to the queue.
+
+Everything here is pure: no trio, no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from typing import Any, Final, Literal, Protocol, TypeAlias
+
+import attrs
+
+from trio_broker.core.admission import (
+    AdmissionConfig,
+    ClaimPlan,
+    InstanceLoad,
+    exec_limit,
+    is_odd,
+    odd_reserve,
+    plan_claims,
+)
+from trio_broker.core.errors import (
+    ClientClosed,
+    DispatchUsageError,
+    JobLost,
+    JobStopped,
+    NoExecserver,
+    NoSlot,
+    RetryLater,
+    StoreUnavailable,
+    UnknownService,
+    describe,
+)
+
+__all__ = [
+    "OUTCOMES",
+    "Backoff",
+    "ClaimedItem",
+    "Decision",
+    "DispatchConfig",
+    "DispatchCore",
+    "DispatchStatistics",
+    "Kind",
+    "OutcomeName",
+    "Rule",
+    "Verdict",
+    "judge",
+]
+
+OutcomeName: TypeAlias = Literal[
+    "ok",
+    "no_slot",
+    "stopped",
+    "unknown_service",
+    "no_execserver",
+    "lost",
+    "client_closed",
+    "store_unavailable",
+    "retry_later",
+    "failed",
+]
+"""The rows of the outcome table."""
+
+Kind: TypeAlias = Literal["complete", "requeue", "fail"]
+"""What is written for an item: its row deleted, made new again, or failed."""
+
+Key: TypeAlias = tuple[int, int]
+"""A claim: (row id, attempts). A row claimed again is a different claim."""
+
+
+# -- the table -----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Rule:
+    """One row of the outcome table.
+
+    Attributes:
+        outcome: the row's name.
+        raised: the exception types that mean it (empty for ``ok`` and ``failed``).
+        kind: what is written.
+        delay: ``"retry_delay"``, ``"at_once"`` or ``"raised"`` (the
+            :class:`~trio_broker.core.errors.RetryLater`'s own); ``None`` when
+            nothing is requeued.
+    """
+
+    outcome: OutcomeName
+    raised: tuple[type[Exception], ...]
+    kind: Kind
+    delay: Literal["retry_delay", "at_once", "raised"] | None
+
+
+OUTCOMES: Final[tuple[Rule, ...]] = (
+    Rule("ok", (), "complete", None),
+    Rule("no_slot", (NoSlot,), "requeue", "retry_delay"),
+    Rule("stopped", (JobStopped,), "requeue", "retry_delay"),
+    Rule("unknown_service", (UnknownService,), "requeue", "retry_delay"),
+    Rule("no_execserver", (NoExecserver,), "requeue", "at_once"),
+    Rule("lost", (JobLost,), "requeue", "at_once"),
+    Rule("client_closed", (ClientClosed,), "requeue", "at_once"),
+    Rule("store_unavailable", (StoreUnavailable,), "requeue", "at_once"),
+    Rule("retry_later", (RetryLater,), "requeue", "raised"),
+    Rule("failed", (), "fail", None),
+)
+"""The outcome table of the module docstring, row by row."""
+
+_OK: Final = OUTCOMES[0]
+_FAILED: Final = OUTCOMES[-1]
+_RAISED: Final = tuple(rule for rule in OUTCOMES if rule.raised)
+
+
+@attrs.frozen(kw_only=True)
+class Verdict:
+    """How the table judged one handler's end.
+
+    Attributes:
+        outcome: the deciding row.
+        kind: what is written.
+        delay: seconds before a requeued item may be claimed again (0 otherwise).
+        error: the text stored as the row's ``last_error`` (``None`` for ``ok``).
+    """
+
+    outcome: OutcomeName
+    kind: Kind
+    delay: float = 0.0
+    error: str | None = None
+
+
+_OK_VERDICT: Final = Verdict(outcome="ok", kind="complete")
+
+
+def judge(exc: BaseException | None, *, retry_delay: float) -> Verdict:
+    """Judge one handler's end by the outcome table.
+
+    Args:
+        exc: what the handler raised (an exception group is judged as the
+            module docstring says), or ``None`` when it returned.
+        retry_delay: the delay of the rows that requeue *later*.
+
+    Returns:
+        The verdict: the deciding row, what to write, the delay and the text.
+    """
+    if exc is None:
+        return _OK_VERDICT
+    if not isinstance(exc, BaseExceptionGroup):
+        for rule in _RAISED:
+            if isinstance(exc, rule.raised):
+                return _verdict(rule, exc, retry_delay)
+        return _verdict(_FAILED, exc, retry_delay)
+    parts: list[Verdict] = []
+    rest: BaseExceptionGroup[BaseException] | None = exc
+    for rule in _RAISED:
+        if rest is None:
+            break
+        matched, rest = rest.split(rule.raised)
+        if matched is not None:
+            parts.append(_verdict(rule, matched, retry_delay))
+    if rest is not None:
+        parts.append(_verdict(_FAILED, rest, retry_delay))
+    # a failure wins, else the longest delay; max() keeps the earliest row of a tie
+    return max(parts, key=lambda v: (v.kind == "fail", v.delay))
+
+
+def _verdict(rule: Rule, exc: BaseException, retry_delay: float) -> Verdict:
+    if rule.delay == "retry_delay":
+        delay = retry_delay
+    elif rule.delay == "raised":
+        delay = max(e.delay for e in _leaves(exc) if isinstance(e, RetryLater))
+    else:
+        delay = 0.0
+    return Verdict(outcome=rule.outcome, kind=rule.kind, delay=delay, error=describe(exc))
+
+
+def _leaves(exc: BaseException) -> Iterator[BaseException]:
+    """The exceptions of a group that are not groups (``exc`` itself for a plain one)."""
+    if isinstance(exc, BaseExceptionGroup):
+        for member in exc.exceptions:
+            yield from _leaves(member)
+    else:
+        yield exc
+
+
+# -- values --------------------------------------------------------------------------------
+
+
+class ClaimedItem(Protocol):
+    """What the core needs of a claimed row (:class:`~trio_broker.trio.store.QueueItem` is one)."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def attempts(self) -> int: ...
+
+    @property
+    def action(self) -> str: ...
+
+    @property
+    def priority(self) -> int: ...
+
+
+@attrs.frozen(kw_only=True)
+class Decision:
+    """A claimed item's verdict, to be written to its row (fenced to its claim).
+
+    Attributes:
+        item_id, attempts: the claim.
+        verdict: what the table decided.
+    """
+
+    item_id: int
+    attempts: int
+    verdict: Verdict
+
+    @property
+    def key(self) -> Key:
+        """The claim: ``(item_id, attempts)``."""
+        return self.item_id, self.attempts
+
+
+def _not_negative(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if value < 0:
+        raise ValueError(f"{attribute.name} must be at least 0, got {value}")
+
+
+@attrs.frozen(kw_only=True)
+class DispatchConfig:
+    """What the dispatch core decides with.
+
+    Attributes:
+        exec_actions: actions whose work holds an execserver slot.
+        local_actions: actions run in this process, under ``local_limit``.
+        local_limit: local-bound items in flight at most (>= 1 when there are
+            local actions).
+        admission: headroom, odd reserve, ``max_in_flight`` and the database pool
+            the automatic cap follows (:mod:`trio_broker.core.admission`).
+        retry_delay: the delay of the rows that requeue *later* (seconds).
+    """
+
+    exec_actions: frozenset[str] = frozenset()
+    local_actions: frozenset[str] = frozenset()
+    local_limit: int = attrs.field(default=1, validator=_not_negative)
+    admission: AdmissionConfig = attrs.field(factory=AdmissionConfig)
+    retry_delay: float = attrs.field(default=60.0, validator=_not_negative)
+
+    def __attrs_post_init__(self) -> None:
+        both = self.exec_actions & self.local_actions
+        if both:
+            raise ValueError(f"actions both exec- and local-bound: {sorted(both)}")
+        if self.local_actions and self.local_limit < 1:
+            raise ValueError("local_limit must be at least 1 when there are local actions")
+
+
+@attrs.frozen(kw_only=True)
+class DispatchStatistics:
+    """A snapshot of the core (:meth:`DispatchCore.statistics`).
+
+    Attributes:
+        exec_limit: exec-bound items allowed in flight at the last plan.
+        odd_reserve: the slots beyond ``exec_limit`` only odd priorities may take.
+        exec_in_flight, odd_in_flight: exec-bound items in flight (all; odd ones).
+        peak_exec_in_flight: the most exec-bound items ever in flight at once.
+        local_limit, local_in_flight: the local-bound limit and its use.
+        queue_deep: whether the last claim got all the exec-bound items it asked for.
+        claims: claims planned that asked for something (each is one statement).
+        claimed: items claimed.
+        completed, requeued, failed: outcomes written that took effect.
+        fenced: outcomes written that no longer counted (the row was requeued meanwhile).
+        returned: rows returned to the queue (an earlier life's, a lost claim's,
+            and at shutdown).
+        pending_outcomes: decisions not yet written.
+        unwritten: rows claimed whose outcome is not written.
+    """
+
+    exec_limit: int
+    odd_reserve: int
+    exec_in_flight: int
+    odd_in_flight: int
+    peak_exec_in_flight: int
+    local_limit: int
+    local_in_flight: int
+    queue_deep: bool
+    claims: int
+    claimed: int
+    completed: int
+    requeued: int
+    failed: int
+    fenced: int
+    returned: int
+    pending_outcomes: int
+    unwritten: int
+
+
+# -- the core ------------------------------------------------------------------------------
+
+
+class DispatchCore:
+    """The decisions and bookkeeping of one dispatcher. See the module docstring.
+
+    Inputs are method calls in the order the loop meets them: a claim is
+    :meth:`plan`, then :meth:`claimed` or :meth:`claim_failed`; an item's end is
+    :meth:`finished` or :meth:`abandoned`; a write is :meth:`take_outcomes`, then
+    :meth:`written` or :meth:`write_failed`. Misuse raises
+    :class:`~trio_broker.core.errors.DispatchUsageError` before anything changes.
+
+    Args:
+        config: the actions, limits and delays.
+    """
+
+    def __init__(self, config: DispatchConfig) -> None:
+        self.config = config
+        self._running: dict[Key, ClaimedItem] = {}
+        self._abandoned: set[Key] = set()
+        self._pending: list[Decision] = []
+        self._writing: list[Decision] = []
+        self._batch_out = False
+        self._unwritten: set[Key] = set()
+        self._exec_in_flight = 0
+        self._odd_in_flight = 0
+        self._local_in_flight = 0
+        self._peak_exec = 0
+        self._limit = 0
+        self._reserve = 0
+        self._queue_deep = False
+        self._plan: ClaimPlan | None = None
+        self._reconcile = False
+        self._closed = False
+        self._counts = dict.fromkeys(
+            ("claims", "claimed", "completed", "requeued", "failed", "fenced", "returned"), 0
+        )
+
+    # -- claiming --------------------------------------------------------------------------
+
+    def plan(self, loads: Iterable[InstanceLoad] = (), *, waiting: int = 0) -> ClaimPlan:
+        """How many items of each kind the next claim may take.
+
+        Args:
+            loads: one per connected, non-draining execserver instance (ignored
+                when no action is exec-bound).
+            waiting: this client's jobs now waiting at the execservers for a slot.
+
+        Returns:
+            The plan (all zeros once :meth:`close`\\ d). A plan that asks for
+            something is a claim to send: report its reply with :meth:`claimed`
+            or its failure with :meth:`claim_failed` before the next plan.
+
+        Raises:
+            DispatchUsageError: a claim is still outstanding, or a reconciliation
+                is due (:attr:`needs_reconcile`).
+        """
+        if self._plan is not None:
+            raise DispatchUsageError("plan() while the previous claim is outstanding")
+        if self._reconcile:
+            raise DispatchUsageError("a lost claim must be reconciled before the next plan()")
+        if self._closed:
+            return ClaimPlan()
+        if not self.config.exec_actions:
+            loads, waiting = (), 0
+        admission = self.config.admission
+        limit = exec_limit(loads, waiting=waiting, queue_deep=self._queue_deep, config=admission)
+        # The odd reserve comes on top of the limit: even items keep the whole fair
+        # share and its pipelining headroom (on a small fleet a reserve taken out
+        # of the limit would leave no even want parked ahead of a freed slot), and
+        # odd ones may go ``reserve`` beyond it, waiting ahead of the even wants.
+        reserve = odd_reserve(limit, admission.odd_reserve)
+        self._limit, self._reserve = limit, reserve
+        plan = plan_claims(
+            exec_limit=limit + reserve,
+            reserve=reserve,
+            exec_in_flight=self._exec_in_flight,
+            even_in_flight=self._exec_in_flight - self._odd_in_flight,
+            local_limit=self.config.local_limit if self.config.local_actions else 0,
+            local_in_flight=self._local_in_flight,
+        )
+        if plan.total:
+            self._plan = plan
+            self._counts["claims"] += 1
+        return plan
+
+    def claimed(self, items: Sequence[ClaimedItem]) -> None:
+        """The claim of the last :meth:`plan` returned these rows: they are in flight.
+
+        Raises:
+            DispatchUsageError: no claim is outstanding; a row's action is not
+                registered; a claim is already known; or the rows exceed the plan
+                (more even exec-bound rows than its general share, more exec-bound
+                rows than general plus odd-only, more local rows than its local
+                share). Nothing changed.
+        """
+        plan = self._plan
+        if plan is None:
+            raise DispatchUsageError("claimed() without an outstanding plan()")
+        exec_actions, local_actions = self.config.exec_actions, self.config.local_actions
+        exec_items = odd_items = local_items = 0
+        keys: set[Key] = set()
+        for item in items:
+            key = (item.id, item.attempts)
+            if key in self._unwritten or key in keys:
+                raise DispatchUsageError(f"item {item.id} (attempt {item.attempts}) is known")
+            keys.add(key)
+            if item.action in exec_actions:
+                exec_items += 1
+                odd_items += is_odd(item.priority)
+            elif item.action in local_actions:
+                local_items += 1
+            else:
+                raise DispatchUsageError(f"item {item.id}: action {item.action!r} is unknown")
+        if (
+            exec_items - odd_items > plan.general
+            or exec_items > plan.exec_total
+            or local_items > plan.local
+        ):
+            raise DispatchUsageError(
+                f"the claim returned {exec_items} exec-bound ({odd_items} odd) and "
+                f"{local_items} local rows for a plan of {plan}"
+            )
+        self._plan = None
+        for item in items:
+            key = (item.id, item.attempts)
+            self._unwritten.add(key)
+            self._running[key] = item
+        self._exec_in_flight += exec_items
+        self._odd_in_flight += odd_items
+        self._local_in_flight += local_items
+        self._peak_exec = max(self._peak_exec, self._exec_in_flight)
+        self._counts["claimed"] += len(items)
+        if plan.general:
+            self._queue_deep = exec_items >= plan.general
+
+    def claim_failed(self) -> None:
+        """The claim of the last :meth:`plan` failed; it may have taken rows unseen.
+
+        Before the next :meth:`plan`, return every row of this backend but
+        :meth:`known_ids` and report :meth:`reconciled`.
+
+        Raises:
+            DispatchUsageError: no claim is outstanding.
+        """
+        if self._plan is None:
+            raise DispatchUsageError("claim_failed() without an outstanding plan()")
+        self._plan = None
+        self._reconcile = True
+
+    @property
+    def needs_reconcile(self) -> bool:
+        """Whether a lost claim must be reconciled before the next :meth:`plan`."""
+        return self._reconcile
+
+    def known_ids(self) -> set[int]:
+        """Ids of the rows claimed whose outcome is not written: the rows to keep."""
+        return {item_id for item_id, _ in self._unwritten}
+
+    def reconciled(self, returned: int) -> None:
+        """Every row but :meth:`known_ids` went back to the queue (``returned`` of them)."""
+        self._reconcile = False
+        self._counts["returned"] += returned
+
+    def returned(self, count: int) -> None:
+        """Rows an earlier life of this backend left claimed went back to the queue."""
+        self._counts["returned"] += count
+
+    # -- running ---------------------------------------------------------------------------
+
+    def finished(self, item: ClaimedItem, exc: BaseException | None) -> Decision:
+        """An item's handler ended: returned (``exc`` is ``None``) or raised ``exc``.
+
+        Returns:
+            The decision (by :func:`judge`), queued for writing.
+
+        Raises:
+            DispatchUsageError: the item is not running; nothing changed.
+        """
+        key = (item.id, item.attempts)
+        if key not in self._running:
+            raise DispatchUsageError(f"item {item.id} (attempt {item.attempts}) is not running")
+        decision = Decision(
+            item_id=item.id,
+            attempts=item.attempts,
+            verdict=judge(exc, retry_delay=self.config.retry_delay),
+        )
+        self._stop_running(key)
+        self._pending.append(decision)
+        return decision
+
+    def abandoned(self, item: ClaimedItem) -> None:
+        """An item's handler was cancelled (shutdown): no decision; its row goes back.
+
+        Raises:
+            DispatchUsageError: the item is not running; nothing changed.
+        """
+        key = (item.id, item.attempts)
+        if key not in self._running:
+            raise DispatchUsageError(f"item {item.id} (attempt {item.attempts}) is not running")
+        self._stop_running(key)
+        self._abandoned.add(key)
+
+    def _stop_running(self, key: Key) -> None:
+        item = self._running.pop(key)
+        if item.action in self.config.exec_actions:
+            self._exec_in_flight -= 1
+            if is_odd(item.priority):
+                self._odd_in_flight -= 1
+        else:
+            self._local_in_flight -= 1
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def take_outcomes(self) -> list[Decision]:
+        """The decisions to write now, in the order they were made (may be empty).
+
+        Report the write with :meth:`written` or :meth:`write_failed`.
+
+        Raises:
+            DispatchUsageError: the previous batch is still being written.
+        """
+        if self._batch_out:
+            raise DispatchUsageError("take_outcomes() while a batch is being written")
+        self._writing, self._pending = self._pending, []
+        self._batch_out = bool(self._writing)
+        return list(self._writing)
+
+    def written(self, applied: Collection[int]) -> None:
+        """The batch was written; ``applied`` are the ids whose outcome took effect.
+
+        The others were fenced: their row had been requeued meanwhile (a stale
+        heartbeat), or an earlier try of this write had committed unseen.
+
+        Raises:
+            DispatchUsageError: no batch is being written; nothing changed.
+        """
+        if not self._batch_out:
+            raise DispatchUsageError("written() without a batch from take_outcomes()")
+        counts = self._counts
+        # The store answers with row ids. A row swept back to the queue while its
+        # item ran, and claimed again, has two claims in one batch; only the latest
+        # can have applied (the row's attempts moved past the older one).
+        latest: dict[int, int] = {}
+        for decision in self._writing:
+            latest[decision.item_id] = max(latest.get(decision.item_id, 0), decision.attempts)
+        for decision in self._writing:
+            self._unwritten.discard(decision.key)
+            if decision.item_id not in applied or decision.attempts != latest[decision.item_id]:
+                counts["fenced"] += 1
+            elif decision.verdict.kind == "complete":
+                counts["completed"] += 1
+            elif decision.verdict.kind == "requeue":
+                counts["requeued"] += 1
+            else:
+                counts["failed"] += 1
+        self._writing = []
+        self._batch_out = False
+
+    def write_failed(self) -> None:
+        """The batch was not (or not surely) written: it goes first in the next one.
+
+        Raises:
+            DispatchUsageError: no batch is being written; nothing changed.
+        """
+        if not self._batch_out:
+            raise DispatchUsageError("write_failed() without a batch from take_outcomes()")
+        self._pending[:0] = self._writing
+        self._writing = []
+        self._batch_out = False
+
+    @property
+    def pending(self) -> int:
+        """Decisions not yet written (being written included)."""
+        return len(self._pending) + len(self._writing)
+
+    # -- shutdown --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Claim nothing more: every later :meth:`plan` is empty."""
+        self._closed = True
+
+    def stopped(self, returned: int | None) -> None:
+        """Shutdown ended: every unwritten row went back to the queue, or could not.
+
+        Args:
+            returned: how many rows went back; ``None`` when the database could
+                not be reached (the rows come back once this backend's heartbeat
+                is stale).
+
+        Raises:
+            DispatchUsageError: an item is still running; nothing changed.
+        """
+        if self._running:
+            raise DispatchUsageError(f"stopped() while {len(self._running)} items run")
+        self._closed = True
+        if returned is not None:
+            self._counts["returned"] += returned
+        self._plan = None
+        self._pending = []
+        self._writing = []
+        self._batch_out = False
+        self._abandoned.clear()
+        self._unwritten.clear()
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def statistics(self) -> DispatchStatistics:
+        """A frozen snapshot of the plan, what is in flight and the outcome counts."""
+        c = self._counts
+        return DispatchStatistics(
+            exec_limit=self._limit,
+            odd_reserve=self._reserve,
+            exec_in_flight=self._exec_in_flight,
+            odd_in_flight=self._odd_in_flight,
+            peak_exec_in_flight=self._peak_exec,
+            local_limit=self.config.local_limit,
+            local_in_flight=self._local_in_flight,
+            queue_deep=self._queue_deep,
+            claims=c["claims"],
+            claimed=c["claimed"],
+            completed=c["completed"],
+            requeued=c["requeued"],
+            failed=c["failed"],
+            fenced=c["fenced"],
+            returned=c["returned"],
+            pending_outcomes=self.pending,
+            unwritten=len(self._unwritten),
+        )
+
+    def running(self) -> list[ClaimedItem]:
+        """The items in flight, in the order they were claimed."""
+        return list(self._running.values())
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping disagrees with itself."""
+        exec_actions = self.config.exec_actions
+        running = list(self._running.values())
+        exec_running = [i for i in running if i.action in exec_actions]
+        assert self._exec_in_flight == len(exec_running), "exec_in_flight"
+        assert self._odd_in_flight == sum(is_odd(i.priority) for i in exec_running), "odd"
+        assert self._local_in_flight == len(running) - len(exec_running), "local_in_flight"
+        assert self._peak_exec >= self._exec_in_flight, "peak"
+        decided = [d.key for d in (*self._writing, *self._pending)]
+        assert len(decided) == len(set(decided)), "a claim decided twice"
+        parts = (set(self._running), set(decided), self._abandoned)
+        assert sum(len(part) for part in parts) == len(self._unwritten), "unwritten overlaps"
+        assert set().union(*parts) == self._unwritten, "unwritten != running + decided + abandoned"
+
+
+# -- back-off ------------------------------------------------------------------------------
+
+
+class Backoff:
+    """A delay that doubles from ``low`` to ``high`` while calls fail, and resets.
+
+    Args:
+        low: the first delay (seconds, > 0).
+        high: the most it grows to.
+    """
+
+    def __init__(self, low: float, high: float) -> None:
+        if low <= 0 or high <= 0:
+            raise ValueError(f"expected delays above 0, got {low} and {high}")
+        self.low, self.high = low, high
+        self._next = low
+
+    def failed(self) -> float:
+        """A call failed: the delay to wait before the next try."""
+        delay = self._next
+        self._next = min(delay * 2, self.high)
+        return delay
+
+    def succeeded(self) -> None:
+        """A call succeeded: the next failure waits ``low`` again."""
+        self._next = self.low
