@@ -44,11 +44,13 @@ async def test_the_example_execserver_makes_a_thumbnail_run_from_the_repository_
     with tempfile.TemporaryDirectory() as tmp:
         ready = Path(tmp) / "ready"
         os.mkfifo(ready)
+        log = os.open(Path(tmp) / "stderr", os.O_WRONLY | os.O_CREAT, 0o600)
         process = await trio.lowlevel.open_process(
-            [str(BIN / "trio-broker"), "execserver", "--config", "examples/execserver.yml",
-             "--ready-file", str(ready)],
+            [str(BIN / "trio-broker"), "--log-level", "debug", "execserver",
+             "--config", "examples/execserver.yml", "--ready-file", str(ready)],
             cwd=REPOSITORY,
             env=env,
+            stderr=log,
         )  # fmt: skip
         try:
             with trio.fail_after(WAIT):
@@ -75,6 +77,14 @@ async def test_the_example_execserver_makes_a_thumbnail_run_from_the_repository_
             with trio.CancelScope(shield=True):
                 process.terminate()
                 await process.wait()
+                os.close(log)
+        lines = (Path(tmp) / "stderr").read_text().splitlines()
     assert receipt.status == "ok", receipt
     thumbnail = Image.open(io.BytesIO(bytes(received)))
     assert (thumbnail.format, thumbnail.size) == ("PNG", (64, 48))
+    # one logfmt line for the job; no line names a pipe (a pipe URL is its credential)
+    (job,) = [line for line in lines if "ended ok" in line]
+    assert "service=thumbnail" in job
+    assert "client=quickstart" in job
+    assert "status=ok" in job
+    assert all("/pipe/" not in line for line in lines), lines
