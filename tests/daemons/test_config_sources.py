@@ -241,3 +241,12 @@ def test_the_fylr_configuration_loads_through_the_same_steps(tmp_path: Path) -> 
     )
     assert config.execservers == ("exec:7000",)
     assert config.state_dir == tmp_path / "state"
+
+
+def test_the_reference_configuration_loads() -> None:
+    """daemons/execserver.example.yml, every key shown, loads; {config_dir} is its folder."""
+    example = Path(__file__).resolve().parents[2] / "daemons" / "execserver.example.yml"
+    config = ExecserverConfig.from_yaml(example)
+    argv = config.services["script"].argv
+    assert argv is not None
+    assert argv.fill({"size": "1"})[1] == f"{example.parent}/convert.py"
