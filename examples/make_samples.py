@@ -205,6 +205,8 @@ def localize_execserver_config(
         for index, element in enumerate(argv):
             if isinstance(element, str) and element.startswith("examples/"):
                 argv[index] = str(root / element)
+            elif isinstance(element, str):  # the copy lives elsewhere: fill {config_dir} now
+                argv[index] = element.replace("{config_dir}", str(root / "examples"))
     return str(yaml.safe_dump(document, sort_keys=False))
 
 

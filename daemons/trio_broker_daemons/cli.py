@@ -1,14 +1,84 @@
-"""The ``trio-broker`` command line."""
+"""The ``trio-broker`` command line.
+
+Global options (``--log-level``, ``--log-format``) are accepted before and after
+the subcommand (``trio-broker --log-format json execserver …`` and
+``trio-broker execserver … --log-format json`` are the same); given in both
+places, the one after the subcommand wins.
+
+Exit statuses: 0 done; 1 a start-up failure (a port in use, a missing TLS file,
+an unreachable database) or, for ``upload``, a file or version that failed; 2 a
+bad command line or configuration.
+"""
 
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Final
 
 from trio_broker._version import __version__
+
+__all__ = ["DAEMON_MODULES", "SERVER_VARIABLE", "build_parser", "main"]
+
+LOG_LEVELS: Final = ("debug", "info", "warning", "error")
+LOG_FORMATS: Final = ("logfmt", "json")
+SERVER_VARIABLE: Final = "TRIO_BROKER_SERVER"
+"""The environment variable ``upload --server`` defaults to."""
+
+
+def _global_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    """``--log-level`` and ``--log-format``; below the top they only override when given."""
+    parser.add_argument(
+        "--log-level",
+        default=None if top else argparse.SUPPRESS,
+        choices=LOG_LEVELS,
+        help="log level of the daemons (default: info; upload: warning)",
+    )
+    parser.add_argument(
+        "--log-format",
+        default="logfmt" if top else argparse.SUPPRESS,
+        choices=LOG_FORMATS,
+        help="one key=value line per event (logfmt, the default) or one JSON object",
+    )
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _priority(text: str) -> int:
+    from trio_broker_daemons.upload import parse_priority  # no rich or httpx for --help
+
+    try:
+        return parse_priority(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _daemon(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    *,
+    help: str,
+    description: str,
+) -> None:
+    """A daemon's subcommand: ``--config``, ``--ready-file`` and the global options."""
+    parser = commands.add_parser(name, help=help, description=description)
+    parser.add_argument("--config", required=True, metavar="FILE", help="YAML configuration")
+    parser.add_argument(
+        "--ready-file",
+        metavar="FILE",
+        help="write 'HOST PORT' here once listening (for supervisors and tests)",
+    )
+    _global_options(parser, top=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,29 +91,21 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--version", action="version", version=f"trio-broker {__version__}")
-    parser.add_argument(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error"],
-        help="log level of the daemons (default: info)",
-    )
+    _global_options(parser, top=True)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    execserver = commands.add_parser(
+    _daemon(
+        commands,
         "execserver",
         help="run the reference execserver",
         description=(
-            "Serve /broker, /healthz, /inspect/system/execserver and /metrics on the "
-            "configured listener and run jobs in the configured services. SIGTERM or "
-            "SIGINT drains (running jobs finish, then exit 0); a second signal stops now."
+            "Serve /broker, /livez, /readyz, /inspect/system/execserver and /metrics on "
+            "the configured listener and run jobs in the configured services. SIGTERM or "
+            "SIGINT drains (running jobs finish, then exit 0); a second signal stops now. "
+            "Every configuration key can also be set as TRIO_BROKER_<KEY>."
         ),
     )
-    execserver.add_argument("--config", required=True, metavar="FILE", help="YAML configuration")
-    execserver.add_argument(
-        "--ready-file",
-        metavar="FILE",
-        help="write 'HOST PORT' here once listening (for supervisors and tests)",
-    )
-    fylr = commands.add_parser(
+    _daemon(
+        commands,
         "fylr",
         help="run the reference fylr (file server)",
         description=(
@@ -53,31 +115,43 @@ def build_parser() -> argparse.ArgumentParser:
             "SIGTERM or SIGINT stops gracefully (claimed work goes back to the queue)."
         ),
     )
-    fylr.add_argument("--config", required=True, metavar="FILE", help="YAML configuration")
-    fylr.add_argument(
-        "--ready-file",
-        metavar="FILE",
-        help="write 'HOST PORT' here once serving (for supervisors and tests)",
-    )
     upload = commands.add_parser(
         "upload",
         help="upload files to a fylr",
         description=(
             "Stream each FILE to a fylr's PUT /eas/put and print its id; with --wait, "
             "follow every file (with progress bars) until it has ended and print its "
-            "versions. Exit status 0 when every file was uploaded (and ended done)."
+            "versions and why any failed. Exit status 0 when every file was uploaded "
+            "(and, with --wait, every file and version ended done), 1 otherwise."
         ),
     )
     upload.add_argument("files", nargs="+", metavar="FILE", help="files to upload")
     upload.add_argument(
-        "--server", required=True, metavar="URL", help="the fylr, e.g. http://127.0.0.1:7400"
+        "--server",
+        default=os.environ.get(SERVER_VARIABLE) or None,
+        metavar="HOST:PORT",
+        help=f"the fylr, e.g. 127.0.0.1:7400 or https://fylr:7400 (default: ${SERVER_VARIABLE})",
     )
     upload.add_argument(
-        "--priority", type=int, default=0, metavar="N", help="priority of the files (default 0)"
+        "--priority",
+        type=_priority,
+        default=0,
+        metavar="BAND",
+        help=(
+            "background, normal (the default), interactive, synchronous; NAME+1 "
+            "(or high-NAME) is the band's high variant; or a number (-2, 0, 2, 4, 3 …)"
+        ),
     )
     upload.add_argument(
         "--wait", action="store_true", help="wait until every file is done or failed"
     )
+    upload.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        metavar="SECONDS",
+        help="give up after this long (exit 1, naming the files not ended)",
+    )
+    _global_options(upload, top=False)
     return parser
 
 
@@ -91,6 +165,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
+        return 2
+    if args.command == "upload" and args.server is None:
+        print(
+            f"trio-broker upload: give --server HOST:PORT or set {SERVER_VARIABLE}",
+            file=sys.stderr,
+        )
         return 2
     try:
         return _run(args)
@@ -106,26 +186,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from trio_broker_daemons.logfmt import configure_logging
+
     if args.command == "upload":
-        logging.basicConfig(level=logging.WARNING)
+        # the progress bars are the upload's output: by default only warnings are logged
+        configure_logging(args.log_level or "warning", args.log_format)
         from trio_broker_daemons.upload import main as upload_main
 
-        return upload_main(args.server, args.files, priority=args.priority, wait=args.wait)
+        return upload_main(
+            args.server,
+            args.files,
+            priority=args.priority,
+            wait=args.wait,
+            timeout=args.timeout,
+        )
+    configure_logging(args.log_level or "info", args.log_format)
     if args.command == "fylr":
-        from trio_broker_daemons.logfmt import LogfmtFormatter
-
-        handler = logging.StreamHandler()
-        handler.setFormatter(LogfmtFormatter())
-        logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
-        # one warning per failed connection attempt; the store reports an outage itself
-        logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
         from trio_broker_daemons.daemon import run_fylr
 
         return run_fylr(args.config, ready_file=args.ready_file)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     from trio_broker_daemons.daemon import run_execserver  # the daemon brings in trio
 
     return run_execserver(args.config, ready_file=args.ready_file)

@@ -11,6 +11,26 @@ dotted key path, then says what was expected and what came::
 Only the first problem is reported. An unknown key is reported before any other
 problem of the same mapping (a typo usually explains the rest).
 
+Where values come from (:func:`load_config`, shared with the fylr's configuration;
+the steps are :mod:`trio_broker_daemons.sources`'):
+
+* **The file.** Relative paths in it (``temp_dir``, ``tls.cert``, ``tls.key``,
+  ``broker_token_file``) are relative to the folder of the file, not to the
+  working directory, so an example configuration works from any folder.
+* The placeholder ``{config_dir}`` in an argv element is that folder (``argv: [python3,
+  "{config_dir}/convert_image.py"]``). No other argv element is touched: a
+  command runs in a fresh work folder of its own, so a relative path in argv is
+  relative to that folder, as the program itself sees it. ``{{config_dir}}`` is
+  the literal text. ``config_dir`` is therefore no job parameter name.
+* **The environment** (when the caller passes it; the daemons do): every key can
+  be set by ``TRIO_BROKER_<KEY>``, nested keys joined by ``__``
+  (``TRIO_BROKER_BROKER_TOKEN``, ``TRIO_BROKER_TLS__CERT``,
+  ``TRIO_BROKER_SERVICES__VIDEO__MAX_SLOTS=4``). A variable wins over the file.
+  Keys that hold text take the variable as it is; other values are read as YAML.
+* **Secret files.** ``broker_token_file: PATH`` reads the token from a file (its
+  text without the final line ending), e.g. a mounted Kubernetes or Docker
+  secret. Giving ``broker_token`` too is an error.
+
 Value conventions:
 
 * **Durations** are strings of one or more ``<number><unit>`` parts, units ``ms``,
@@ -35,11 +55,13 @@ Top-level keys (:class:`ExecserverConfig`):
     a free port. Parsed as :attr:`ExecserverConfig.host` / :attr:`~ExecserverConfig.port`.
 ``name`` (the host name)
     Announced in ``HELLO.name``; a non-empty string.
-``broker_token`` (null)
-    When set, ``/broker`` requires ``Authorization: Bearer <token>``.
+``broker_token`` (null), or ``broker_token_file``
+    When set, ``/broker``, ``/inspect/system/execserver`` and ``/metrics``
+    require ``Authorization: Bearer <token>``.
 ``tls`` (null)
-    ``{cert: PATH, key: PATH}`` serves https/wss (:class:`TlsConfig`). Paths are
-    kept as written (relative to the working directory) and not opened here.
+    ``{cert: PATH, key: PATH}`` serves https/wss (:class:`TlsConfig`). Relative
+    paths are relative to the configuration file; the files are not opened here
+    (a missing one is a start-up failure of the daemon).
 ``slots`` (0)
     Size of the one slot pool shared by every service; 0 = the host's CPUs
     (:attr:`~trio_broker.trio.host.HostResources.cpus`, cgroup quota included).
@@ -62,7 +84,8 @@ Top-level keys (:class:`ExecserverConfig`):
 ``stall_timeout`` (10m)
     A job without progress this long is stalled; ``"0"`` = no stall supervision.
 ``temp_dir`` (null)
-    Parent of the jobs' working directories; null = the system temp dir.
+    Parent of the jobs' working directories; null = the system temp dir. A
+    relative path is relative to the configuration file.
 ``max_frame_bytes`` (1048576, >= 1024)
     Largest websocket frame accepted.
 ``env`` ({})
@@ -74,7 +97,8 @@ Service keys (:class:`ServiceConfig`):
 
 ``argv`` / ``builtin`` (exactly one)
     ``argv`` is a non-empty list of strings; each element may hold ``{name}``
-    placeholders filled from ``job.params`` (``{{`` and ``}}`` are literal braces;
+    placeholders filled from ``job.params`` and ``{config_dir}`` (the
+    configuration file's folder, filled at load) (``{{`` and ``}}`` are literal braces;
     a placeholder is a bare identifier, no index, attribute, conversion or format
     spec; no element holds a NUL). The program, ``argv[0]``, is a non-empty string
     without placeholders so that a job can never choose what runs. The grammar is
@@ -101,20 +125,19 @@ Service keys (:class:`ServiceConfig`):
     Added to this service's commands' environment, after the top-level ``env``.
 """
 
+import contextvars
 import difflib
 import ipaddress
 import math
 import os
 import re
 import socket
-from collections.abc import Callable, Mapping, Sequence
-from decimal import Decimal
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal, TypeAlias, TypeVar, get_origin
 
 import attrs
 import cattrs
-import yaml
 from cattrs.errors import (
     AttributeValidationNote,
     ClassValidationError,
@@ -126,8 +149,30 @@ from cattrs.gen import make_dict_structure_fn
 
 from trio_broker.core.argv import ArgvTemplate, TemplateError
 from trio_broker.trio.host import HostResources
+from trio_broker_daemons.sources import (
+    EnvironmentSources,
+    apply_environment,
+    blame_environment,
+    load_yaml_mapping,
+    read_secret_files,
+    secret_file,
+)
+from trio_broker_daemons.values import _DURATION_HINT as _DURATION_HINT
+from trio_broker_daemons.values import _SIZE_HINT as _SIZE_HINT
+from trio_broker_daemons.values import (
+    ConfigError,
+    ThreadsSpec,
+    parse_duration,
+    parse_size,
+    resolve_threads,
+)
+from trio_broker_daemons.values import _check_threads as _check_threads
+from trio_broker_daemons.values import _Key as _Key
+from trio_broker_daemons.values import _seconds as _seconds
+from trio_broker_daemons.values import _show as _show
 
 __all__ = [
+    "CONFIG_DIR",
     "DEFAULT_LISTEN",
     "MAX_SERVICE_NAME_CHARS",
     "Builtin",
@@ -137,9 +182,12 @@ __all__ = [
     "ThreadsSpec",
     "TlsConfig",
     "converter",
+    "load_config",
+    "load_yaml_mapping",
     "parse_duration",
     "parse_size",
     "resolve_threads",
+    "structure_config",
 ]
 
 DEFAULT_LISTEN: Final = "127.0.0.1:7000"
@@ -148,208 +196,30 @@ MAX_SERVICE_NAME_CHARS: Final = 200
 Builtin: TypeAlias = Literal["noop", "sleep"]
 """The in-process services."""
 
-ThreadsSpec: TypeAlias = int | str
-"""A ``threads`` value: an int (0, N, -N) or a percentage string (``"N%"``, ``"-N%"``)."""
+CONFIG_DIR: Final = "{config_dir}"
+"""In an argv element: the folder of the configuration file (see :func:`structure_config`)."""
 
-_Key: TypeAlias = str | int
-_DURATION_HINT: Final = '(use e.g. "10s", "30m", "12h" or a number of seconds)'
-_SIZE_HINT: Final = 'an integer or a string like "512M", "2G", "1.5GiB"'
-
-
-class ConfigError(ValueError):
-    """The configuration is unusable; ``str()`` is one line naming where and why.
-
-    Attributes:
-        keys: the key path to the offending value (strings for mapping keys,
-            integers for list positions); empty for problems of the whole file.
-        reason: what was expected and what came.
-        file: the configuration file, for problems of the file itself (missing,
-            unreadable, not YAML, not a mapping); otherwise ``None``.
-    """
-
-    def __init__(self, reason: str, *, keys: Sequence[_Key] = (), file: str | None = None) -> None:
-        super().__init__(reason, tuple(keys), file)
-        self.reason = reason
-        self.keys: tuple[_Key, ...] = tuple(keys)
-        self.file = file
-
-    @property
-    def path(self) -> str:
-        """The dotted key path, e.g. ``services.ffmpeg.argv[0]``; ``""`` for none."""
-        text = ""
-        for key in self.keys:
-            if isinstance(key, int):
-                text += f"[{key}]"
-            elif _PLAIN_KEY.fullmatch(key):
-                text += f".{key}" if text else key
-            else:
-                text += f"[{key!r}]"
-        return text
-
-    def __str__(self) -> str:
-        where = self.path or self.file
-        return f"{where}: {self.reason}" if where else self.reason
-
-
-_PLAIN_KEY: Final = re.compile(r"[A-Za-z0-9_-]+")
-
-
-def _show(value: object) -> str:
-    """A short YAML-ish rendering of an offending value for error messages."""
-    if value is None:
-        return "null"
-    if value is True:
-        return "true"
-    if value is False:
-        return "false"
-    if isinstance(value, str):
-        return repr(value if len(value) <= 40 else value[:37] + "...")
-    if isinstance(value, Mapping):
-        return "a mapping"
-    if isinstance(value, list | tuple):
-        return "a list"
-    return repr(value)
-
-
-def _seconds(value: float) -> str:
-    """A duration for error messages: ``5s``, ``0.25s``."""
-    return f"{value:g}s"
-
-
-# -- durations, sizes, threads ----------------------------------------------------
-
-_DURATION_UNITS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_DURATION_PART: Final = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
-_DURATION: Final = re.compile(r"(?:\d+(?:\.\d+)?(?:ms|s|m|h|d))+")
-
-
-def parse_duration(value: object) -> float:
-    """Parse a duration into seconds.
-
-    Args:
-        value: a string of ``<number><unit>`` parts (units ``ms``, ``s``, ``m``,
-            ``h``, ``d``, any order, e.g. ``"1h30m"``, ``"1.5s"``), the string
-            ``"0"``, or a non-negative int or float of seconds (not a bool).
-
-    Returns:
-        The duration in seconds, finite and >= 0. Zero is returned as ``0.0``; what
-        zero means ("none", "at once") is up to the key.
-
-    Raises:
-        ConfigError: with an empty key path, naming the value.
-    """
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ConfigError(f"expected a duration, got {_show(value)}")
-    if isinstance(value, str):
-        if value == "0":
-            return 0.0
-        if not _DURATION.fullmatch(value):
-            raise ConfigError(f"invalid duration {_show(value)} {_DURATION_HINT}")
-        seconds = sum(
-            float(number) * _DURATION_UNITS[unit] for number, unit in _DURATION_PART.findall(value)
-        )
-    else:
-        seconds = float(value)
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ConfigError(f"invalid duration {_show(value)} {_DURATION_HINT}")
-    return seconds
-
-
-_SIZE: Final = re.compile(r"(\d+(?:\.\d+)?) ?(?:([kmgtp])(i?b)?|b)?", re.IGNORECASE)
-_SIZE_POWERS: Final = {"k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
-
-
-def parse_size(value: object) -> int:
-    """Parse a size into bytes.
-
-    Args:
-        value: a positive int of bytes, or a string ``<number>[unit]``: ``K`` …
-            ``P`` and ``KiB`` … ``PiB`` are powers of 1024, ``KB`` … ``PB`` powers
-            of 1000, ``B`` or nothing is bytes; case-insensitive, one optional space
-            (``"512M"``, ``"1.5GiB"``, ``"100 kB"``). Fractions of a byte are dropped.
-
-    Returns:
-        The size in bytes, > 0.
-
-    Raises:
-        ConfigError: with an empty key path, naming the value.
-    """
-    if type(value) is int:
-        size = value
-    elif isinstance(value, str):
-        match = _SIZE.fullmatch(value)
-        if match is None:
-            raise ConfigError(f"expected a size ({_SIZE_HINT}), got {_show(value)}")
-        number, prefix, suffix = match.groups()
-        factor = 1
-        if prefix is not None:
-            base = 1000 if suffix is not None and suffix.lower() == "b" else 1024
-            factor = base ** _SIZE_POWERS[prefix.lower()]
-        size = int(Decimal(number) * factor)
-    else:
-        raise ConfigError(f"expected a size ({_SIZE_HINT}), got {_show(value)}")
-    if size <= 0:
-        raise ConfigError(f"expected a size greater than 0, got {_show(value)}")
-    return size
-
-
-_THREADS: Final = re.compile(r"(-?)(\d+)(%?)")
-
-
-def _check_threads(value: object) -> ThreadsSpec:
-    """Validate a ``threads`` value; ``"N"`` and ``"-N"`` become ints."""
-    if type(value) is int:
-        return value
-    if isinstance(value, str) and (match := _THREADS.fullmatch(value)):
-        sign, digits, percent = match.groups()
-        if not percent:
-            return int(sign + digits)
-        if not 1 <= int(digits) <= 100:
-            raise ConfigError(f"expected a percentage from 1 to 100, got {_show(value)}")
-        return value
-    raise ConfigError(
-        f'expected an integer, or a string "N", "-N", "N%" or "-N%", got {_show(value)}'
-    )
-
-
-def resolve_threads(spec: ThreadsSpec, cpu_count: int) -> int:
-    """Turn a service's ``threads`` into a thread count.
-
-    Args:
-        spec: ``0`` all CPUs, ``N`` exactly N, ``-N`` all but N, ``"N%"`` that share
-            of the CPUs (rounded down), ``"-N%"`` all but that share (the share
-            rounded up); ``"N"`` and ``"-N"`` strings are read as ints.
-        cpu_count: the CPUs available, >= 1 (usually ``HostResources.cpus``).
-
-    Returns:
-        The thread count, always at least 1.
-
-    Raises:
-        ValueError: for a spec the loader would have refused, or ``cpu_count < 1``.
-    """
-    if cpu_count < 1:
-        raise ValueError(f"cpu_count must be at least 1, got {cpu_count}")
-    try:
-        checked = _check_threads(spec)
-    except ConfigError as exc:
-        raise ValueError(f"invalid threads spec: {exc.reason}") from None
-    if isinstance(checked, int):
-        if checked == 0:
-            count = cpu_count
-        elif checked > 0:
-            count = checked
-        else:
-            count = cpu_count + checked
-    else:
-        share = int(checked.strip("-%"))
-        if checked.startswith("-"):
-            count = cpu_count * (100 - share) // 100
-        else:
-            count = cpu_count * share // 100
-    return max(1, count)
-
+_config_dir: Final = contextvars.ContextVar[Path | None]("config_dir", default=None)
+"""The configuration file's folder while :func:`structure_config` runs for a file."""
 
 # -- argv templates and listen addresses -----------------------------------------------
+
+
+_CONFIG_DIR_TOKENS: Final = re.compile(r"\{\{|\}\}|\{config_dir\}")
+
+
+def _expand_config_dir(element: str) -> str:
+    """``element`` with ``{config_dir}`` replaced by the configuration file's folder.
+
+    Escaped braces (``{{config_dir}}``) stay literal; braces in the folder's name
+    are escaped, so that the core's template grammar reads them as text.
+    """
+    if CONFIG_DIR not in element:
+        return element
+    folder = str(_config_dir.get() or Path.cwd()).replace("{", "{{").replace("}", "}}")
+    return _CONFIG_DIR_TOKENS.sub(
+        lambda match: folder if match.group() == CONFIG_DIR else match.group(), element
+    )
 
 
 def _check_argv(value: object) -> ArgvTemplate | None:
@@ -364,7 +234,7 @@ def _check_argv(value: object) -> ArgvTemplate | None:
         if type(element) is not str:
             raise ConfigError(_not_a_string(element).reason, keys=(index,))
     try:
-        return ArgvTemplate.parse(tuple(value))
+        return ArgvTemplate.parse(tuple(_expand_config_dir(element) for element in value))
     except TemplateError as exc:
         raise ConfigError(exc.reason, keys=() if exc.index is None else (exc.index,)) from None
 
@@ -439,7 +309,10 @@ def _optional_token(value: object) -> str | None:
 
 
 def _path(value: object) -> Path:
-    return Path(_nonempty_string(value))
+    """A path; a relative one is taken relative to the configuration file's folder."""
+    path = Path(_nonempty_string(value))
+    folder = _config_dir.get()
+    return path if folder is None or path.is_absolute() else folder / path
 
 
 def _optional_path(value: object) -> Path | None:
@@ -637,7 +510,7 @@ class ExecserverConfig:
 
     listen: _Listen = DEFAULT_LISTEN
     name: _Name = attrs.field(factory=socket.gethostname)
-    broker_token: _Token = None
+    broker_token: _Token = attrs.field(default=None, metadata=secret_file())
     tls: TlsConfig | None = None
     slots: _Count = 0
     fast_reserve: _Reserve = -1
@@ -667,11 +540,16 @@ class ExecserverConfig:
             )
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str]) -> "ExecserverConfig":
-        """Load a YAML configuration file.
+    def from_yaml(
+        cls, path: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None
+    ) -> "ExecserverConfig":
+        """Load a YAML configuration file (see :func:`load_config`).
 
         Args:
-            path: the file; UTF-8 YAML holding one mapping.
+            path: the file; UTF-8 YAML holding one mapping. Relative paths in it
+                are relative to its folder.
+            environ: ``TRIO_BROKER_…`` variables laid over the file (the daemon
+                passes ``os.environ``); ``None`` reads the file alone.
 
         Returns:
             The validated configuration.
@@ -681,7 +559,7 @@ class ExecserverConfig:
                 valid YAML (with line and column), is not a mapping, or any key is
                 wrong (see :meth:`from_mapping`).
         """
-        return cls.from_mapping(load_yaml_mapping(path))
+        return load_config(path, cls, environ=environ)
 
     @classmethod
     def from_mapping(cls, data: object) -> "ExecserverConfig":
@@ -750,28 +628,6 @@ class ExecserverConfig:
         if isinstance(self.memory_budget, int):
             return self.memory_budget
         return host.memory
-
-
-# -- YAML loading ----------------------------------------------------------------
-
-
-class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing duplicate mapping keys (PyYAML keeps the last)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            try:
-                duplicate = key in seen
-                seen.add(key)
-            except TypeError:  # an unhashable key: the base class reports it
-                break
-            if duplicate:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {_show(key)}", key_node.start_mark
-                )
-        return super().construct_mapping(node, deep=deep)
 
 
 # -- the converter ---------------------------------------------------------------
@@ -883,51 +739,68 @@ def _locate(exc: BaseException) -> ConfigError:
             return ConfigError(" ".join(str(exc).split()) or type(exc).__name__, keys=keys)
 
 
-def load_yaml_mapping(path: str | os.PathLike[str]) -> Mapping[str, Any]:
-    """Read a YAML file holding one mapping (both daemons' configuration files).
-
-    Raises:
-        ConfigError: the file is missing or unreadable (``file`` set), is not valid
-            YAML (with line and column), or does not hold a mapping.
-    """
-    file = os.fspath(path)
-    try:
-        with open(file, encoding="utf-8") as stream:
-            text = stream.read()
-    except FileNotFoundError:
-        raise ConfigError("no such file", file=file) from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"cannot read: not UTF-8 text ({exc.reason})", file=file) from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read: {exc.strerror or exc}", file=file) from None
-    try:
-        data = yaml.load(text, Loader=_Loader)  # a SafeLoader subclass
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        problem = " ".join(f"{exc.context or ''} {exc.problem or ''}".split())
-        raise ConfigError(f"invalid YAML at {where}{problem}", file=file) from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"invalid YAML: {' '.join(str(exc).split())}", file=file) from None
-    if data is None:
-        raise ConfigError("expected a mapping at the top level, got an empty file", file=file)
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"expected a mapping at the top level, got {_show(data)}", file=file)
-    return data
-
-
 _C = TypeVar("_C")
 
 
-def structure_config(data: object, cls: type[_C]) -> _C:
+def structure_config(data: object, cls: type[_C], *, config_dir: Path | None = None) -> _C:
     """Validate a parsed configuration document into ``cls`` with the strict converter.
+
+    Args:
+        data: the document.
+        cls: the configuration class.
+        config_dir: the folder of the file the document came from. Relative paths
+            (the ``_path`` rule: ``temp_dir``, ``tls.cert`` …) are made relative
+            to it, and ``{config_dir}`` in an argv element becomes it. ``None``
+            (a document not read from a file): paths stay as written (relative
+            to the working directory) and ``{config_dir}`` is the working directory.
+
+    Returns:
+        The configuration.
 
     Raises:
         ConfigError: not a mapping, or the first problem, with its key path.
     """
     if not isinstance(data, Mapping):
         raise ConfigError(f"expected a mapping at the top level, got {_show(data)}")
+    token = _config_dir.set(config_dir)
     try:
         return converter.structure(data, cls)
     except Exception as exc:
         raise _locate(exc) from None
+    finally:
+        _config_dir.reset(token)
+
+
+def load_config(
+    path: str | os.PathLike[str], cls: type[_C], *, environ: Mapping[str, str] | None = None
+) -> _C:
+    """Read a configuration file, lay the environment over it, read its secret files.
+
+    The steps are :mod:`trio_broker_daemons.sources`': the YAML file; each
+    ``TRIO_BROKER_<KEY>`` variable (nested keys joined with ``__``) over the
+    file's value; each ``<key>_file`` of a key marked
+    :func:`~trio_broker_daemons.sources.secret_file`; then :func:`structure_config`
+    with the file's folder, so relative paths are relative to the file, not to
+    the working directory.
+
+    Args:
+        path: the configuration file.
+        cls: the configuration class (an attrs class the converter structures).
+        environ: the variables to apply, usually ``os.environ``; ``None`` for none.
+
+    Returns:
+        The configuration.
+
+    Raises:
+        ConfigError: the first problem; one that a variable caused names it.
+    """
+    document = load_yaml_mapping(path)
+    folder = Path(os.path.abspath(path)).parent
+    sources: EnvironmentSources = {}
+    try:
+        if environ is not None:
+            document, sources = apply_environment(document, cls, environ)
+        document = read_secret_files(document, cls, folder)
+        return structure_config(document, cls, config_dir=folder)
+    except ConfigError as exc:
+        raise blame_environment(exc, sources) from None

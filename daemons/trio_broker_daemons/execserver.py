@@ -10,13 +10,21 @@ What the configuration leaves to the host (``slots: 0``, ``memory_budget: auto``
 :class:`~trio_broker.trio.host.HostResources`, read once by :func:`serve_from_config`
 (or built by hand in tests), so the pool, the memory budget and the thread counts
 all see the same figures.
+
+Before it serves, the daemon asks :func:`config_warnings` what will hurt (a
+program that is not there, a listener open to the network without a token) and
+:func:`tls_problem` whether the TLS files can be used.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import ssl
+from typing import TYPE_CHECKING, Any
 
+import attrs
 import trio
 
 from trio_broker.core.broker import BrokerConfig
@@ -28,12 +36,120 @@ from trio_broker.trio.listener import ListenerSettings
 from trio_broker.trio.runner import Runner
 from trio_broker_daemons.config import ExecserverConfig, resolve_threads
 
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
 __all__ = [
+    "ConfigWarning",
     "broker_config_from",
     "command_runner_from",
+    "config_warnings",
     "listener_from",
     "serve_from_config",
+    "tls_problem",
 ]
+
+
+@attrs.frozen(kw_only=True)
+class ConfigWarning:
+    """One warning about a configuration that loads: the sentence and its log fields."""
+
+    text: str
+    fields: dict[str, Any] = attrs.field(factory=dict)
+
+
+def _program_problem(program: str, search_path: str) -> str | None:
+    """What is wrong with a service's program, or ``None`` when it can run."""
+    if "/" in program:
+        if not os.path.isabs(program):
+            return (
+                "is a relative path, but commands run in a fresh work folder of their own"
+                " (write {config_dir}/… or an absolute path)"
+            )
+        if not os.path.isfile(program):
+            return "does not exist"
+        if not os.access(program, os.X_OK):
+            return "is not executable"
+        return None
+    if shutil.which(program, path=search_path) is None:
+        return "is not found on the PATH"
+    return None
+
+
+def config_warnings(
+    config: ExecserverConfig, *, environ: Mapping[str, str] | None = None
+) -> list[ConfigWarning]:
+    """What in a configuration that loads will not work, one warning each.
+
+    - a service whose program (``argv[0]``) is not found: a path that does not
+      exist or cannot be executed, a relative path (commands run in a fresh
+      work folder), or a name not on the ``PATH`` its commands get;
+    - a listener that is not on a loopback address, without a ``broker_token``.
+
+    Args:
+        config: the configuration.
+        environ: where the commands' ``PATH`` comes from when ``env`` sets none;
+            by default this process's environment.
+
+    Returns:
+        The warnings, in service order, the listener's last.
+    """
+    from trio_broker_daemons.daemon import exposed_listener_warning
+
+    source = os.environ if environ is None else environ
+    warnings: list[ConfigWarning] = []
+    for name, service in config.services.items():
+        if service.argv is None:
+            continue
+        program = service.argv[0]
+        search_path = service.env.get("PATH") or config.env.get("PATH")
+        problem = _program_problem(program, search_path or source.get("PATH", os.defpath))
+        if problem is not None:
+            warnings.append(
+                ConfigWarning(
+                    text=f"service {name!r}: program {program!r} {problem}",
+                    fields={"service": name, "program": program},
+                )
+            )
+    exposed = exposed_listener_warning(
+        config.host, config.port, config.broker_token, what="run jobs and read its inspection"
+    )
+    if exposed is not None:
+        warnings.append(ConfigWarning(text=exposed, fields={"listen": config.listen}))
+    return warnings
+
+
+def tls_problem(config: ExecserverConfig) -> str | None:
+    """Why the configured TLS files cannot serve, or ``None`` (also without TLS).
+
+    Each file must be readable, and together they must be a certificate chain
+    and its private key in PEM.
+
+    Args:
+        config: the configuration.
+
+    Returns:
+        One line naming the key and the file, or ``None``.
+    """
+    tls = config.tls
+    if tls is None:
+        return None
+    for key, path in (("cert", tls.cert), ("key", tls.key)):
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            return f"tls.{key}: cannot read {os.fspath(path)!r}: {exc.strerror or exc}"
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(tls.cert, tls.key)
+    except ssl.SSLError as exc:
+        reason = exc.reason or " ".join(str(exc).split())
+        return (
+            f"tls: cannot use {os.fspath(tls.cert)!r} with {os.fspath(tls.key)!r}:"
+            f" {reason} (expected a PEM certificate chain and its private key)"
+        )
+    return None
 
 
 def broker_config_from(

@@ -11,14 +11,23 @@ with rich. The command line (:func:`main`) prints one line per file:
 
     sunset.jpg: id 12 pending http://127.0.0.1:7400/api/v1/eas/12
 
-and with ``--wait``, once every file has ended, its status and versions:
+and with ``--wait``, once every file has ended, its status and versions, then
+one indented line for the file's and each failed version's reason:
 
 .. code-block:: text
 
     sunset.jpg: id 12 done (preview done, preview_small done, sha256 done, thumbnail done)
+    broken.png: id 13 done (preview failed, sha256 done, thumbnail failed)
+      preview failed: convert_image: cannot read image: broken PNG data: image file is truncated
+      thumbnail failed: convert_image: cannot read image: broken PNG data: image file is truncated
 
-Exit status: 0 when every file was uploaded (and, with ``--wait``, ended
-``done``); 1 otherwise; 2 for bad arguments.
+``--server`` is ``host:port`` (``http://`` is assumed) or a URL with its scheme
+(:func:`server_url`); ``--priority`` a band name or a number
+(:func:`parse_priority`).
+
+Exit status: 0 when every file was uploaded (and, with ``--wait``, it and every
+version ended ``done``); 1 when a file was not uploaded, a file or a version
+failed, or ``--timeout`` ran out first; 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -38,9 +47,14 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 
 __all__ = [
     "FINISHED",
+    "PRIORITY_BANDS",
     "FileOutcome",
     "UploadError",
+    "ended_done",
+    "failures",
     "follow",
+    "parse_priority",
+    "server_url",
     "summary",
     "upload",
     "upload_files",
@@ -52,6 +66,71 @@ CHUNK: Final = 1 << 16
 WAIT: Final = 20.0
 """Seconds one follow request may wait at the fylr for a change."""
 REQUEST_TIMEOUT: Final = 60.0
+PRIORITY_BANDS: Final = {"background": -2, "normal": 0, "interactive": 2, "synchronous": 4}
+"""The priority bands of the queue; ``band + 1`` is the band's "high" variant."""
+
+
+def parse_priority(text: str) -> int:
+    """A priority from the command line.
+
+    Args:
+        text: a band name (``background`` -2, ``normal`` 0, ``interactive`` 2,
+            ``synchronous`` 4), its high variant as ``NAME+1`` or ``high-NAME``
+            (one more: ``interactive+1`` is 3), or an integer (``-2``, ``3``).
+            Names are case-insensitive.
+
+    Returns:
+        The priority.
+
+    Raises:
+        ValueError: anything else, naming what is accepted.
+    """
+    word = text.strip().lower()
+    try:
+        return int(word)
+    except ValueError:
+        pass
+    high = 0
+    if word.endswith("+1"):
+        word, high = word[:-2], 1
+    elif word.startswith("high-"):
+        word, high = word[len("high-") :], 1
+    if word in PRIORITY_BANDS:
+        return PRIORITY_BANDS[word] + high
+    names = ", ".join(PRIORITY_BANDS)
+    raise ValueError(
+        f"expected a band ({names}), NAME+1 or high-NAME for its high variant,"
+        f" or an integer, got {text!r}"
+    )
+
+
+def server_url(text: str) -> str:
+    """The fylr's base URL from ``host:port`` or ``http(s)://host:port``.
+
+    Args:
+        text: ``127.0.0.1:7400``, ``fylr:7400``, ``[::1]:7400`` (``http://`` is
+            assumed) or a URL with its scheme; a trailing ``/`` is dropped.
+
+    Returns:
+        ``scheme://host:port`` (the port as given; a URL without one keeps none).
+
+    Raises:
+        ValueError: no host, a bad port, another scheme, or a path, query or fragment.
+    """
+    given = text.strip()
+    url = given if "://" in given else f"http://{given}"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"expected host:port or http(s)://host:port, got {text!r}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected host:port or http(s)://host:port, got {text!r}")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"expected no path, query or fragment after host:port, got {text!r}")
+    if port is None and "://" not in given:
+        raise ValueError(f"expected host:port (a port is needed without a scheme), got {text!r}")
+    return f"{parts.scheme}://{parts.netloc}"
 
 
 class UploadError(Exception):
@@ -201,8 +280,30 @@ async def follow(
             return document
 
 
+def failures(outcome: FileOutcome) -> list[tuple[str, str]]:
+    """``(what, why)`` for a failed file and each failed version, in version order.
+
+    ``what`` is ``"file"`` or the version's name; ``why`` the document's ``error``.
+    """
+    document = outcome.document or {}
+    found: list[tuple[str, str]] = []
+    if document.get("status") == "failed":
+        found.append(("file", str(document.get("error") or "no reason given")))
+    versions: Mapping[str, Any] = document.get("versions") or {}
+    for name in sorted(versions):
+        version = versions[name]
+        if version.get("status") == "failed":
+            found.append((name, str(version.get("error") or "no reason given")))
+    return found
+
+
+def ended_done(outcome: FileOutcome) -> bool:
+    """Whether the file and every version of it ended ``done``."""
+    return outcome.error is None and outcome.status == "done" and not failures(outcome)
+
+
 def summary(outcome: FileOutcome) -> str:
-    """One line: name, id, status and each version's status (or why it failed)."""
+    """Name, id, status and each version's status; then one line per failure's reason."""
     name = outcome.path.name
     if outcome.document is None:
         return f"{name}: not uploaded: {outcome.error}"
@@ -213,6 +314,8 @@ def summary(outcome: FileOutcome) -> str:
         line += " (" + ", ".join(f"{v} {versions[v]['status']}" for v in sorted(versions)) + ")"
     if outcome.error:
         line += f": {outcome.error}"
+    for what, why in failures(outcome):
+        line += f"\n  {what} failed: {' '.join(why.split())}"
     return line
 
 
@@ -237,6 +340,7 @@ async def upload_files(
     console: Console | None = None,
     timeout: float | None = None,  # noqa: ASYNC109 (a bound on the whole run, for callers)
     concurrency: int = 4,
+    report_timeout: bool = False,
 ) -> list[FileOutcome]:
     """Upload files and, with ``wait``, follow each until it has ended, with progress bars.
 
@@ -246,8 +350,11 @@ async def upload_files(
             at a time).
         wait: follow every uploaded file until it is ``done`` or ``failed``.
         console: where the progress is shown (default: stderr).
-        timeout: seconds for everything; on expiry :class:`trio.TooSlowError`.
+        timeout: seconds for everything; on expiry :class:`trio.TooSlowError`,
+            or with ``report_timeout`` the outcomes so far, each file that had not
+            ended with an ``error`` saying so (and its last document).
         concurrency: uploads in flight at once.
+        report_timeout: see ``timeout``.
 
     Returns:
         One outcome per file, in the order given.
@@ -261,16 +368,18 @@ async def upload_files(
         TextColumn("{task.fields[status]}"),
         TimeElapsedColumn(),
     )
+    done: set[int] = set()
     async with httpx.AsyncClient() as http:
         with (
-            trio.fail_after(math.inf if timeout is None else timeout),
+            trio.move_on_after(math.inf if timeout is None else timeout) as scope,
             Progress(*columns, console=console, transient=False) as progress,
         ):
             overall = progress.add_task("all files", total=len(files), status="uploading")
             finished = 0
 
-            def ended() -> None:
+            def ended(index: int) -> None:
                 nonlocal finished
+                done.add(index)
                 finished += 1
                 progress.update(overall, completed=finished, status=f"{finished}/{len(files)}")
 
@@ -280,6 +389,7 @@ async def upload_files(
                 )
 
                 def show(document: Mapping[str, Any]) -> None:
+                    outcomes[index] = attrs.evolve(outcomes[index], document=document)
                     completed, total, status = _progress_of(document)
                     progress.update(task, completed=completed, total=total, status=status)
 
@@ -294,26 +404,59 @@ async def upload_files(
                 except UploadError as exc:
                     outcomes[index] = attrs.evolve(outcomes[index], error=str(exc))
                     progress.update(task, total=1, completed=0, status=f"error: {exc}")
-                ended()
+                ended(index)
 
             async with trio.open_nursery() as nursery:
                 for index, (path, priority) in enumerate(files):
                     nursery.start_soon(one, index, path, priority)
+    if scope.cancelled_caught:
+        if not report_timeout:
+            raise trio.TooSlowError
+        what = "ended" if wait else "uploaded"
+        for index, outcome in enumerate(outcomes):
+            if index not in done:
+                reason = f"not {what} within {timeout:g}s"
+                outcomes[index] = attrs.evolve(outcome, error=reason)
     return outcomes
 
 
-def main(server: str, paths: Sequence[str], *, priority: int, wait: bool) -> int:
-    """The ``trio-broker upload`` command; returns the exit status."""
+def main(
+    server: str,
+    paths: Sequence[str],
+    *,
+    priority: int,
+    wait: bool,
+    timeout: float | None = None,
+) -> int:
+    """The ``trio-broker upload`` command; returns the exit status.
+
+    Args:
+        server: ``host:port`` or a URL (see :func:`server_url`).
+        paths: the files.
+        priority: their priority.
+        wait: follow each until it has ended, and print how.
+        timeout: seconds for everything; files not ended by then count as failed.
+    """
+    try:
+        base = server_url(server)
+    except ValueError as exc:
+        Console(stderr=True, highlight=False).print(f"trio-broker upload: --server: {exc}")
+        return 2
     outcomes = trio.run(
-        lambda: upload_files(server, [(Path(p), priority) for p in paths], wait=wait)
+        lambda: upload_files(
+            base,
+            [(Path(p), priority) for p in paths],
+            wait=wait,
+            timeout=timeout,
+            report_timeout=True,
+        )
     )
     out = Console(highlight=False, soft_wrap=True)
-    base = _base(server)
     status = 0
     for outcome in outcomes:
-        if outcome.document is None or (wait and outcome.status != "done"):
+        if outcome.document is None or outcome.error or (wait and not ended_done(outcome)):
             status = 1
-        if wait or outcome.document is None:
+        if wait or outcome.document is None or outcome.error:
             out.print(summary(outcome), markup=False)
         else:
             document = outcome.document

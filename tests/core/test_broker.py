@@ -497,3 +497,26 @@ def test_book_first_connection_in_rotation_across_services() -> None:
     picked = book.pick({"x", "y"})
     assert picked is not None
     assert picked.job_id == "l1"  # early moved to the tail
+
+
+# -- the wait of each job ----------------------------------------------------------
+
+
+def test_a_finished_job_tells_its_wait_from_want_to_job_and_its_client() -> None:
+    """wait_s runs from the WANT to the JOB (slot wait + offer answer); client is REGISTER.name."""
+    broker = make_broker(1)
+    h = Harness(broker, "a", "b")
+    first = h.start("a", "j1")
+    h.at(102.0)
+    assert isinstance(h.want("b", "j2"), p.Queued)  # the one slot is busy
+    h.at(105.0)
+    done = broker.job_ended(first, receipt(), now=105.0)
+    assert (done.job_id, done.wait_s, done.client) == ("j1", 0.0, "a")
+    (offer,) = [m for m in h.frames("b") if isinstance(m, p.Offer)]
+    h.at(106.5)
+    h.send("b", p.Job(job_id="j2", token=offer.token, service="s", subject=None, job={}))
+    (start,) = [e for e in broker.effects() if isinstance(e, StartJob)]
+    second = broker.job_ended(start.run_id, receipt(), now=107.0)
+    assert (second.job_id, second.wait_s, second.client) == ("j2", 4.5, "b")
+    assert broker.statistics().recent[-1] == second
+    broker.check_invariants()

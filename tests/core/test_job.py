@@ -178,8 +178,7 @@ def test_error_is_set_exactly_when_not_ok(status: p.Status, error: str | None) -
         (b"a" * 3998 + "é".encode() + b"b", "a" * 3998 + "é"),  # é ends at byte 4000
         (b"a" * 3998 + "€".encode(), "a" * 3998),  # 3-byte char straddling
         (b"a" * 3997 + "𝄞".encode(), "a" * 3997),  # 4-byte char straddling
-        (b"a" * 3000 + b"\xff" + b"z", "a" * 3000 + "\ufffdz"),  # invalid UTF-8 is replaced
-        (b"\x80" * 4001, "\ufffd" * 4000),  # no boundary in sight: cut at the limit
+        ("€".encode() * 1334, "€" * 1333),  # 4002 bytes of text: cut before the last one
     ],
 )
 def test_stdout_prefix_is_cut_at_a_character_boundary(output: bytes, prefix: str) -> None:
@@ -187,15 +186,40 @@ def test_stdout_prefix_is_cut_at_a_character_boundary(output: bytes, prefix: str
     assert stdout_prefix(output[: STDOUT_PREFIX_BYTES + 1]) == prefix
 
 
+@pytest.mark.parametrize(
+    ("output", "total"),
+    [
+        (b"a" * 3000 + b"\xff" + b"z", 3002),  # one byte that is no UTF-8
+        (b"\x89PNG\r\n\x1a\n" + b"\x00" * 50, 52341),  # an image's start
+        (b"\x1f\x8b\x08\x00", 4),  # gzip
+        (b"RIFF\x1c\x00\x00\x00WEBPVP8 ", 28),  # valid UTF-8, but a NUL: binary
+        (b"\x80" * 4001, 10_000_000),  # no boundary in sight
+    ],
+)
+def test_binary_output_is_shown_as_its_size(output: bytes, total: int) -> None:
+    """Output that is not UTF-8 text (or holds a NUL) is its byte count, not U+FFFD soup."""
+    head = output[: STDOUT_PREFIX_BYTES + 1]
+    assert stdout_prefix(head, total=total) == f"<{total} bytes of binary output>"
+    assert stdout_prefix(head) == f"<{len(head)} bytes of binary output>"
+
+
+def _text(data: bytes) -> str | None:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return None if "\x00" in text else text
+
+
 @given(st.binary(max_size=STDOUT_PREFIX_BYTES + 1))
-def test_stdout_prefix_is_a_short_cut_of_the_head(head: bytes) -> None:
-    """Whatever the bytes, the prefix decodes the head cut at most 3 bytes before the limit."""
-    prefix = stdout_prefix(head)
+def test_stdout_prefix_is_a_short_cut_of_the_head_or_binary(head: bytes) -> None:
+    """Whatever the bytes, the prefix is the head (cut at most 3 bytes short) or the marker."""
+    prefix = stdout_prefix(head, total=123)
     if len(head) <= STDOUT_PREFIX_BYTES:
-        assert prefix == head.decode("utf-8", "replace")
+        assert prefix == (_text(head) or "<123 bytes of binary output>") or head == b""
     else:
         cuts = range(STDOUT_PREFIX_BYTES - 3, STDOUT_PREFIX_BYTES + 1)
-        assert prefix in {head[:cut].decode("utf-8", "replace") for cut in cuts}
+        assert prefix in {_text(head[:cut]) for cut in cuts} | {"<123 bytes of binary output>"}
 
 
 @pytest.mark.parametrize(

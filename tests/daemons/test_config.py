@@ -196,7 +196,8 @@ def test_full_configuration(tmp_path: Path) -> None:
     )
     assert (config.host, config.port) == ("::1", 0)
     assert (config.name, config.broker_token) == ("exec-b", "s3cret")
-    assert config.tls == c.TlsConfig(cert=Path("certs/a.pem"), key=Path("/etc/k.pem"))
+    # a relative path is relative to the file's folder, an absolute one is kept
+    assert config.tls == c.TlsConfig(cert=tmp_path / "certs/a.pem", key=Path("/etc/k.pem"))
     assert (config.slots, config.fast_reserve, config.heavy_threshold) == (6, 2, 1.5)
     assert config.unknown_share == 1.0
     assert type(config.unknown_share) is float

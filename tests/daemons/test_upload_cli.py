@@ -9,7 +9,9 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import os
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -22,6 +24,7 @@ import trio
 import yaml
 from PIL import Image
 from trio_broker_daemons.processes import open_execserver_process, open_fylr_process
+from trio_broker_daemons.upload import parse_priority, server_url
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 CONVERTER = REPOSITORY / "examples" / "convert_image.py"
@@ -268,3 +271,142 @@ def test_bad_fylr_config_exits_2_naming_the_key(tmp_path: Path, text: str, key: 
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("trio-broker fylr: ")
     assert key in lines[0]
+
+
+# -- failures, timeouts and the command line's values ------------------------------------
+
+FAILING_EXECSERVER = {
+    "listen": "127.0.0.1:0",
+    "slots": 2,
+    "fast_reserve": 0,
+    "unknown_share": 1.0,
+    "services": {
+        "broken": {"argv": ["sh", "-c", "cat >/dev/null; echo 'convert: bad input' >&2; exit 3"]},
+        "sha256": {"argv": ["sha256sum"]},
+    },
+}
+
+
+async def test_wait_prints_each_failed_versions_reason_and_exits_1(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """A version whose command fails: its reason on its own line, exit 1, the rest done."""
+    (tmp_path / "a.txt").write_bytes(b"some text\n")
+    classes = {
+        "text": {
+            "extensions": ["txt"],
+            "versions": {"bad": {"service": "broken"}, "sum": {"service": "sha256"}},
+        }
+    }
+    async with open_execserver_process(yaml.safe_dump(FAILING_EXECSERVER)) as execserver:
+        config = yaml.safe_load(
+            fylr_config(pg_dsn, tmp_path / "state", f"{execserver.host}:{execserver.port}")
+        )
+        config["classes"] = classes
+        async with open_fylr_process(yaml.safe_dump(config)) as fylr:
+            server = f"{fylr.host}:{fylr.port}"  # no scheme: http is assumed
+            result = await upload_cli(
+                server, [tmp_path / "a.txt"], "--wait", "--priority", "interactive+1"
+            )
+            async with httpx.AsyncClient(base_url=fylr.http_url, timeout=60) as http:
+                file_id = int(result.stdout.decode().split()[2])
+                document = (await http.get(f"/api/v1/eas/{file_id}")).json()
+    assert result.returncode == 1, result.stderr.decode()
+    first, reason = result.stdout.decode().splitlines()
+    assert re.fullmatch(r"a\.txt: id \d+ done \(bad failed, sum done\)", first), first
+    assert reason.startswith("  bad failed: ")
+    assert "convert: bad input" in reason
+    assert document["priority"] == 3
+
+
+async def test_wait_gives_up_after_the_timeout(pg_dsn: str, tmp_path: Path) -> None:
+    """--timeout: a file that cannot end (no execserver) is reported as not ended, exit 1."""
+    (tmp_path / "a.txt").write_bytes(b"text\n")
+    config = yaml.safe_load(fylr_config(pg_dsn, tmp_path / "state", "127.0.0.1:9"))
+    config["execservers"] = []
+    config["classes"] = {"text": {"extensions": ["txt"], "versions": {"v": {"service": "s"}}}}
+    async with open_fylr_process(yaml.safe_dump(config)) as fylr:
+        result = await upload_cli(fylr.http_url, [tmp_path / "a.txt"], "--wait", "--timeout", "1.5")
+    assert result.returncode == 1
+    (line,) = result.stdout.decode().splitlines()
+    assert re.fullmatch(r"a\.txt: id \d+ \w+( \(.*\))?: not ended within 1\.5s", line), line
+
+
+def test_upload_without_a_server_says_how_to_give_one(tmp_path: Path) -> None:
+    """No --server and no TRIO_BROKER_SERVER: one line naming both, exit 2."""
+    env = {key: value for key, value in os.environ.items() if key != "TRIO_BROKER_SERVER"}
+    result = subprocess.run(
+        trio_broker("upload", str(tmp_path / "a.txt")),
+        capture_output=True, text=True, timeout=60, check=False, env=env,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "trio-broker upload: give --server HOST:PORT or set TRIO_BROKER_SERVER"
+    ]
+
+
+def test_upload_takes_its_server_from_the_environment(tmp_path: Path) -> None:
+    """TRIO_BROKER_SERVER is --server's default (here a port nobody serves: exit 1)."""
+    (tmp_path / "a.txt").write_bytes(b"a")
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+        env = {**os.environ, "TRIO_BROKER_SERVER": f"127.0.0.1:{port}"}
+        result = subprocess.run(
+            trio_broker("upload", str(tmp_path / "a.txt")),
+            capture_output=True, text=True, timeout=60, check=False, env=env,
+        )  # fmt: skip
+    assert result.returncode == 1
+    assert result.stdout.startswith(f"a.txt: not uploaded: cannot reach http://127.0.0.1:{port}")
+
+
+@pytest.mark.parametrize(
+    ("text", "priority"),
+    [
+        ("background", -2),
+        ("normal", 0),
+        ("Interactive", 2),
+        ("synchronous", 4),
+        ("interactive+1", 3),
+        ("high-background", -1),
+        ("-2", -2),
+        ("7", 7),
+    ],
+)
+def test_priority_names_and_numbers(text: str, priority: int) -> None:
+    """Band names, their high variants (NAME+1, high-NAME) and integers."""
+    assert parse_priority(text) == priority
+
+
+def test_a_bad_priority_is_refused_naming_the_bands() -> None:
+    """Anything else is a ValueError that lists what is accepted (argparse: exit 2)."""
+    with pytest.raises(ValueError, match=r"expected a band \(background, normal, interactive"):
+        parse_priority("urgent")
+    result = subprocess.run(
+        trio_broker("upload", "x", "--server", "h:1", "--priority", "urgent"),
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "argument --priority: expected a band" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "url"),
+    [
+        ("127.0.0.1:7400", "http://127.0.0.1:7400"),
+        ("fylr:7400", "http://fylr:7400"),
+        ("[::1]:7400", "http://[::1]:7400"),
+        ("https://fylr.example:8443/", "https://fylr.example:8443"),
+        ("http://fylr", "http://fylr"),
+    ],
+)
+def test_server_url_takes_host_port_with_or_without_a_scheme(text: str, url: str) -> None:
+    """host:port assumes http; a URL keeps its scheme; a trailing slash is dropped."""
+    assert server_url(text) == url
+
+
+@pytest.mark.parametrize("text", ["fylr", "ftp://fylr:21", "fylr:99999", "http://fylr:1/api", ""])
+def test_server_url_refuses_what_is_no_server(text: str) -> None:
+    """No port without a scheme, another scheme, a bad port, a path: ValueError."""
+    with pytest.raises(ValueError, match="expected"):
+        server_url(text)

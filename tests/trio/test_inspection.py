@@ -7,11 +7,14 @@ their whole output: the JSON of ``/inspect/system/execserver`` and the text of
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 import attrs
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from trio_broker import __version__
 from trio_broker.core import protocol as p
 from trio_broker.core.broker import (
     BrokerStatistics,
@@ -20,7 +23,12 @@ from trio_broker.core.broker import (
     ServiceSnapshot,
 )
 from trio_broker.trio.execserver import ExecserverStatistics
-from trio_broker.trio.inspection import execserver_document, execserver_metrics
+from trio_broker.trio.inspection import (
+    OUTCOMES,
+    JobFigures,
+    execserver_document,
+    execserver_metrics,
+)
 from trio_broker.trio.runner import RunnerStatistics, RunningJob
 
 
@@ -100,13 +108,15 @@ def snapshot() -> tuple[BrokerStatistics, RunnerStatistics]:
                 conn=1,
                 backend_id="fylr-1",
                 delivered=True,
+                wait_s=0.5,
+                client="fylr",
                 receipt=p.Receipt(
                     status="ok",
                     exit_code=0,
                     error=None,
                     stderr_line=None,
-                    stdout_prefix="hi\n",
-                    stdout_bytes=3,
+                    stdout_prefix="hi\n" * 150,
+                    stdout_bytes=450,
                     stdin_bytes=0,
                     started_at=1790000000.25,
                     duration_s=0.031,
@@ -155,9 +165,14 @@ def snapshot() -> tuple[BrokerStatistics, RunnerStatistics]:
 
 
 def statistics(*, with_runner: bool = True) -> ExecserverStatistics:
-    """The snapshot as ExecserverHandle.statistics() returns it."""
+    """The snapshot as ExecserverHandle.statistics() returns it (its recent jobs counted)."""
     broker, runner = snapshot()
-    return ExecserverStatistics(broker=broker, runner=runner if with_runner else None)
+    figures = JobFigures()
+    for job in broker.recent:
+        figures.record(job)
+    return ExecserverStatistics(
+        broker=broker, runner=runner if with_runner else None, jobs=figures.statistics()
+    )
 
 
 DOCUMENT: dict[str, Any] = {
@@ -230,6 +245,7 @@ DOCUMENT: dict[str, Any] = {
         {
             "job_id": "j3",
             "service": "thumbnail",
+            "started_at": "2026-09-21T14:13:22.000Z",
             "pid": 4242,
             "rss": 30000000,
             "peak_memory": 31000000,
@@ -241,7 +257,9 @@ DOCUMENT: dict[str, Any] = {
             "service": "thumbnail",
             "subject": None,
             "backend_id": None,
+            "client": None,
             "delivered": False,
+            "wait_s": 0.0,
             "receipt": {
                 "status": "stopped",
                 "exit_code": None,
@@ -250,7 +268,7 @@ DOCUMENT: dict[str, Any] = {
                 "stdout_prefix": "",
                 "stdout_bytes": 0,
                 "stdin_bytes": 0,
-                "started_at": 1790000001.0,
+                "started_at": "2026-09-21T14:13:21.000Z",
                 "duration_s": 2.0,
                 "peak_memory": None,
                 "instance_id": "inst-1",
@@ -261,16 +279,18 @@ DOCUMENT: dict[str, Any] = {
             "service": "thumbnail",
             "subject": "file-1",
             "backend_id": "fylr-1",
+            "client": "fylr",
             "delivered": True,
+            "wait_s": 0.5,
             "receipt": {
                 "status": "ok",
                 "exit_code": 0,
                 "error": None,
                 "stderr_line": None,
-                "stdout_prefix": "hi\n",
-                "stdout_bytes": 3,
+                "stdout_prefix": ("hi\n" * 150)[:200] + "…",  # a short prefix only
+                "stdout_bytes": 450,
                 "stdin_bytes": 0,
-                "started_at": 1790000000.25,
+                "started_at": "2026-09-21T14:13:20.250Z",
                 "duration_s": 0.031,
                 "peak_memory": 18874368,
                 "instance_id": "inst-1",
@@ -279,56 +299,60 @@ DOCUMENT: dict[str, Any] = {
     ],
     "counters": {"wants": 11, "offers": 9},
 }
-METRICS = (
+METRICS_HEAD = (
+    "# HELP trio_broker_build_info The trio_broker version serving these figures (always 1).\n"
+    "# TYPE trio_broker_build_info gauge\n"
+    f'trio_broker_build_info{{version="{__version__}"}} 1.0\n'
+    "# HELP trio_broker_execserver_info This execserver's name and instance id (always 1).\n"
+    "# TYPE trio_broker_execserver_info gauge\n"
+    'trio_broker_execserver_info{instance_id="inst-1",name="exec-a"} 1.0\n'
     "# HELP trio_broker_execserver_slots Slots in the pool.\n"
     "# TYPE trio_broker_execserver_slots gauge\n"
     "trio_broker_execserver_slots 4.0\n"
     "# HELP trio_broker_execserver_busy Slots running a job or holding an offer.\n"
     "# TYPE trio_broker_execserver_busy gauge\n"
     "trio_broker_execserver_busy 2.0\n"
-    "# HELP trio_broker_execserver_idle Slots outside the fast reserve free through"
-    " the last second.\n"
-    "# TYPE trio_broker_execserver_idle gauge\n"
-    "trio_broker_execserver_idle 1.0\n"
-    "# HELP trio_broker_execserver_fast_reserve Slots heavy services never take.\n"
-    "# TYPE trio_broker_execserver_fast_reserve gauge\n"
-    "trio_broker_execserver_fast_reserve 1.0\n"
-    "# HELP trio_broker_execserver_connections Open broker connections.\n"
-    "# TYPE trio_broker_execserver_connections gauge\n"
-    "trio_broker_execserver_connections 2.0\n"
-    "# HELP trio_broker_execserver_draining 1 while the execserver drains.\n"
-    "# TYPE trio_broker_execserver_draining gauge\n"
-    "trio_broker_execserver_draining 0.0\n"
-    "# HELP trio_broker_execserver_service_running Running jobs of the service.\n"
-    "# TYPE trio_broker_execserver_service_running gauge\n"
-    'trio_broker_execserver_service_running{service="thumbnail"} 1.0\n'
-    'trio_broker_execserver_service_running{service="video"} 0.0\n'
-    "# HELP trio_broker_execserver_service_offered Outstanding offers of the service.\n"
-    "# TYPE trio_broker_execserver_service_offered gauge\n"
-    'trio_broker_execserver_service_offered{service="thumbnail"} 1.0\n'
-    'trio_broker_execserver_service_offered{service="video"} 0.0\n'
-    "# HELP trio_broker_execserver_service_parked Parked wants of the service.\n"
-    "# TYPE trio_broker_execserver_service_parked gauge\n"
-    'trio_broker_execserver_service_parked{service="thumbnail"} 3.0\n'
-    'trio_broker_execserver_service_parked{service="video"} 0.0\n'
-    "# HELP trio_broker_execserver_service_mean_runtime_seconds Rolling mean runtime.\n"
-    "# TYPE trio_broker_execserver_service_mean_runtime_seconds gauge\n"
-    'trio_broker_execserver_service_mean_runtime_seconds{service="thumbnail"} 0.25\n'
-    "# HELP trio_broker_execserver_service_footprint_bytes Learned memory footprint.\n"
-    "# TYPE trio_broker_execserver_service_footprint_bytes gauge\n"
-    'trio_broker_execserver_service_footprint_bytes{service="thumbnail"} 4e+07\n'
-    "# HELP trio_broker_execserver_service_jobs_completed_total Jobs of the service"
-    " that ran to a measured end.\n"
-    "# TYPE trio_broker_execserver_service_jobs_completed_total counter\n"
-    'trio_broker_execserver_service_jobs_completed_total{service="thumbnail"} 7.0\n'
-    'trio_broker_execserver_service_jobs_completed_total{service="video"} 0.0\n'
-    "# HELP trio_broker_execserver_wants_total Count of wants.\n"
-    "# TYPE trio_broker_execserver_wants_total counter\n"
-    "trio_broker_execserver_wants_total 11.0\n"
-    "# HELP trio_broker_execserver_offers_total Count of offers.\n"
-    "# TYPE trio_broker_execserver_offers_total counter\n"
-    "trio_broker_execserver_offers_total 9.0\n"
 )
+"""The start of the exposition, line for line."""
+
+WAIT = "trio_broker_execserver_job_wait_seconds"
+DURATION = "trio_broker_execserver_job_duration_seconds"
+THUMB = ("service", "thumbnail")
+SAMPLES = {
+    ("trio_broker_execserver_idle", ()): 1.0,
+    ("trio_broker_execserver_fast_reserve", ()): 1.0,
+    ("trio_broker_execserver_unknown_cap", ()): 2.0,
+    ("trio_broker_execserver_connections", ()): 2.0,
+    ("trio_broker_execserver_draining", ()): 0.0,
+    ("trio_broker_execserver_memory_budget_bytes", ()): 8e9,
+    ("trio_broker_execserver_memory_reserved_bytes", ()): 1e8,
+    ("trio_broker_execserver_memory_used_bytes", ()): 3e7,
+    ("trio_broker_execserver_service_running", (("service", "thumbnail"),)): 1.0,
+    ("trio_broker_execserver_service_parked", (("service", "thumbnail"),)): 3.0,
+    ("trio_broker_execserver_service_capacity", (("service", "video"),)): 2.0,
+    ("trio_broker_execserver_service_mean_runtime_seconds", (("service", "thumbnail"),)): 0.25,
+    ("trio_broker_execserver_service_footprint_bytes", (("service", "thumbnail"),)): 4e7,
+    ("trio_broker_execserver_service_peak_memory_bytes", (("service", "thumbnail"),)): 5e7,
+    ("trio_broker_execserver_service_jobs_completed_total", (("service", "thumbnail"),)): 7.0,
+    ("trio_broker_execserver_jobs_total", (("service", "thumbnail"), ("status", "ok"))): 1.0,
+    ("trio_broker_execserver_jobs_total", (("service", "thumbnail"), ("status", "stopped"))): 1.0,
+    ("trio_broker_execserver_jobs_total", (("service", "thumbnail"), ("status", "failed"))): 0.0,
+    ("trio_broker_execserver_jobs_total", (("service", "video"), ("status", "ok"))): 0.0,
+    (f"{WAIT}_bucket", (("le", "0.25"), THUMB)): 1.0,
+    (f"{WAIT}_bucket", (("le", "0.5"), THUMB)): 2.0,
+    (f"{WAIT}_bucket", (("le", "+Inf"), THUMB)): 2.0,
+    (f"{WAIT}_sum", (("service", "thumbnail"),)): 0.5,
+    (f"{WAIT}_count", (("service", "thumbnail"),)): 2.0,
+    (f"{DURATION}_bucket", (("le", "0.01"), THUMB)): 0.0,
+    (f"{DURATION}_bucket", (("le", "0.05"), THUMB)): 1.0,
+    (f"{DURATION}_bucket", (("le", "1"), THUMB)): 1.0,
+    (f"{DURATION}_bucket", (("le", "2.5"), THUMB)): 2.0,
+    (f"{DURATION}_sum", (("service", "thumbnail"),)): 2.031,
+    (f"{DURATION}_count", (("service", "video"),)): 0.0,
+    ("trio_broker_execserver_wants_total", ()): 11.0,
+    ("trio_broker_execserver_offers_total", ()): 9.0,
+}  # fmt: skip
+"""Samples of the exposition: two jobs ended, waits 0 and 0.5 s, durations 0.031 and 2 s."""
 
 
 def test_the_document_of_a_snapshot() -> None:
@@ -347,8 +371,49 @@ def test_the_document_without_runner_statistics() -> None:
 
 
 def test_the_metrics_of_a_snapshot() -> None:
-    """The whole Prometheus exposition of a snapshot, line for line."""
-    assert execserver_metrics(statistics()).decode() == METRICS
+    """The exposition starts as pinned and holds every pinned sample, histograms included."""
+    text = execserver_metrics(statistics()).decode()
+    assert text.startswith(METRICS_HEAD)
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    for key, value in SAMPLES.items():
+        assert samples[key] == pytest.approx(value), key
+
+
+def test_every_metric_has_a_help_text_of_its_own() -> None:
+    """No HELP is generated from the metric's name; each says what it counts."""
+    text = execserver_metrics(statistics()).decode()
+    families = list(text_string_to_metric_families(text))
+    assert len(families) >= 25
+    for family in families:
+        assert family.documentation, family.name
+        assert not family.documentation.startswith(("Count of", "Broker events counted"))
+    helps = [family.documentation for family in families]
+    assert len(set(helps)) == len(helps)
+
+
+def test_jobs_are_counted_by_the_receipt_statuses() -> None:
+    """jobs_total has one series per service and receipt status: the shared outcome words."""
+    assert OUTCOMES == typing.get_args(p.Status)
+    text = execserver_metrics(statistics()).decode()
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name.endswith("_jobs")]
+    statuses = {s.labels["status"] for s in family.samples if s.name.endswith("_total")}
+    assert statuses == set(OUTCOMES)
+
+
+def test_histograms_count_into_the_first_bucket_that_holds_the_value() -> None:
+    """A value on a bound counts in that bucket (le means at most); beyond the last, in +Inf."""
+    figures = JobFigures()
+    base = snapshot()[0].recent[0]
+    for wait in (0.005, 0.0051, 1000.0):
+        figures.record(attrs.evolve(base, wait_s=wait))
+    wait_histogram = figures.statistics().services["thumbnail"].wait
+    cumulative = dict(wait_histogram.cumulative())
+    assert (cumulative["0.005"], cumulative["0.01"], cumulative["600"]) == (1, 2, 2)
+    assert cumulative["+Inf"] == wait_histogram.count == 3
 
 
 def test_the_snapshot_is_frozen() -> None:

@@ -176,7 +176,7 @@ async def test_killed_by_signal(jobs_dir: Path) -> None:
         (b"a" * 3998 + "é".encode() + b"b" * 10, "a" * 3998 + "é"),  # é ends at byte 4000
         (b"a" * 3998 + "€".encode(), "a" * 3998),  # 3-byte char straddling
         (b"a" * 3997 + "𝄞".encode(), "a" * 3997),  # 4-byte char straddling
-        (b"a" * 3000 + b"\xff" + b"z", "a" * 3000 + "\ufffdz"),  # invalid UTF-8 is replaced
+        (b"a" * 3000 + b"\xff" + b"z", "<3002 bytes of binary output>"),  # not UTF-8: binary
     ],
     ids=["2-byte-straddle", "2-byte-fits", "3-byte-straddle", "4-byte-straddle", "invalid"],
 )
@@ -303,9 +303,8 @@ def test_spec_validation() -> None:
 async def test_environment(
     jobs_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The child sees os.environ, runner env, spec env, and the two supervision variables win."""
-    monkeypatch.setenv("TRIO_BROKER_TEST_OUTER", "outer")
-    script = 'echo "$FYLR_EXEC_SUPERVISED $FYLR_CONVERT_THREADS $TRIO_BROKER_TEST_OUTER $A $B"'
+    """The child sees runner env, then spec env, and the two supervision variables win."""
+    script = 'echo "$FYLR_EXEC_SUPERVISED $FYLR_CONVERT_THREADS $A $B"'
     with caplog.at_level(logging.WARNING, logger="trio_broker.trio.command"):
         runner = make_runner(
             jobs_dir,
@@ -319,10 +318,30 @@ async def test_environment(
             env={"A": "runner", "B": "runner", "FYLR_EXEC_SUPERVISED": "0"},
         )
     receipt = await run(runner)
-    assert receipt.stdout_prefix == "1 3 outer runner spec\n"
+    assert receipt.stdout_prefix == "1 3 runner spec\n"
     warnings = [record.getMessage() for record in caplog.records]
     assert any("runner env sets FYLR_EXEC_SUPERVISED" in w for w in warnings)
     assert any("service 'svc' env sets FYLR_CONVERT_THREADS" in w for w in warnings)
+
+
+async def test_the_job_environment_holds_nothing_of_the_runners_but_the_fixed_set(
+    jobs_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job's environment is PATH, HOME, LANG, TMPDIR, the FYLR_* pair and the configured env."""
+    monkeypatch.setenv("TRIO_BROKER_TEST_SECRET", "the daemon's own")
+    monkeypatch.setenv("FYLR_SOMETHING_ELSE", "not configured either")
+    monkeypatch.setenv("LANG", "C.UTF-8")
+    monkeypatch.delenv("TMPDIR", raising=False)
+    runner = make_runner(
+        jobs_dir, {"svc": CommandSpec(argv=("env",), env={"S": "spec"})}, env={"R": "runner"}
+    )
+    receipt = await run(runner)
+    assert receipt.status == "ok", receipt
+    seen = dict(line.split("=", 1) for line in receipt.stdout_prefix.splitlines())
+    expected = {name: os.environ[name] for name in ("PATH", "HOME", "LANG") if name in os.environ}
+    expected |= {"R": "runner", "S": "spec", "FYLR_EXEC_SUPERVISED": "1"}
+    expected |= {"FYLR_CONVERT_THREADS": "1"}
+    assert seen == expected
 
 
 async def test_work_directory_is_fresh_and_removed(jobs_dir: Path) -> None:

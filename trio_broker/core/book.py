@@ -49,7 +49,7 @@ the number of wants:
   leaves holes that every later look at the front scans again.)
 
 Invariants (checked by :meth:`WantBook.check_invariants`)
---------------------------------------------------------
+----------------------------------------------------------
 
 * every parked want is reachable from its connection, its level and its service;
 * a connection is in a priority's rotation exactly when it has wants parked there,

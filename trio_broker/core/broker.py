@@ -222,6 +222,13 @@ class ConnectionSnapshot:
 
 @attrs.frozen(kw_only=True)
 class FinishedJob:
+    """One ended job (:meth:`Broker.job_ended` returns it; ``recent`` keeps the last).
+
+    ``wait_s`` is the time from its ``WANT`` here to its ``JOB`` (the slot wait
+    plus the client's answer to the offer); ``client`` the ``REGISTER.name`` of
+    the connection that sent the job.
+    """
+
     job_id: str
     service: str
     subject: str | None
@@ -229,6 +236,8 @@ class FinishedJob:
     backend_id: str | None
     delivered: bool
     receipt: p.Receipt
+    wait_s: float = 0.0
+    client: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -277,7 +286,17 @@ class _Offer:
 
 
 class _Run:
-    __slots__ = ("aborting", "conn", "job_id", "reserved", "run_id", "service", "subject")
+    __slots__ = (
+        "aborting",
+        "client",
+        "conn",
+        "job_id",
+        "reserved",
+        "run_id",
+        "service",
+        "subject",
+        "wait_s",
+    )
 
     def __init__(
         self,
@@ -287,6 +306,9 @@ class _Run:
         service: str,
         subject: str | None,
         reserved: int,
+        *,
+        wait_s: float = 0.0,
+        client: str | None = None,
     ) -> None:
         self.run_id = run_id
         self.conn = conn
@@ -294,6 +316,8 @@ class _Run:
         self.service = service
         self.subject = subject
         self.reserved = reserved
+        self.wait_s = wait_s
+        self.client = client
         self.aborting: str | None = None
 
 
@@ -311,6 +335,7 @@ class _Conn:
         "opened_at",
         "register",
         "runs",
+        "wanted_at",
     )
 
     def __init__(self, conn_id: ConnId, addr: str, now: float) -> None:
@@ -326,6 +351,8 @@ class _Conn:
         self.hello_scheduled = False
         self.offers: dict[str, _Offer] = {}
         self.runs: dict[str, _Run] = {}
+        # when each parked or offered job's WANT arrived (statistics: the wait)
+        self.wanted_at: dict[str, float] = {}
 
 
 _TimerKind: TypeAlias = Literal["offer", "ping", "dead", "hello", "second", "drain"]
@@ -451,12 +478,15 @@ class Broker(SansIOCore[Effect, _TimerKind]):
             self._dispatch(conn, message)
         self._leave()
 
-    def job_ended(self, run_id: RunId, receipt: p.Receipt, *, now: float) -> None:
+    def job_ended(self, run_id: RunId, receipt: p.Receipt, *, now: float) -> FinishedJob:
         """The runner finished a job started by :class:`StartJob`.
 
         Frees its slot, updates the service's statistics, offers the slot to the
         next want, then sends ``DONE`` when the connection is still open (in that
         order, so a waiting client can redeem at once). Drain frames and effects.
+
+        Returns:
+            The job's record, as kept in the statistics' ``recent`` (for a log line).
 
         Raises:
             BrokerUsageError: the run id is not running; nothing changed.
@@ -482,18 +512,20 @@ class Broker(SansIOCore[Effect, _TimerKind]):
             assert conn is not None
             self._send(conn, p.Done(job_id=run.job_id, receipt=receipt))
             backend_id = conn.register.backend_id if conn.register else None
-        self._recent.append(
-            FinishedJob(
-                job_id=run.job_id,
-                service=run.service,
-                subject=run.subject,
-                conn=run.conn,
-                backend_id=backend_id,
-                delivered=delivered,
-                receipt=receipt,
-            )
+        finished = FinishedJob(
+            job_id=run.job_id,
+            service=run.service,
+            subject=run.subject,
+            conn=run.conn,
+            backend_id=backend_id,
+            delivered=delivered,
+            receipt=receipt,
+            wait_s=run.wait_s,
+            client=run.client,
         )
+        self._recent.append(finished)
         self._leave()
+        return finished
 
     def callback_checked(self, conn_id: ConnId, result: str, *, now: float) -> None:
         """Record the outcome of a :class:`CheckCallback` ("ok" or what went wrong).
@@ -521,6 +553,8 @@ class Broker(SansIOCore[Effect, _TimerKind]):
         if not self.draining:
             self.draining = True
             self.book.clear()
+            for conn in self._conns.values():
+                conn.wanted_at.clear()
             for offer in list(self._offers.values()):
                 self._release_offer(offer)
                 self.counters["offers_withdrawn"] += 1
@@ -676,6 +710,7 @@ class Broker(SansIOCore[Effect, _TimerKind]):
             self._error(conn, "duplicate_job", f"job_id {job_id!r} is already live", job_id)
         else:
             self.counters["wants"] += 1
+            conn.wanted_at[job_id] = self._now
             self.book.add(conn.id, job_id, want.service, want.priority)
             self._grant()
             if (conn.id, job_id) in self.book:
@@ -710,7 +745,16 @@ class Broker(SansIOCore[Effect, _TimerKind]):
             return
         del self._offers[offer.token]
         del conn.offers[offer.job_id]
-        run = _Run(next(self._run_ids), conn.id, job_id, offer.service, job.subject, offer.reserved)
+        run = _Run(
+            next(self._run_ids),
+            conn.id,
+            job_id,
+            offer.service,
+            job.subject,
+            offer.reserved,
+            wait_s=self._now - conn.wanted_at.pop(job_id, self._now),
+            client=conn.register.name if conn.register else None,
+        )
         self._runs[run.run_id] = run
         conn.runs[job_id] = run
         self.counters["offers_redeemed"] += 1
@@ -729,6 +773,7 @@ class Broker(SansIOCore[Effect, _TimerKind]):
     def _withdraw(self, conn: _Conn, job_id: str) -> bool:
         """UNWANT semantics: remove a parked want or release its offer."""
         if self.book.remove(conn.id, job_id) is not None:
+            conn.wanted_at.pop(job_id, None)
             return True
         offer = conn.offers.get(job_id)
         if offer is not None:
@@ -817,6 +862,7 @@ class Broker(SansIOCore[Effect, _TimerKind]):
         conn = self._conns.get(offer.conn)
         if conn is not None:
             del conn.offers[offer.job_id]
+            conn.wanted_at.pop(offer.job_id, None)
         self.pool.release(offer.service, offer.reserved)
 
     def _is_live(self, conn: _Conn, job_id: str) -> bool:
@@ -1012,6 +1058,8 @@ class Broker(SansIOCore[Effect, _TimerKind]):
                 assert self._runs[run.run_id] is run
                 assert run.job_id == job_id
                 assert (conn.id, job_id) not in self.book
+            parked = {w.job_id for w in self.book.connection_wants(conn.id)}
+            assert set(conn.wanted_at) == parked | set(conn.offers), "wanted_at out of step"
         for offer in self._offers.values():
             assert offer.conn in self._conns, "offer of a closed connection"
         for want in self.book.wants():

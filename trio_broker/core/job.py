@@ -20,9 +20,10 @@ frame. :meth:`JobSpec.to_wire` writes the object a client sends.
 Receipts are built here too, so that the rules of ``PROTOCOL.md`` (*Receipt*)
 hold for every ending: every member present, ``error`` null exactly when the
 status is ``ok``, ``stdout_prefix`` the first :data:`STDOUT_PREFIX_BYTES` of
-stdout cut at a character boundary, ``stderr_line`` the last non-empty line of
-stderr. :func:`ended_receipt` builds any receipt, :func:`error_receipt` the one
-of a job that could not start.
+stdout cut at a character boundary (or ``<N bytes of binary output>`` when
+that is not UTF-8 text), ``stderr_line`` the last non-empty line of stderr.
+:func:`ended_receipt` builds any receipt, :func:`error_receipt` the one of a
+job that could not start.
 
 The module is pure: no I/O, no trio, no clock (times are arguments).
 """
@@ -44,6 +45,7 @@ __all__ = [
     "JobSpec",
     "JobSpecError",
     "LastLine",
+    "binary_output",
     "ended_receipt",
     "error_receipt",
     "stdout_prefix",
@@ -237,18 +239,37 @@ def _cut_utf8(data: bytes, limit: int) -> bytes:
     return data[:cut] if data[cut] & 0xC0 != 0x80 else data[:limit]
 
 
-def stdout_prefix(head: bytes) -> str:
+def binary_output(size: int) -> str:
+    """The ``stdout_prefix`` of output that is no text: ``<N bytes of binary output>``."""
+    return f"<{size} bytes of binary output>"
+
+
+def stdout_prefix(head: bytes, *, total: int | None = None) -> str:
     """A receipt's ``stdout_prefix`` from the start of stdout.
+
+    The rule: the first :data:`STDOUT_PREFIX_BYTES` bytes, cut so that no
+    character is cut in two, when they are UTF-8 text; output whose start is
+    not valid UTF-8 or holds a NUL is binary (an image, an archive) and is
+    shown as its size, :func:`binary_output` (``<52341 bytes of binary
+    output>``), not as replacement characters.
 
     Args:
         head: the first bytes of stdout; one byte more than
             :data:`STDOUT_PREFIX_BYTES` tells whether a character straddles the cut.
+        total: all of stdout in bytes (the receipt's ``stdout_bytes``), for the
+            size of binary output; by default ``len(head)``.
 
     Returns:
-        At most :data:`STDOUT_PREFIX_BYTES` bytes, cut at a character boundary and
-        decoded as UTF-8 with replacement characters.
+        The text, or the binary marker.
     """
-    return _cut_utf8(head, STDOUT_PREFIX_BYTES).decode("utf-8", "replace")
+    cut = _cut_utf8(head, STDOUT_PREFIX_BYTES)
+    try:
+        text = cut.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is None or "\x00" in text:
+        return binary_output(len(head) if total is None else total)
+    return text
 
 
 class LastLine:

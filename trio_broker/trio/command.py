@@ -2,9 +2,11 @@
 
 A :class:`CommandRunner` implements :class:`~trio_broker.trio.runner.Runner`. It runs
 each service as a configured argv template (:mod:`trio_broker.core.argv`, never a
-shell) in its own process group and work directory, samples the group every
-``sample_interval`` for :mod:`trio_broker.core.supervision`, and kills the whole group
-at the end. Linux only: it reads ``/proc`` (:mod:`trio_broker.trio.procgroup`).
+shell) in its own process group and work directory, with an environment of its
+own (:func:`job_environment`: a few of the runner's variables and the configured
+ones, never the rest), samples the group every ``sample_interval`` for
+:mod:`trio_broker.core.supervision`, and kills the whole group at the end. Linux
+only: it reads ``/proc`` (:mod:`trio_broker.trio.procgroup`).
 
 Starting a job: the job object is read (:class:`~trio_broker.core.job.JobSpec`), its
 ``params`` fill the template, its pipes are opened (:mod:`trio_broker.trio.pipe_io`),
@@ -71,12 +73,44 @@ from trio_broker.trio.pipe_io import (
 )
 from trio_broker.trio.runner import JobControl, JobRequest, RunnerStatistics, RunningJob
 
-__all__ = ["SUPERVISED_ENV", "CommandRunner", "CommandSpec"]
+__all__ = ["INHERITED_ENV", "SUPERVISED_ENV", "CommandRunner", "CommandSpec", "job_environment"]
 
 logger = logging.getLogger(__name__)
 
 SUPERVISED_ENV: Final = ("FYLR_EXEC_SUPERVISED", "FYLR_CONVERT_THREADS")
 """Variables the runner always sets itself."""
+INHERITED_ENV: Final = ("PATH", "HOME", "LANG", "TMPDIR")
+"""The only variables a job takes from the runner's own environment (when it has them).
+
+Nothing else of the daemon's environment reaches a command (its tokens, its
+database password, its cloud credentials): a job sees these, the
+:data:`SUPERVISED_ENV` the runner sets, and the configured ``env``. ``PATH``
+defaults to :data:`os.defpath` when the runner has none."""
+
+
+def job_environment(
+    spec: CommandSpec, env: Mapping[str, str], *, inherit: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The environment a command of ``spec`` runs with.
+
+    Args:
+        spec: the service (its ``env`` and ``threads``).
+        env: the runner's ``env`` for every command (under the service's own).
+        inherit: where :data:`INHERITED_ENV` is read; by default ``os.environ``.
+
+    Returns:
+        :data:`INHERITED_ENV` from ``inherit``, then ``env``, then ``spec.env``,
+        then :data:`SUPERVISED_ENV` (which always win).
+    """
+    source = os.environ if inherit is None else inherit
+    result = {name: source[name] for name in INHERITED_ENV if name in source}
+    result.setdefault("PATH", os.defpath)
+    result.update(env)
+    result.update(spec.env)
+    result["FYLR_EXEC_SUPERVISED"] = "1"
+    result["FYLR_CONVERT_THREADS"] = str(spec.threads)
+    return result
+
 
 _READ_CHUNK: Final = 65536
 _BULK_PIPE_BYTES: Final = 1 << 20
@@ -120,7 +154,8 @@ class CommandSpec:
         stall_timeout: seconds without progress before the job is stalled,
             ``None`` for no stall supervision.
         memory_limit: this job's own RSS ceiling in bytes, ``None`` for none.
-        env: extra environment variables for the command.
+        env: environment variables for the command, over the runner's ``env``
+            (see :func:`job_environment`).
 
     Raises:
         TemplateError: a malformed template (a ``ValueError``).
@@ -548,6 +583,8 @@ class CommandRunner:
     Args:
         services: how each service runs, by name.
         env: environment variables for every command (under each service's own).
+            A command's environment is :data:`INHERITED_ENV`, this, its service's
+            ``env`` and :data:`SUPERVISED_ENV`: never the runner's whole environment.
         temp_dir: where the per-job work directories are made (default: the
             system's temporary directory).
         memory_budget: bytes that all running jobs together may use; when they
@@ -660,10 +697,8 @@ class CommandRunner:
                 )
 
     def _environment(self, spec: CommandSpec) -> dict[str, str]:
-        env = {**os.environ, **self._env, **spec.env}
-        env["FYLR_EXEC_SUPERVISED"] = "1"
-        env["FYLR_CONVERT_THREADS"] = str(spec.threads)
-        return env
+        """A job's environment: never the daemon's own (see :data:`INHERITED_ENV`)."""
+        return job_environment(spec, self._env)
 
     async def _run_command(
         self,

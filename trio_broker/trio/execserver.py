@@ -8,14 +8,26 @@ small starlette app:
     :class:`~trio_broker.trio.driver.CoreDriver` (one reader and one writer per
     connection, a bounded outbox); this module only adapts the ASGI websocket to
     the driver's :class:`~trio_broker.trio.driver.Transport`.
-``GET /healthz``
-    200 ``{"status": "serving"}``, or 503 ``{"status": "draining"}``.
+``GET /livez``, ``GET /readyz``, ``GET /healthz``, ``GET /``
+    liveness (200 while it works, draining too), readiness (503 while it
+    drains; ``/healthz`` is the same) and the route index
+    (:mod:`trio_broker.trio.pages`).
 ``GET /inspect/system/execserver``
     JSON: the pool, the reserve, each service, each connection, recent receipts
     (:func:`~trio_broker.trio.inspection.execserver_document`).
 ``GET /metrics``
     the same figures as Prometheus text
     (:func:`~trio_broker.trio.inspection.execserver_metrics`).
+
+With a broker token, ``/broker``, ``/inspect/system/execserver`` and
+``/metrics`` need ``Authorization: Bearer <token>``; the health pages and the
+index never do (probes carry no secrets).
+
+Every ended job is logged as one line (``job ended``) with structured fields
+(``extra``): ``service``, ``job_id``, ``subject``, ``client`` (the connection's
+``REGISTER.name``), ``status``, ``wait_s``, ``duration_s``, ``peak_memory`` and
+``delivered``; a formatter that shows record attributes (the daemons' logfmt
+and JSON) prints them.
 
 Everything that decides lives in the core. This module feeds it the inputs the
 driver does not (a job's end, a callback check's result, draining) with
@@ -39,7 +51,7 @@ import trio
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.routing import Route, WebSocketRoute
+from starlette.routing import WebSocketRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
@@ -59,10 +71,13 @@ from trio_broker.core.job import error_receipt
 from trio_broker.trio.driver import MAX_FRAME_BYTES, CoreDriver
 from trio_broker.trio.inspection import (
     METRICS_CONTENT_TYPE,
+    JobFigures,
+    JobStatistics,
     execserver_document,
     execserver_metrics,
 )
 from trio_broker.trio.listener import ListenerSettings, listener_config, serve_app
+from trio_broker.trio.pages import Page, bearer_required, health_pages, routes_of
 from trio_broker.trio.runner import (
     JobControl,
     JobRequest,
@@ -95,10 +110,13 @@ class ExecserverStatistics:
         runner: the runner's snapshot (running jobs and their memory), or None
             when the runner keeps none (only
             :class:`~trio_broker.trio.runner.CommandRunner` does).
+        jobs: every ended job's wait, duration and status, by service
+            (:class:`~trio_broker.trio.inspection.JobFigures`); None when not kept.
     """
 
     broker: BrokerStatistics
     runner: RunnerStatistics | None
+    jobs: JobStatistics | None = None
 
 
 class _AsgiWebsocket:
@@ -212,6 +230,7 @@ class _Service:
             core, self._apply, closed=core.close_connection, max_frame_bytes=max_frame_bytes
         )
         self.controls: dict[int, JobControl] = {}
+        self.figures = JobFigures()
         self.drained = trio.Event()
         self.closed = trio.Event()
 
@@ -252,6 +271,7 @@ class _Service:
         return ExecserverStatistics(
             broker=self.core.statistics(),
             runner=runner.statistics() if isinstance(runner, ReportingRunner) else None,
+            jobs=self.figures.statistics(),
         )
 
     # -- tasks ----------------------------------------------------------------------
@@ -274,8 +294,26 @@ class _Service:
             )
         finally:
             del self.controls[effect.run_id]
-        self.core.job_ended(effect.run_id, receipt, now=trio.current_time())
+        finished = self.core.job_ended(effect.run_id, receipt, now=trio.current_time())
         self.driver.flush()
+        self.figures.record(finished)
+        log.info(
+            "job %s (%s) ended %s",
+            finished.job_id,
+            finished.service,
+            receipt.status,
+            extra={
+                "service": finished.service,
+                "job_id": finished.job_id,
+                "subject": finished.subject,
+                "client": finished.client,
+                "status": receipt.status,
+                "wait_s": round(finished.wait_s, 6),
+                "duration_s": round(receipt.duration_s, 6),
+                "peak_memory": receipt.peak_memory,
+                "delivered": finished.delivered,
+            },
+        )
 
     async def _check_callback(self, effect: CheckCallback) -> None:
         url = effect.url.rstrip("/") + "/whoami"
@@ -346,11 +384,6 @@ class _Service:
 
 
 def _make_app(service: _Service) -> ASGIApp:
-    async def healthz(request: Request) -> Response:
-        if service.core.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        return JSONResponse({"status": "serving"})
-
     async def inspect(request: Request) -> Response:
         return JSONResponse(execserver_document(service.statistics()))
 
@@ -360,20 +393,30 @@ def _make_app(service: _Service) -> ASGIApp:
     async def not_found(websocket: WebSocket) -> None:
         await websocket.send_denial_response(PlainTextResponse("not found\n", status_code=404))
 
-    pages = Starlette(
-        routes=[
-            Route("/healthz", healthz),
-            Route("/inspect/system/execserver", inspect),
-            Route("/metrics", metrics),
-            WebSocketRoute("/{path:path}", not_found),
-        ]
-    )
+    auth = "bearer" if service.broker_token is not None else "none"
+    pages = [
+        Page(path="/broker", kind="websocket", auth=auth, what="the broker websocket"),
+        *health_pages(lambda: service.core.draining),
+        Page(
+            path="/inspect/system/execserver",
+            endpoint=bearer_required(inspect, service.authorized),
+            auth=auth,
+            what="JSON: pool, services, connections, running jobs, recent receipts",
+        ),
+        Page(
+            path="/metrics",
+            endpoint=bearer_required(metrics, service.authorized),
+            auth=auth,
+            what="Prometheus text exposition of the same figures",
+        ),
+    ]
+    app_pages = Starlette(routes=[*routes_of(pages), WebSocketRoute("/{path:path}", not_found)])
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket" and scope["path"] == "/broker":
             await service.broker_endpoint(scope, receive, send)
         else:
-            await pages(scope, receive, send)
+            await app_pages(scope, receive, send)
 
     return app
 
@@ -400,7 +443,8 @@ async def serve_execserver(
             :class:`~trio_broker.trio.runner.CommandRunner`, or your own).
         listener: where to listen, and the TLS files for ``wss://``; by default
             ``127.0.0.1`` on a free port.
-        broker_token: when set, ``/broker`` needs ``Authorization: Bearer <token>``.
+        broker_token: when set, ``/broker``, ``/inspect/system/execserver`` and
+            ``/metrics`` need ``Authorization: Bearer <token>``.
         max_frame_bytes: a larger incoming frame closes its connection (1009).
     """
     listener = listener or ListenerSettings()

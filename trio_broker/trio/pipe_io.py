@@ -306,7 +306,7 @@ class StdoutReader:
 
     def prefix(self) -> str:
         """The receipt's ``stdout_prefix``."""
-        return stdout_prefix(bytes(self._head))
+        return stdout_prefix(bytes(self._head), total=self.bytes)
 
 
 async def pump_stdout(reader: StdoutReader, out_pipe: OutPipe | None, fault: PipeFault) -> None:
