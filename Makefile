@@ -15,7 +15,7 @@ SYSTEM_PACKAGES ?= install
 SYSTEM_TEST := haproxy postgresql nftables iproute2
 SYSTEM_DEMO := postgresql
 
-.PHONY: test lint typecheck pytest soak bench demo clean system-test system-demo
+.PHONY: test lint typecheck pytest soak bench demo docs clean system-test system-demo
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,10 +49,14 @@ soak: system-test $(STAMP)
 demo: system-demo $(STAMP)
 	$(BIN)/python examples/demo.py
 
+docs: $(STAMP)
+	$(BIN)/sphinx-build -q -W -b html docs/api docs/api/_build/html
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/codec.py
 	$(BIN)/python benchmarks/core.py
 	$(BIN)/python benchmarks/execserver.py
+	$(BIN)/python benchmarks/client.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
