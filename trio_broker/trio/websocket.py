@@ -236,9 +236,24 @@ async def connect(
         max_message_bytes: see :class:`WebsocketConnection`.
 
     Raises:
-        HandshakeRefused: the server answered anything but the upgrade.
+        HandshakeRefused: the server answered anything but the upgrade (the
+            stream is closed).
         OSError, trio.BrokenResourceError: the stream broke on the way.
     """
+    try:
+        return await _upgrade(stream, host, path, headers, max_message_bytes)
+    except HandshakeRefused:
+        await trio.aclose_forcefully(stream)
+        raise
+
+
+async def _upgrade(
+    stream: _Stream,
+    host: str,
+    path: str,
+    headers: Sequence[tuple[bytes, bytes]],
+    max_message_bytes: int,
+) -> WebsocketConnection:
     ws = wsproto.WSConnection(ConnectionType.CLIENT)
     await stream.send_all(ws.send(Request(host=host, target=path, extra_headers=list(headers))))
     while True:
