@@ -13,15 +13,13 @@ load generator in this process:
 3. **no-op jobs per second** through one execserver (16 slots, ``builtin: noop``)
    from 1 and from 4 client connections keeping 16 wants outstanding in all, so
    every job is WANT, OFFER, JOB, DONE; and once with a backlog of 64 wants on one
-   connection, so every job is also answered QUEUED first. Two execservers run
-   side by side, measured in alternating rounds (median of ``--repeat``): the
-   daemon as it is (``/broker`` on wsproto over the raw stream, see
-   ``trio_broker.trio.listener``) and the same daemon with the upgrade left to
-   hypercorn's ASGI path (the stack before; only the route is switched off). The
-   load generator answers like a client's driver: a reader that decides, a writer
-   that sends everything waiting in one write (``WebsocketConnection``). One more
-   line runs the generator of the earlier figures (trio-websocket, one write per
-   frame) against the daemon, to show what that generator itself allowed;
+   connection, so every job is also answered QUEUED first (median of
+   ``--repeat`` rounds; with ``--compare CHECKOUT`` the daemon of another
+   checkout of this repository runs beside it, in alternating rounds). The load
+   generator answers like a client's driver: a reader that decides, a writer that
+   sends everything waiting in one write (``WebsocketConnection``). One more line
+   runs the generator of the earlier figures (trio-websocket, one write per frame)
+   against the daemon, to show what that generator itself allowed;
 4. **slot-reuse gap** with a backlog: one slot, 60 queued wants, in rounds that
    alternate with floor round trips; the gap is a job's end to the next job's
    start, both read from the receipts the execserver wrote (``started_at`` +
@@ -32,6 +30,7 @@ load generator in this process:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import statistics
 import subprocess
@@ -71,28 +70,12 @@ trio.run(main)
 """
 
 
-ASGI_ONLY = """
-import runpy, sys
-import trio_broker.trio.execserver as execserver
-
-routed = execserver.serve_app
-
-async def asgi_only(*args, websockets=None, **kwargs):
-    await routed(*args, **kwargs)
-
-execserver.serve_app = asgi_only
-sys.argv = sys.argv[3:]
-runpy.run_module("trio_broker_daemons", run_name="__main__", alter_sys=True)
-"""
-"""Runs the daemon with ``/broker`` left to the ASGI app (argv: python -m trio_broker_daemons)."""
-
-
 @asynccontextmanager
-async def execserver(slots: int, *, asgi: bool = False) -> AsyncIterator[DaemonProcess]:
+async def execserver(slots: int, *, checkout: str | None = None) -> AsyncIterator[DaemonProcess]:
     """The reference daemon with ``slots`` slots and a no-op service.
 
-    ``asgi``: the same daemon with the ``/broker`` upgrade served by hypercorn's
-    ASGI path (the stack before this route existed).
+    ``checkout``: run the daemon of another checkout of this repository (its
+    ``trio_broker`` and ``daemons`` first on ``PYTHONPATH``), to compare with.
     """
     config = (
         "listen: 127.0.0.1:0\n"
@@ -102,7 +85,7 @@ async def execserver(slots: int, *, asgi: bool = False) -> AsyncIterator[DaemonP
         "services:\n"
         "  noop: {builtin: noop}\n"
     )
-    prefix = [sys.executable, "-c", ASGI_ONLY] if asgi else []
+    prefix = [] if checkout is None else ["env", f"PYTHONPATH={checkout}:{checkout}/daemons"]
     async with open_execserver_process(config, prefix=prefix) as daemon:
         yield daemon
 
@@ -356,7 +339,7 @@ def _percentile(samples: list[float], q: int) -> float:
     )
 
 
-async def main(seconds: float, rounds: int, repeat: int) -> None:
+async def main(seconds: float, rounds: int, repeat: int, compare: str | None) -> None:
     async with (
         _line_server(ECHO_SERVER) as port,
         open_websocket_url(f"ws://127.0.0.1:{port}/") as echo,
@@ -366,26 +349,30 @@ async def main(seconds: float, rounds: int, repeat: int) -> None:
         print(f"floor: bare trio-websocket round trip p50 {_us(floor, 50)}, p99 {_us(floor, 99)}")
         ceiling = await stack_ceiling(seconds)
         print(f"stack ceiling: bare hypercorn websocket echo, {ceiling:,.0f} messages/s in+out")
-        async with execserver(SLOTS) as daemon, execserver(SLOTS, asgi=True) as asgi:
+        async with contextlib.AsyncExitStack() as stack:
+            daemons = {"this checkout": await stack.enter_async_context(execserver(SLOTS))}
+            if compare is not None:
+                daemons[compare] = await stack.enter_async_context(
+                    execserver(SLOTS, checkout=compare)
+                )
             for connections, window, frames in ((1, SLOTS, 4), (4, SLOTS // 4, 4), (1, 64, 5)):
-                runs: dict[str, list[tuple[float, float]]] = {"raw": [], "asgi": []}
-                for _ in range(repeat):  # alternating, so both see the same machine
-                    runs["asgi"].append(await measured(asgi, connections, window, seconds))
-                    runs["raw"].append(await measured(daemon, connections, window, seconds))
-                raw, before = (statistics.median(r for r, _ in runs[k]) for k in ("raw", "asgi"))
-                raw_cpu, before_cpu = (
-                    statistics.median(c for _, c in runs[k]) * 1e6 for k in ("raw", "asgi")
-                )
-                print(
-                    f"no-op jobs/s, {connections} connection(s) x {window} wants, {SLOTS} slots: "
-                    f"wsproto route {raw:,.0f} ({raw_cpu:.0f} µs execserver CPU/job), "
-                    f"ASGI route {before:,.0f} ({before_cpu:.0f} µs/job): {raw / before:.2f}x "
-                    f"(medians of {repeat}; {frames} frames/job: wsproto route "
-                    f"{raw * frames / ceiling:.0%} of the stack ceiling)"
-                )
-            rate = await throughput(daemon.url, 1, SLOTS, seconds, one_write_per_frame=True)
+                runs: dict[str, list[tuple[float, float]]] = {name: [] for name in daemons}
+                for _ in range(repeat):  # alternating, so all see the same machine
+                    for name, daemon in daemons.items():
+                        runs[name].append(await measured(daemon, connections, window, seconds))
+                for name, results in runs.items():
+                    rate = statistics.median(r for r, _ in results)
+                    cpu = statistics.median(c for _, c in results) * 1e6
+                    print(
+                        f"no-op jobs/s, {connections} connection(s) x {window} wants, "
+                        f"{SLOTS} slots, {name}: {rate:,.0f} ({cpu:.0f} µs execserver CPU/job; "
+                        f"median of {repeat}; {frames} frames/job: "
+                        f"{rate * frames / ceiling:.0%} of the stack ceiling)"
+                    )
+            url = daemons["this checkout"].url
+            rate = await throughput(url, 1, SLOTS, seconds, one_write_per_frame=True)
             print(
-                f"no-op jobs/s, 1 connection x {SLOTS} wants, wsproto route, the earlier load "
+                f"no-op jobs/s, 1 connection x {SLOTS} wants, this checkout, the earlier load "
                 f"generator (trio-websocket, one write per frame): {rate:,.0f}"
             )
         # The gap and its floor are sampled in alternating rounds, so both see the
@@ -415,5 +402,10 @@ if __name__ == "__main__":
     parser.add_argument("--seconds", type=float, default=3.0, help="length of each phase")
     parser.add_argument("--rounds", type=int, default=10, help="rounds of the gap measurement")
     parser.add_argument("--repeat", type=int, default=3, help="rounds of each throughput phase")
+    parser.add_argument(
+        "--compare",
+        metavar="CHECKOUT",
+        help="also run the daemon of this other checkout, in alternating rounds",
+    )
     args = parser.parse_args()
-    trio.run(main, args.seconds, args.rounds, args.repeat)
+    trio.run(main, args.seconds, args.rounds, args.repeat, args.compare)

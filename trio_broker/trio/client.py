@@ -432,7 +432,7 @@ class BrokerClient:
         for conn_id in driver.connections:
             driver.close(conn_id, p.CLOSE_NORMAL, "client closing")
         # Let every connection finish its closing handshake (bounded) while
-        # trio-websocket's reader tasks still run; cancelling them first would
+        # the connections' reader tasks still run; cancelling them first would
         # make each close wait out the whole close timeout.
         if self._connection_tasks:
             with trio.move_on_after(CLOSE_TIMEOUT + 1):
