@@ -16,11 +16,9 @@ In one run, on one machine:
    streams the in-pipe into ``cat`` (``GET``) and ``cat``'s output into the
    out-pipe (``PUT``), whose sink checks every byte (SHA-256 against the digest
    of the source, computed before the clock starts).
-3. **the listener before**: the same pipe pair with the registry served by a plain
-   hypercorn listener (its 64 KiB reads, the pipes' listener before 1 MiB reads),
-   in rounds alternating with 2 (``--repeat``; medians).
+Both run in alternating rounds (``--repeat``; medians).
 
-It prints MiB/s of all, and the resident-memory growth of both sides (this
+It prints MiB/s of both, and the resident-memory growth of both sides (this
 process; the execserver daemon without its ``cat``), sampled every 16 MiB as the
 bytes flow and at the end, against their values before the job.
 """
@@ -28,7 +26,6 @@ bytes flow and at the end, against their values before the job.
 from __future__ import annotations
 
 import argparse
-import functools
 import hashlib
 import statistics
 import subprocess
@@ -41,7 +38,6 @@ from trio_broker_daemons.processes import open_execserver_process
 from trio_websocket import WebSocketConnection, open_websocket_url
 
 from trio_broker.core import protocol as p
-from trio_broker.trio.listener import listener_config, serve_app
 from trio_broker.trio.pipes import PipeRegistry, serve_pipes
 
 MiB = 1 << 20
@@ -138,14 +134,8 @@ async def next_frame(ws: WebSocketConnection) -> p.Message:
             return message
 
 
-async def pipe_pair(
-    size: int, expected: bytes, *, plain_listener: bool = False
-) -> tuple[float, int, int]:
-    """MiB/s through in-pipe -> execserver -> cat -> out-pipe; RSS growth here and there.
-
-    ``plain_listener``: serve the registry on a plain hypercorn listener (64 KiB
-    reads) instead of :func:`serve_pipes`.
-    """
+async def pipe_pair(size: int, expected: bytes) -> tuple[float, int, int]:
+    """MiB/s through in-pipe -> execserver -> cat -> out-pipe; RSS growth here and there."""
     data = block()
     registry = PipeRegistry("benchmark")
     received_digest = hashlib.sha256()
@@ -167,11 +157,7 @@ async def pipe_pair(
             there.sample()
 
     async with open_execserver_process(CONFIG) as daemon, trio.open_nursery() as nursery:
-        if plain_listener:
-            serve = functools.partial(serve_app, registry.app(), listener_config("127.0.0.1:0"))
-            _, port = await nursery.start(serve)
-        else:
-            port = await nursery.start(serve_pipes, registry, "127.0.0.1", 0)
+        port = await nursery.start(serve_pipes, registry, "127.0.0.1", 0)
         base = f"http://127.0.0.1:{port}"
         async with open_websocket_url(daemon.url) as ws:
             await ws.send_message(
@@ -214,25 +200,22 @@ async def pipe_pair(
 async def main(mib: int, repeat: int) -> None:
     size = mib * MiB
     expected = digest_of(size)
-    floors, rates, befores = [], [], []
+    floors, rates = [], []
     here = there = 0
-    for _ in range(repeat):  # alternating, so all three see the same machine
+    for _ in range(repeat):  # alternating, so both see the same machine
         floors.append(await floor(size, expected))
-        before, _, _ = await pipe_pair(size, expected, plain_listener=True)
-        befores.append(before)
         rate, grown_here, grown_there = await pipe_pair(size, expected)
         rates.append(rate)
         here, there = max(here, grown_here), max(there, grown_there)
     floor_rate = statistics.median(floors)
-    rate, before = statistics.median(rates), statistics.median(befores)
+    rate = statistics.median(rates)
     print(
         f"floor: plain cat of {mib} MiB, fed and drained (and checked) by this process: "
         f"{floor_rate:.0f} MiB/s (median of {repeat})"
     )
     print(
         f"pipe pair: {mib} MiB in-pipe -> execserver -> cat -> out-pipe: {rate:.0f} MiB/s "
-        f"({rate / floor_rate:.0%} of the floor); with the plain hypercorn listener "
-        f"{before:.0f} MiB/s ({before / floor_rate:.0%})"
+        f"({rate / floor_rate:.0%} of the floor, median of {repeat})"
     )
     print(
         f"resident memory growth: client {here / MiB:.1f} MiB, "

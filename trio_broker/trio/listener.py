@@ -94,7 +94,6 @@ async def serve_app(
     *,
     shutdown_trigger: Callable[[], Awaitable[Any]] | None = None,
     websockets: Mapping[str, WebsocketHandler] | None = None,
-    receive_bytes: int | None = None,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` until cancelled or until ``shutdown_trigger`` returns.
@@ -109,13 +108,10 @@ async def serve_app(
             ``graceful_timeout`` for the open ones.
         websockets: upgrades to these paths go to their handler on the raw
             stream instead of to ``app`` (see the module's docstring).
-        receive_bytes: the largest read from a connection that hypercorn
-            serves (its own reads are 64 KiB): bulk request bodies (pipes)
-            then arrive in fewer, larger pieces, with fewer wake-ups per byte.
     """
-    if websockets or receive_bytes:
+    if websockets:
         serve: Callable[..., Awaitable[Any]] = functools.partial(
-            _serve_routed, app, hyper, websockets or {}, shutdown_trigger, receive_bytes
+            _serve_routed, app, hyper, websockets, shutdown_trigger
         )
     else:
         serve = functools.partial(
@@ -128,15 +124,11 @@ async def serve_app(
 
 
 class _Replayed(trio.abc.Stream):
-    """A stream whose first bytes are the ones already read from it (for hypercorn).
+    """A stream whose first bytes are the ones already read from it (for hypercorn)."""
 
-    Reads are at least ``receive_bytes`` large when that is set.
-    """
-
-    def __init__(self, stream: trio.abc.Stream, head: bytes, receive_bytes: int | None) -> None:
+    def __init__(self, stream: trio.abc.Stream, head: bytes) -> None:
         self._stream = stream
         self._head = head
-        self._receive_bytes = receive_bytes or 0
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
         head = self._head
@@ -144,8 +136,6 @@ class _Replayed(trio.abc.Stream):
             self._head = b""
             await trio.lowlevel.checkpoint()
             return head
-        if max_bytes is not None:
-            max_bytes = max(max_bytes, self._receive_bytes)
         return await self._stream.receive_some(max_bytes)
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
@@ -211,12 +201,10 @@ async def _serve_routed(
     hyper: HypercornConfig,
     websockets: Mapping[str, WebsocketHandler],
     shutdown_trigger: Callable[[], Awaitable[Any]] | None,
-    receive_bytes: int | None,
     *,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """hypercorn's trio worker, with the websocket routes taken off before it (and its
-    reads made ``receive_bytes`` large)."""
+    """hypercorn's trio worker, with the websocket routes taken off before it."""
     from hypercorn.trio.tcp_server import TCPServer
     from hypercorn.trio.worker_context import WorkerContext
     from hypercorn.typing import ConnectionState
@@ -260,7 +248,7 @@ async def _serve_routed(
             assert request is not None
             await websockets[path](stream, head, request)
         else:
-            replayed = cast(Any, _Replayed(stream, head, receive_bytes))
+            replayed = cast(Any, _Replayed(stream, head))
             await TCPServer(wrapped, hyper, context, ConnectionState({}), replayed)
 
     async with trio.open_nursery() as handlers:

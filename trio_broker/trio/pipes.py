@@ -46,7 +46,6 @@ the job (``http://<local ip>:<listener port>`` + :attr:`Pipe.path`).
 
 from __future__ import annotations
 
-import functools
 import logging
 import secrets
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
@@ -85,10 +84,6 @@ NOT_FOUND_BODY: Final = "not found\n"
 """The body of every 404 of the pipe endpoints, whatever the reason."""
 
 _CLEANUP_TIMEOUT = 5.0  # closing a source after a transfer (shielded)
-
-RECEIVE_BYTES: Final = 1 << 20
-"""The largest read of the pipes' listener: an out-pipe's body arrives in pieces of up
-to 1 MiB rather than hypercorn's 64 KiB, each a wake-up of this process."""
 
 Sink: TypeAlias = Callable[[bytes], Awaitable[object]]
 """Where an out-pipe's bytes go: awaited once per chunk, in order.
@@ -522,7 +517,5 @@ async def serve_pipes(
     shown = f"[{host}]" if ":" in host else host
     hyper = listener_config(f"{shown}:{port}", logger="trio_broker.trio.pipes.http")
     async with trio.open_nursery() as nursery:
-        _, bound = await nursery.start(
-            functools.partial(serve_app, registry.app(), hyper, receive_bytes=RECEIVE_BYTES)
-        )
+        _, bound = await nursery.start(serve_app, registry.app(), hyper)
         task_status.started(bound)
