@@ -57,6 +57,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/core.py
 	$(BIN)/python benchmarks/execserver.py
 	$(BIN)/python benchmarks/client.py
+	$(BIN)/python benchmarks/handover.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

@@ -3,8 +3,8 @@
 Run: ``.venv/bin/python benchmarks/execserver.py`` (``--seconds`` per phase).
 
 In one run, with the server always in its own process (the real
-``trio-broker execserver`` daemon, or a bare trio-websocket echo server for the
-floor) and the load generator in this process:
+``trio-broker execserver`` daemon, or a bare echo server for the floor) and the
+load generator in this process:
 
 1. **floor**: the round trip of one small text frame through a bare
    trio-websocket echo server on 127.0.0.1 (p50 and p99 of sequential trips);
@@ -13,7 +13,13 @@ floor) and the load generator in this process:
 3. **no-op jobs per second** through one execserver (16 slots, ``builtin: noop``)
    from 1 and from 4 client connections keeping 16 wants outstanding in all, so
    every job is WANT, OFFER, JOB, DONE; and once with a backlog of 64 wants on one
-   connection, so every job is also answered QUEUED first;
+   connection, so every job is also answered QUEUED first (median of
+   ``--repeat`` rounds; with ``--compare CHECKOUT`` the daemon of another
+   checkout of this repository runs beside it, in alternating rounds). The load
+   generator answers like a client's driver: a reader that decides, a writer that
+   sends everything waiting in one write (``WebsocketConnection``). One more line
+   runs the generator of the earlier figures (trio-websocket, one write per frame)
+   against the daemon, to show what that generator itself allowed;
 4. **slot-reuse gap** with a backlog: one slot, 60 queued wants, in rounds that
    alternate with floor round trips; the gap is a job's end to the next job's
    start, both read from the receipts the execserver wrote (``started_at`` +
@@ -24,6 +30,7 @@ floor) and the load generator in this process:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import statistics
 import subprocess
@@ -32,11 +39,13 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import psutil
 import trio
-from trio_broker_daemons.processes import open_execserver_process
+from trio_broker_daemons.processes import DaemonProcess, open_execserver_process
 from trio_websocket import WebSocketConnection, open_websocket_url
 
 from trio_broker.core import protocol as p
+from trio_broker.trio.websocket import WebsocketConnection, connect
 
 SLOTS = 16
 
@@ -62,8 +71,12 @@ trio.run(main)
 
 
 @asynccontextmanager
-async def execserver(slots: int) -> AsyncIterator[str]:
-    """The reference daemon with ``slots`` slots and a no-op service."""
+async def execserver(slots: int, *, checkout: str | None = None) -> AsyncIterator[DaemonProcess]:
+    """The reference daemon with ``slots`` slots and a no-op service.
+
+    ``checkout``: run the daemon of another checkout of this repository (its
+    ``trio_broker`` and ``daemons`` first on ``PYTHONPATH``), to compare with.
+    """
     config = (
         "listen: 127.0.0.1:0\n"
         f"slots: {slots}\n"
@@ -72,8 +85,9 @@ async def execserver(slots: int) -> AsyncIterator[str]:
         "services:\n"
         "  noop: {builtin: noop}\n"
     )
-    async with open_execserver_process(config) as daemon:
-        yield daemon.url
+    prefix = [] if checkout is None else ["env", f"PYTHONPATH={checkout}:{checkout}/daemons"]
+    async with open_execserver_process(config, prefix=prefix) as daemon:
+        yield daemon
 
 
 HYPERCORN_ECHO = """
@@ -157,8 +171,73 @@ async def round_trips(ws: WebSocketConnection, count: int) -> list[float]:
     return samples
 
 
+async def dial(url: str) -> WebsocketConnection:
+    """A broker websocket to ``ws://host:port/broker`` on the library's transport."""
+    host, port = url.removeprefix("ws://").split("/", 1)[0].rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    return await connect(stream, f"{host}:{port}", "/broker", max_message_bytes=1 << 20)
+
+
 async def _driver(url: str, name: str, window: int, stop_at: float, counts: list[int]) -> None:
-    """Keep ``window`` wants outstanding on one connection until ``stop_at``."""
+    """Keep ``window`` wants outstanding on one connection until ``stop_at``.
+
+    A reader decides each answer as a frame comes; a writer sends whatever is
+    waiting in one write, as the library's connection driver does.
+    """
+    ws = await dial(url)
+    numbers = iter(range(10**9))
+    outbox = [p.encode(p.Register(backend_id=name, name=name, version="bench"))]
+    outbox += [
+        p.encode(p.Want(job_id=f"{name}-{next(numbers)}", service="noop", priority=0))
+        for _ in range(window)
+    ]
+    wake = trio.Event()
+    finished = False
+
+    async def writer() -> None:
+        nonlocal wake, outbox
+        while outbox or not finished:
+            if not outbox:
+                wake = trio.Event()
+                await wake.wait()
+                continue
+            batch, outbox = outbox, []
+            await ws.send_texts(batch)
+
+    def send(message: p.Message) -> None:
+        outbox.append(p.encode(message))
+        wake.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(writer)
+        stopping = False
+        outstanding = window
+        while outstanding:
+            text = await ws.receive()
+            assert text is not None, "the execserver closed the connection"
+            message = p.decode(text, accept=p.EXEC_TO_CLIENT)
+            if isinstance(message, p.Offer):
+                send(p.Job(job_id=message.job_id, token=message.token, service="noop", job={}))
+            elif isinstance(message, p.Done):
+                counts[0] += 1
+                if not stopping and time.perf_counter() >= stop_at:
+                    stopping = True
+                if stopping:
+                    outstanding -= 1
+                else:
+                    send(p.Want(job_id=f"{name}-{next(numbers)}", service="noop", priority=0))
+            elif isinstance(message, p.Ping):
+                send(p.Pong(nonce=message.nonce))
+        finished = True
+        wake.set()
+    with trio.move_on_after(2):
+        await ws.close(p.CLOSE_NORMAL, "done")
+
+
+async def _driver_one_write_per_frame(
+    url: str, name: str, window: int, stop_at: float, counts: list[int]
+) -> None:
+    """The earlier generator: trio-websocket, one write per frame, nothing waits for the reader."""
     async with open_websocket_url(url) as ws:
         await ws.get_message()  # HELLO
         await ws.send_message(p.encode(p.Register(backend_id=name, name=name, version="bench")))
@@ -186,18 +265,48 @@ async def _driver(url: str, name: str, window: int, stop_at: float, counts: list
                 await ws.send_message(p.encode(p.Pong(nonce=message.nonce)))
 
 
-async def throughput(url: str, connections: int, window: int, seconds: float) -> float:
-    """No-op jobs per second over ``connections`` connections, ``window`` wants each."""
+async def throughput(
+    url: str,
+    connections: int,
+    window: int,
+    seconds: float,
+    *,
+    one_write_per_frame: bool = False,
+    phases: list[float] | None = None,
+) -> float:
+    """No-op jobs per second over ``connections`` connections, ``window`` wants each.
+
+    ``phases`` gets the jobs counted, after the warm-up phase that is not.
+    """
+    driver = _driver_one_write_per_frame if one_write_per_frame else _driver
     warm = [0]
     async with trio.open_nursery() as nursery:
         for i in range(connections):
-            nursery.start_soon(_driver, url, f"warm{i}", window, time.perf_counter() + 0.5, warm)
+            nursery.start_soon(driver, url, f"warm{i}", window, time.perf_counter() + 0.5, warm)
+    if phases is not None:
+        phases.append(warm[0])
     counts = [0]
     start = time.perf_counter()
     async with trio.open_nursery() as nursery:
         for i in range(connections):
-            nursery.start_soon(_driver, url, f"c{i}", window, start + seconds, counts)
+            nursery.start_soon(driver, url, f"c{i}", window, start + seconds, counts)
+    if phases is not None:
+        phases.append(counts[0])
     return counts[0] / (time.perf_counter() - start)
+
+
+async def measured(
+    daemon: DaemonProcess, connections: int, window: int, seconds: float
+) -> tuple[float, float]:
+    """No-op jobs/s (see :func:`throughput`) and the execserver's CPU seconds per job."""
+    process = psutil.Process(daemon.process.pid)
+    before = process.cpu_times()
+    jobs: list[float] = []
+    rate = await throughput(daemon.url, connections, window, seconds, phases=jobs)
+    after = process.cpu_times()
+    used = (after.user + after.system) - (before.user + before.system)
+    # throughput() warms up first: that phase's CPU and jobs are both counted
+    return rate, used / (jobs[0] + jobs[1])
 
 
 async def reuse_gaps(url: str, backlog: int) -> list[float]:
@@ -230,7 +339,7 @@ def _percentile(samples: list[float], q: int) -> float:
     )
 
 
-async def main(seconds: float, rounds: int) -> None:
+async def main(seconds: float, rounds: int, repeat: int, compare: str | None) -> None:
     async with (
         _line_server(ECHO_SERVER) as port,
         open_websocket_url(f"ws://127.0.0.1:{port}/") as echo,
@@ -240,19 +349,38 @@ async def main(seconds: float, rounds: int) -> None:
         print(f"floor: bare trio-websocket round trip p50 {_us(floor, 50)}, p99 {_us(floor, 99)}")
         ceiling = await stack_ceiling(seconds)
         print(f"stack ceiling: bare hypercorn websocket echo, {ceiling:,.0f} messages/s in+out")
-        async with execserver(slots=SLOTS) as url:
-            for connections, window, frames in ((1, SLOTS, 4), (4, SLOTS // 4, 4), (1, 64, 5)):
-                rate = await throughput(url, connections, window, seconds)
-                print(
-                    f"no-op jobs/s, {connections} connection(s) x {window} wants, {SLOTS} slots: "
-                    f"{rate:,.0f} ({frames} frames/job: "
-                    f"{rate * frames / ceiling:.0%} of the stack ceiling)"
+        async with contextlib.AsyncExitStack() as stack:
+            daemons = {"this checkout": await stack.enter_async_context(execserver(SLOTS))}
+            if compare is not None:
+                daemons[compare] = await stack.enter_async_context(
+                    execserver(SLOTS, checkout=compare)
                 )
+            for connections, window, frames in ((1, SLOTS, 4), (4, SLOTS // 4, 4), (1, 64, 5)):
+                runs: dict[str, list[tuple[float, float]]] = {name: [] for name in daemons}
+                for _ in range(repeat):  # alternating, so all see the same machine
+                    for name, daemon in daemons.items():
+                        runs[name].append(await measured(daemon, connections, window, seconds))
+                for name, results in runs.items():
+                    rate = statistics.median(r for r, _ in results)
+                    cpu = statistics.median(c for _, c in results) * 1e6
+                    print(
+                        f"no-op jobs/s, {connections} connection(s) x {window} wants, "
+                        f"{SLOTS} slots, {name}: {rate:,.0f} ({cpu:.0f} µs execserver CPU/job; "
+                        f"median of {repeat}; {frames} frames/job: "
+                        f"{rate * frames / ceiling:.0%} of the stack ceiling)"
+                    )
+            url = daemons["this checkout"].url
+            rate = await throughput(url, 1, SLOTS, seconds, one_write_per_frame=True)
+            print(
+                f"no-op jobs/s, 1 connection x {SLOTS} wants, this checkout, the earlier load "
+                f"generator (trio-websocket, one write per frame): {rate:,.0f}"
+            )
         # The gap and its floor are sampled in alternating rounds, so both see the
         # same machine: these 2-core virtual machines change speed from minute to minute.
         gaps: list[float] = []
         floor = []
-        async with execserver(slots=1) as url:
+        async with execserver(1) as one:
+            url = one.url
             await reuse_gaps(url, 20)  # warm up
             for _ in range(rounds):
                 floor += await round_trips(echo, 100)
@@ -273,5 +401,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=3.0, help="length of each phase")
     parser.add_argument("--rounds", type=int, default=10, help="rounds of the gap measurement")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of each throughput phase")
+    parser.add_argument(
+        "--compare",
+        metavar="CHECKOUT",
+        help="also run the daemon of this other checkout, in alternating rounds",
+    )
     args = parser.parse_args()
-    trio.run(main, args.seconds, args.rounds)
+    trio.run(main, args.seconds, args.rounds, args.repeat, args.compare)

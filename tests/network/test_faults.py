@@ -514,14 +514,6 @@ STREAMS = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a silent pipe is judged a stall of the command: the runner's pipes have no"
-    " read or write timeout (trio_broker/trio/runner.py _PIPE_TIMEOUT) and a job ends"
-    " 'stopped' only on an HTTP error, so the stall verdict ends it 'stalled' and the fylr"
-    " fails the version for good instead of requeueing it as for a broken stream",
-    raises=AssertionError,
-)
 @pytest.mark.parametrize("stream", sorted(STREAMS))
 def test_a_pipe_cut_mid_stream_is_run_again_not_failed(
     network: Network, shared_dir: Path, stream: str

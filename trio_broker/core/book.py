@@ -328,7 +328,7 @@ class WantBook(Generic[C]):
                     head = wants[0]
                     if not head.live:
                         head = queue.service_head(service)
-                    if first_seq < 0 or head.seq < first_seq:
+                    if first_seq < 0 or head.seq > first_seq:
                         chosen, first_seq = head, head.seq
         self._unlink(chosen, granted=True)
         return chosen

@@ -41,12 +41,6 @@ from typing import Any
 
 import attrs
 import trio
-from trio_websocket import (
-    ConnectionClosed,
-    HandshakeError,
-    WebSocketConnection,
-    wrap_client_stream,
-)
 
 from trio_broker.core import protocol as p
 from trio_broker.core.admission import InstanceLoad
@@ -71,6 +65,8 @@ from trio_broker.core.errors import (
 )
 from trio_broker.trio.driver import CLOSE_TIMEOUT, MAX_FRAME_BYTES, CoreDriver
 from trio_broker.trio.pipes import InPipe, OutPipe, PipeRegistry, Sink, serve_pipes
+from trio_broker.trio.websocket import HandshakeRefused
+from trio_broker.trio.websocket import connect as websocket_connect
 
 __all__ = [
     "AddressState",
@@ -135,39 +131,6 @@ class _Waiter:
         self.done = trio.Event()
         self.receipt: p.Receipt | None = None
         self.error: BrokerError | None = None
-
-
-class _Websocket:
-    """A trio-websocket connection as a driver :class:`~trio_broker.trio.driver.Transport`."""
-
-    __slots__ = ("_stream", "_ws")
-
-    def __init__(
-        self,
-        ws: WebSocketConnection,
-        stream: trio.SocketStream | trio.SSLStream[trio.SocketStream],
-    ) -> None:
-        self._ws = ws
-        self._stream = stream
-
-    async def send_text(self, text: str) -> None:
-        try:
-            await self._ws.send_message(text)
-        except ConnectionClosed as exc:
-            raise trio.BrokenResourceError("the connection is closed") from exc
-
-    async def receive(self) -> str | bytes | None:
-        try:
-            return await self._ws.get_message()
-        except ConnectionClosed:
-            return None
-
-    async def close(self, code: int, reason: str) -> None:
-        with contextlib.suppress(Exception):
-            await self._ws.aclose(code, reason)
-        # trio-websocket leaves the stream open when the peer closed first.
-        with contextlib.suppress(Exception):
-            await self._stream.aclose()
 
 
 _FAILURES: Mapping[str, type[BrokerError]] = {
@@ -469,7 +432,7 @@ class BrokerClient:
         for conn_id in driver.connections:
             driver.close(conn_id, p.CLOSE_NORMAL, "client closing")
         # Let every connection finish its closing handshake (bounded) while
-        # trio-websocket's reader tasks still run; cancelling them first would
+        # the connections' reader tasks still run; cancelling them first would
         # make each close wait out the whole close timeout.
         if self._connection_tasks:
             with trio.move_on_after(CLOSE_TIMEOUT + 1):
@@ -538,27 +501,31 @@ class BrokerClient:
                 if self._token is not None:
                     headers.append((b"authorization", f"Bearer {self._token}".encode()))
                 try:
-                    ws = await wrap_client_stream(
-                        self._nursery,
+                    # the driver's transport: wsproto on the stream (trio_broker.trio.websocket)
+                    transport = await websocket_connect(
                         stream,
-                        host,
+                        f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
                         "/broker",
-                        extra_headers=headers,
-                        message_queue_size=256,
-                        max_message_size=self._max_frame_bytes,
+                        headers=headers,
+                        max_message_bytes=self._max_frame_bytes,
                     )
                 except BaseException:
                     with trio.CancelScope(shield=True):
                         await stream.aclose()
                     raise
-        except (OSError, ValueError, trio.TooSlowError, HandshakeError) as exc:
+        except (
+            OSError,
+            ValueError,
+            trio.TooSlowError,
+            trio.BrokenResourceError,
+            HandshakeRefused,
+        ) as exc:
             log.info("dialling %s failed: %r", address, exc)
             self._failed_dials.add(address)
             core.dial_failed(conn_id, now=trio.current_time())
             self._driver.flush()
             return
         self._failed_dials.discard(address)
-        transport = _Websocket(ws, stream)
         if self._closed:  # closed while this dial was under way
             with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
                 await transport.close(p.CLOSE_NORMAL, "client closing")

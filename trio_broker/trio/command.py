@@ -69,6 +69,7 @@ from trio_broker.trio.pipe_io import (
     StdoutReader,
     open_pipes,
     pump_stdout,
+    silent_pipe,
     wait_stdout_end,
 )
 from trio_broker.trio.runner import JobControl, JobRequest, RunnerStatistics, RunningJob
@@ -269,6 +270,7 @@ class _CommandJob:
         self.workdir = workdir
         self.limits = limits
         self.finish_within = spec.stall_timeout or PIPE_FINISH_TIMEOUT
+        self.stall_timeout = spec.stall_timeout
         self.watchdog = Watchdog(
             started=start.started,
             timeout=spec.timeout,
@@ -366,7 +368,7 @@ class _CommandJob:
         """Wait for the first of: the leader exits (``None``), a verdict, an abort, a pipe fault."""
         verdict = await self.sample()  # at least one sample: peak_memory is known
         if verdict is not None:
-            return _Ending(status=verdict.status, error=verdict.error)
+            return self.ending(verdict)
         endings: list[_Ending | None] = []
 
         def decide(ending: _Ending | None) -> None:
@@ -395,7 +397,7 @@ class _CommandJob:
                 await trio.sleep_until(deadline if limit is None else min(deadline, limit))
                 verdict = await self.sample()
                 if verdict is not None:
-                    decide(_Ending(status=verdict.status, error=verdict.error))
+                    decide(self.ending(verdict))
                     return
 
         async with trio.open_nursery() as nursery:
@@ -404,6 +406,17 @@ class _CommandJob:
             nursery.start_soon(pipe_failed)
             nursery.start_soon(sampler)
         return endings[0]
+
+    def ending(self, verdict: Verdict) -> _Ending:
+        """The job's end for a verdict: a stall while a pipe waited on the network is
+        that stream's failure (``stopped``), not the command's."""
+        if verdict.status == "stalled" and self.stall_timeout is not None:
+            silent = silent_pipe(
+                self.in_pipe, self.out_pipe, now=trio.current_time(), window=self.stall_timeout
+            )
+            if silent is not None:
+                return _Ending(status="stopped", error=silent)
+        return _Ending(status=verdict.status, error=verdict.error)
 
     # -- ending
 

@@ -22,9 +22,13 @@ One reader and one writer per connection
     :meth:`CoreDriver.serve` carries one connection: the reader feeds every frame
     the transport delivers into the core (a frame of more than ``max_frame_bytes``
     UTF-8 bytes closes the connection with 1009 instead), the writer sends what the
-    outbox holds, in order. When either of them ends, the connection ends: the core
-    is told at once (the side's ``closed`` input, so its wants, offers and jobs are
-    settled without waiting for the network), then the writer is stopped and the
+    outbox holds, in order: everything that is waiting when it wakes goes to
+    :meth:`Transport.send_texts` at once, so the frames of one core input (a
+    ``DONE`` and the ``OFFER`` of the freed slot) leave in one write where the
+    transport can (:class:`~trio_broker.trio.websocket.WebsocketConnection`).
+    When either of them ends, the connection ends: the core is told at once
+    (the side's ``closed`` input, so its wants, offers and jobs are settled
+    without waiting for the network), then the writer is stopped and the
     transport is closed with the code the core asked for (:meth:`CoreDriver.close`;
     1009 or 1008 when the driver ended it; the side's default otherwise), shielded
     and bounded by :data:`CLOSE_TIMEOUT`. Until that close is done the
@@ -42,16 +46,17 @@ One timer task
     An input that moves the deadline earlier wakes it to re-arm; any other input
     leaves it asleep, so an idle core costs nothing between its timers.
 
-The transport is anything with ``send_text``, ``receive`` and ``close``
-(:class:`Transport`): the execserver wraps its ASGI websocket, the client its
-trio-websocket connection.
+The transport is anything with ``send_texts``, ``receive`` and ``close``
+(:class:`Transport`): both sides' broker websockets are a
+:class:`~trio_broker.trio.websocket.WebsocketConnection`; the execserver also
+wraps an ASGI websocket (an upgrade that reached its app).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Final, Generic, NoReturn, Protocol, TypeVar
 
 import trio
@@ -85,8 +90,8 @@ CLOSE_TIMEOUT: Final = 2.0
 class Transport(Protocol):
     """One websocket, as the driver needs it."""
 
-    async def send_text(self, text: str) -> None:
-        """Send one text frame.
+    async def send_texts(self, texts: Sequence[str]) -> None:
+        """Send text frames, in order (in one write where the transport can).
 
         Raises:
             trio.BrokenResourceError: the peer is gone.
@@ -123,14 +128,42 @@ class ConnectionInput(Protocol):
 
 
 class _Link:
-    """One served connection: its outbox, how it ends, and the scope of its reader."""
+    """One served connection: its outbox, how it ends, and the scope of its reader.
 
-    __slots__ = ("close_with", "outbox", "scope")
+    The outbox is a plain list the writer takes whole; ``wake`` is set when a
+    frame is queued (or the outbox closed) while the writer sleeps.
+    """
 
-    def __init__(self, outbox: trio.MemorySendChannel[str]) -> None:
-        self.outbox = outbox
+    __slots__ = ("close_with", "closed", "outbox", "scope", "wake")
+
+    def __init__(self) -> None:
+        self.outbox: list[str] = []
+        self.closed = False  # nothing more is queued; the writer ends once it is empty
+        self.wake: trio.Event | None = None  # the writer sleeps on it
         self.scope = trio.CancelScope()
         self.close_with: tuple[int, str] | None = None
+
+    def put(self, text: str) -> bool:
+        """Queue one frame; False when the outbox is full."""
+        if self.closed:
+            return True  # closing: nothing more goes out
+        outbox = self.outbox
+        if len(outbox) >= OUTBOX_FRAMES:
+            return False
+        outbox.append(text)
+        wake = self.wake
+        if wake is not None:
+            self.wake = None
+            wake.set()
+        return True
+
+    def close(self) -> None:
+        """The writer sends what is queued, then ends."""
+        self.closed = True
+        wake = self.wake
+        if wake is not None:
+            self.wake = None
+            wake.set()
 
 
 class CoreDriver(Generic[E]):
@@ -173,16 +206,13 @@ class CoreDriver(Generic[E]):
         """Carry out what the core decided: frames, then effects, then the timer."""
         core = self.core
         links = self._links
+        encode = p.encode
         for conn_id, message in core.frames_to_send():
             link = links.get(conn_id)
             if link is None:
                 continue  # the connection already ended
-            try:
-                link.outbox.send_nowait(p.encode(message))
-            except trio.WouldBlock:
+            if not link.put(encode(message)):
                 self._overflowed(conn_id, link)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass  # closing: nothing more goes out
         apply = self._apply
         for effect in core.effects():
             apply(effect)
@@ -207,7 +237,7 @@ class CoreDriver(Generic[E]):
         if link is not None:
             if link.close_with is None:
                 link.close_with = (code, reason)
-            link.outbox.close()  # the writer sends what is queued, then ends
+            link.close()  # the writer sends what is queued, then ends
 
     def _overflowed(self, conn_id: int, link: _Link) -> None:
         log.warning(
@@ -216,7 +246,7 @@ class CoreDriver(Generic[E]):
             OUTBOX_FRAMES,
         )
         link.close_with = (p.CLOSE_POLICY, "frames are not being read")
-        link.outbox.close()
+        link.close()
         link.scope.cancel()
 
     # -- waiting -----------------------------------------------------------------------------
@@ -267,13 +297,12 @@ class CoreDriver(Generic[E]):
             conn_id: the core's id of the connection.
             transport: the connection's websocket.
         """
-        outbox, inbox = trio.open_memory_channel[str](OUTBOX_FRAMES)
-        link = _Link(outbox)
+        link = _Link()
         self._links[conn_id] = link
         try:
             try:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._write, transport, inbox, link.scope)
+                    nursery.start_soon(self._write, transport, link)
                     try:
                         self.flush()
                         with link.scope:
@@ -283,7 +312,7 @@ class CoreDriver(Generic[E]):
                         # once the writer is done: a transport may refuse to abandon
                         # a frame it has begun to send (hypercorn shields its socket
                         # writes), and a peer that reads nothing never lets it finish.
-                        outbox.close()  # what the core still decides for it is dropped
+                        link.close()  # what the core still decides for it is dropped
                         self._closed(conn_id, now=trio.current_time())
                         self.flush()
                         nursery.cancel_scope.cancel()
@@ -313,19 +342,21 @@ class CoreDriver(Generic[E]):
             self.core.receive_text(conn_id, data, now=trio.current_time())
             self.flush()
 
-    async def _write(
-        self,
-        transport: Transport,
-        inbox: trio.MemoryReceiveChannel[str],
-        reader: trio.CancelScope,
-    ) -> None:
-        with inbox:
-            async for text in inbox:
-                try:
-                    await transport.send_text(text)
-                except trio.BrokenResourceError:
-                    break  # the peer is gone
-        reader.cancel()  # closed (close() or overflow) or broken: the connection ends
+    async def _write(self, transport: Transport, link: _Link) -> None:
+        try:
+            while True:
+                batch = link.outbox
+                if not batch:
+                    if link.closed:
+                        break
+                    wake = link.wake = trio.Event()
+                    await wake.wait()
+                    continue
+                link.outbox = []
+                await transport.send_texts(batch)
+        except trio.BrokenResourceError:
+            pass  # the peer is gone
+        link.scope.cancel()  # closed (close() or overflow) or broken: the connection ends
 
 
 def _utf8_size(text: str, limit: int) -> int:

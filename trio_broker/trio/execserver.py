@@ -6,8 +6,11 @@ small starlette app:
 ``GET /broker``
     the broker websocket of the protocol, carried by the shared
     :class:`~trio_broker.trio.driver.CoreDriver` (one reader and one writer per
-    connection, a bounded outbox); this module only adapts the ASGI websocket to
-    the driver's :class:`~trio_broker.trio.driver.Transport`.
+    connection, a bounded outbox). The listener hands the upgrade's raw stream
+    to :meth:`_Service.broker_websocket` (wsproto on the trio stream, frames that
+    leave together written at once: see :mod:`trio_broker.trio.listener`); an
+    upgrade that reaches the ASGI app all the same (a second request on a
+    kept-alive connection) is served through :class:`_AsgiWebsocket`.
 ``GET /livez``, ``GET /readyz``, ``GET /healthz``, ``GET /``
     liveness (200 while it works, draining too), readiness (503 while it
     drains; ``/healthz`` is the same) and the route index
@@ -43,9 +46,10 @@ import contextlib
 import functools
 import hmac
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
+import h11
 import httpx
 import trio
 from starlette.applications import Starlette
@@ -68,7 +72,7 @@ from trio_broker.core.broker import (
     StartJob,
 )
 from trio_broker.core.job import error_receipt
-from trio_broker.trio.driver import MAX_FRAME_BYTES, CoreDriver
+from trio_broker.trio.driver import CLOSE_TIMEOUT, MAX_FRAME_BYTES, CoreDriver
 from trio_broker.trio.inspection import (
     METRICS_CONTENT_TYPE,
     JobFigures,
@@ -85,6 +89,7 @@ from trio_broker.trio.runner import (
     Runner,
     RunnerStatistics,
 )
+from trio_broker.trio.websocket import accept, refuse
 
 CALLBACK_CHECK_TIMEOUT = 5.0
 """Seconds the whole callback check (connect, request, answer) may take."""
@@ -134,9 +139,10 @@ class _AsgiWebsocket:
         self._send = send
         self._closed = False
 
-    async def send_text(self, text: str) -> None:
+    async def send_texts(self, texts: Sequence[str]) -> None:
         try:
-            await self._send({"type": "websocket.send", "text": text})
+            for text in texts:  # ASGI has no way to send several at once
+                await self._send({"type": "websocket.send", "text": text})
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise trio.BrokenResourceError("the peer is gone") from exc
 
@@ -224,6 +230,7 @@ class _Service:
         self.core = core
         self.runner = runner
         self.broker_token = broker_token
+        self.max_frame_bytes = max_frame_bytes
         self.http = http
         self.nursery = nursery
         self.driver = CoreDriver[Effect](
@@ -353,6 +360,38 @@ class _Service:
         expected = f"Bearer {self.broker_token}"
         return hmac.compare_digest(given.encode(), expected.encode())
 
+    async def broker_websocket(
+        self, stream: trio.abc.Stream, head: bytes, request: h11.Request
+    ) -> None:
+        """The ``/broker`` websocket on the raw stream the listener hands over."""
+        headers = {
+            name.decode("latin-1"): value.decode("latin-1") for name, value in request.headers
+        }
+        if not self.authorized(headers):
+            await refuse(
+                stream,
+                head,
+                401,
+                b"a broker token is required\n",
+                [(b"www-authenticate", b"Bearer")],
+            )
+            return
+        ws = await accept(stream, head, max_message_bytes=self.max_frame_bytes)
+        if ws is None:
+            return
+        try:
+            transport = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+            assert isinstance(transport, trio.SocketStream)
+            host, port = transport.socket.getsockname()[:2]
+            addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            conn_id = self.core.open_connection(addr, now=trio.current_time())
+            await self.driver.serve(conn_id, ws)
+        finally:
+            # a connection that ended without a close the core asked for (the peer
+            # left, or the execserver is stopping): nothing, or 1001
+            with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
+                await ws.close(p.CLOSE_GOING_AWAY, "the execserver is shutting down")
+
     async def broker_endpoint(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ``/broker`` websocket, as a plain ASGI application."""
         if (await receive())["type"] != "websocket.connect":
@@ -469,7 +508,11 @@ async def serve_execserver(
         nursery.start_soon(driver.run_timers)
         host, port = await nursery.start(
             functools.partial(
-                serve_app, _make_app(service), hyper, shutdown_trigger=service.drained.wait
+                serve_app,
+                _make_app(service),
+                hyper,
+                shutdown_trigger=service.drained.wait,
+                websockets={"/broker": service.broker_websocket},
             )
         )
         handle = ExecserverHandle(service, host, port, secure)

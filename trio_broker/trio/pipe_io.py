@@ -32,6 +32,15 @@ whatever the size:
   covered by the stall timeout while the command runs, and by the same timeout
   (:data:`PIPE_FINISH_TIMEOUT` when the service has none) for the last bytes once
   it has ended.
+* **A silent pipe is not a stall of the command.** Each pipe records since when
+  it waits on the network (:attr:`InPipe.network_since`: the next bytes of the
+  in-pipe's body; :attr:`OutPipe.network_since`: a chunk handed to the ``PUT``
+  not yet taken). When the stall watchdog rules that the job made no progress,
+  the runner first asks :func:`silent_pipe`: a pipe that has waited on the
+  network for the whole stall window is the reason (the network to the client,
+  or the client, went silent; the command waited for it), and the job ends
+  ``stopped`` with a sentence naming that stream and for how long it moved
+  nothing, like any other broken stream, instead of ``stalled``.
 
 Without an out-pipe stdout is still read to its end here (:class:`StdoutReader`):
 it is counted, and its start kept for the receipt.
@@ -64,6 +73,7 @@ __all__ = [
     "StdoutReader",
     "open_pipes",
     "pump_stdout",
+    "silent_pipe",
     "wait_stdout_end",
 ]
 
@@ -226,7 +236,7 @@ async def open_pipes(
             ) from None
         if body.status_code != 200:
             raise MissingInput(f"missing input: the in-pipe at {where} answered {body.status_code}")
-        in_pipe = InPipe(body)
+        in_pipe = InPipe(body, where)
     out_pipe = None if urls.stdout is None else OutPipe(http, urls.stdout)
     return in_pipe, out_pipe
 
@@ -237,10 +247,14 @@ async def open_pipes(
 class InPipe:
     """The execserver's end of a job's ``stdin_url``: a response whose body is the input."""
 
-    def __init__(self, body: httpx.Response) -> None:
+    def __init__(self, body: httpx.Response, where: str) -> None:
         self._body = body
+        self.where = where
+        """The pipe's listener (``http://host:port``), for error sentences."""
         self.bytes = 0
         """Bytes written to the command's stdin."""
+        self.network_since: float | None = None
+        """Since when the pump waits for the body's next bytes; ``None`` while it does not."""
 
     async def pump(self, stdin: trio.abc.SendStream, fault: PipeFault) -> None:
         """Feed the body to the command's stdin; close stdin at its end (EOF).
@@ -251,6 +265,7 @@ class InPipe:
         chunks = self._body.aiter_bytes()
         try:
             while True:
+                self.network_since = trio.current_time()
                 try:
                     chunk = await anext(chunks)
                 except StopAsyncIteration:
@@ -260,6 +275,8 @@ class InPipe:
                         f"the input stream broke after {self.bytes} bytes: {_describe(exc)}"
                     )
                     return
+                finally:
+                    self.network_since = None
                 try:
                     await stdin.send_all(chunk)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -363,12 +380,16 @@ class OutPipe:
     def __init__(self, http: httpx.AsyncClient, url: httpx.URL) -> None:
         self._http = http
         self._url = url
+        self.where = _listener(url)
+        """The pipe's listener (``http://host:port``), for error sentences."""
         self.opened = False
         """Whether the streaming ``PUT`` was opened (stdout outgrew the buffer)."""
         self.aborted = False
         """Whether the streaming ``PUT`` was cut off."""
         self.sent = 0
         """Bytes of the body handed to the connection."""
+        self.network_since: float | None = None
+        """Since when a chunk handed to the ``PUT`` waits to be taken; ``None`` while none does."""
         self._settled = trio.Event()
         self._ok = False
 
@@ -413,6 +434,8 @@ class OutPipe:
             if response.is_success:
                 return
             problem = f"the out-pipe at {where} answered {response.status_code}"
+        finally:
+            self.network_since = None
         fault.report(f"the output stream broke: {problem}")
 
     async def finish(self, reader: StdoutReader, fault: PipeFault, ok: bool, within: float) -> None:
@@ -470,17 +493,55 @@ class _StdoutBody(httpx.AsyncByteStream):
         return self
 
     async def __anext__(self) -> bytes:
+        pipe = self._pipe
+        pipe.network_since = None  # the connection took the previous chunk
         chunk = self._held
         if chunk is not None:
             self._held = None
             if chunk:
-                self._pipe.sent += len(chunk)
-                return chunk
+                return self._handed(chunk)
         if self._streaming:
             chunk = await self._reader.read()
             if chunk:
-                self._pipe.sent += len(chunk)
-                return chunk
+                return self._handed(chunk)
             if not await self._pipe.wait_settled():
                 raise _AbortStream
         raise StopAsyncIteration
+
+    def _handed(self, chunk: bytes) -> bytes:
+        pipe = self._pipe
+        pipe.sent += len(chunk)
+        pipe.network_since = trio.current_time()
+        return chunk
+
+
+def silent_pipe(
+    in_pipe: InPipe | None, out_pipe: OutPipe | None, *, now: float, window: float
+) -> str | None:
+    """Why a job that made no progress for ``window`` seconds did not: a silent pipe.
+
+    A pipe that has waited on the network for at least ``window`` seconds (the
+    in-pipe for the body's next bytes, the out-pipe for a chunk to be taken) held
+    the command up: the bytes it last moved counted as progress, so the job's
+    last progress came no earlier than the wait began.
+
+    Returns:
+        The receipt's error sentence naming the stream, or ``None`` when no pipe
+        has been waiting that long (the command itself stalled).
+    """
+    if in_pipe is not None and in_pipe.network_since is not None:
+        silent = now - in_pipe.network_since
+        if silent >= window:
+            return (
+                f"the input stream from {in_pipe.where} moved no bytes for {silent:.1f}s "
+                f"after {in_pipe.bytes} bytes: the network or the client went silent"
+            )
+    if out_pipe is not None and out_pipe.network_since is not None:
+        silent = now - out_pipe.network_since
+        if silent >= window:
+            return (
+                f"the output stream to {out_pipe.where} took no bytes for "
+                f"{silent:.1f}s after {out_pipe.sent} bytes: the network or the client "
+                "went silent"
+            )
+    return None
