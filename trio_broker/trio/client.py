@@ -36,7 +36,7 @@ import math
 import random
 import secrets
 import ssl
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -76,6 +76,7 @@ __all__ = [
     "AddressState",
     "BrokerClient",
     "ClientStatistics",
+    "LinkState",
     "open_broker_client",
 ]
 
@@ -126,6 +127,29 @@ class ClientStatistics:
     finished: int
     failed: int
     surplus_offers: int
+
+
+@attrs.frozen(kw_only=True)
+class LinkState:
+    """One ready broker connection and what its execserver last told (``BrokerClient.links()``).
+
+    Attributes:
+        conn: the connection's id in the client core.
+        address: the configured address it was dialled through.
+        hello: the execserver's latest ``HELLO``.
+        local_addr: this side's ``host:port`` of the connection.
+        callback_base: the callback base this connection registered, if any.
+        stats: the latest ``STATS`` (None: not subscribed, or none came yet).
+        stats_refused: the execserver is older than ``SUBSCRIBE`` (no figures).
+    """
+
+    conn: int
+    address: str
+    hello: p.Hello
+    local_addr: str | None
+    callback_base: str | None
+    stats: p.Stats | None
+    stats_refused: bool
 
 
 class _Waiter:
@@ -239,6 +263,7 @@ class BrokerClient:
         self._failed_dials: set[str] = set()  # addresses whose latest dial failed
         self._connection_tasks = 0
         self._no_connection_tasks = trio.Event()
+        self._watchers = 0
 
     # -- public API --------------------------------------------------------------------------
 
@@ -435,6 +460,48 @@ class BrokerClient:
         """The callback base one connection registered (``None`` when unset)."""
         return self._core.callback_base(conn_id)
 
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Keep every execserver's figures coming (``SUBSCRIBE``) while the block runs.
+
+        Blocks may nest and overlap (one per viewer); the client subscribes when
+        the first starts and unsubscribes when the last ends, so nobody watching
+        costs no frame. The figures are read with :meth:`links`.
+        """
+        self._watchers += 1
+        if self._watchers == 1 and not self._closed:
+            self._core.subscribe(now=trio.current_time())
+            self._driver.flush()
+        try:
+            yield
+        finally:
+            self._watchers -= 1
+            if self._watchers == 0 and not self._closed:
+                self._core.unsubscribe(now=trio.current_time())
+                self._driver.flush()
+
+    def links(self) -> tuple[LinkState, ...]:
+        """Every ready connection with its execserver's latest ``HELLO`` and ``STATS``."""
+        core = self._core
+        found = []
+        for conn_id in core.ready_connections():
+            hello = core.hello(conn_id)
+            address = core.address_of(conn_id)
+            if hello is None or address is None:
+                continue
+            found.append(
+                LinkState(
+                    conn=conn_id,
+                    address=address,
+                    hello=hello,
+                    local_addr=core.local_addr(conn_id),
+                    callback_base=core.callback_base(conn_id),
+                    stats=core.stats(conn_id),
+                    stats_refused=core.stats_refused(conn_id),
+                )
+            )
+        return tuple(found)
+
     async def wait_until(
         self,
         predicate: Callable[[], bool],
@@ -501,6 +568,8 @@ class BrokerClient:
         elif isinstance(effect, PeerError):
             if effect.error.code == "offer_expired":
                 log.info("an offer for job %r expired", effect.error.job_id)
+            elif effect.error.code == "unknown_type" and effect.error.job_id == p.STATS_TAG:
+                log.info("connection %d: the execserver has no figures to send", effect.conn)
             else:
                 log.warning(
                     "execserver refused a frame on connection %d: %s: %s (job %r)",
