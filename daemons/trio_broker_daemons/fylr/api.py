@@ -47,7 +47,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from trio_broker.trio.store import StoreUnavailable
-from trio_broker_daemons.fylr import metrics
+from trio_broker_daemons.fylr import metrics, topology
 from trio_broker_daemons.fylr.files import FileRow
 from trio_broker_daemons.fylr.produce import api_status, class_of
 from trio_broker_daemons.fylr.state import FylrState
@@ -367,6 +367,7 @@ def build_app(state: FylrState) -> Starlette:
             Route("/api/v1/eas/{file_id}", api.get_file, methods=["GET"]),
             Route("/healthz", api.healthz, methods=["GET"]),
             *metrics.routes(state),
+            *topology.routes(state),
             *state.pipes.routes(),
         ]
     )
