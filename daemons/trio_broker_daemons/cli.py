@@ -78,6 +78,32 @@ def build_parser() -> argparse.ArgumentParser:
     upload.add_argument(
         "--wait", action="store_true", help="wait until every file is done or failed"
     )
+    position = commands.add_parser(
+        "position",
+        help="where a file's waiting steps stand in the queue",
+        description=(
+            "Print, once, each waiting step of file ID: the running and waiting jobs at "
+            "the best execserver, its number in the queue, and a rough time estimate."
+        ),
+    )
+    position.add_argument("file_id", type=int, metavar="ID", help="the file's id")
+    position.add_argument(
+        "--server", required=True, metavar="URL", help="the fylr, e.g. http://127.0.0.1:7400"
+    )
+    top = commands.add_parser(
+        "top",
+        help="a live view of the installation in the terminal",
+        description=(
+            "Follow a fylr's topology (every fylr, balancer and execserver) and redraw "
+            "it each second until interrupted."
+        ),
+    )
+    top.add_argument(
+        "--server", required=True, metavar="URL", help="the fylr, e.g. http://127.0.0.1:7400"
+    )
+    top.add_argument(
+        "--once", action="store_true", help="print the view once and exit (no live display)"
+    )
     return parser
 
 
@@ -106,6 +132,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "position":
+        from trio_broker_daemons.position import main as position_main
+
+        return position_main(args.server, args.file_id)
+    if args.command == "top":
+        from trio_broker_daemons.top import main as top_main
+
+        return top_main(args.server, once=args.once)
     if args.command == "upload":
         logging.basicConfig(level=logging.WARNING)
         from trio_broker_daemons.upload import main as upload_main

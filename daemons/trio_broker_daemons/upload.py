@@ -36,6 +36,8 @@ import trio
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from trio_broker_daemons.position import queue_text, waiting_steps
+
 __all__ = [
     "FINISHED",
     "FileOutcome",
@@ -52,6 +54,8 @@ CHUNK: Final = 1 << 16
 WAIT: Final = 20.0
 """Seconds one follow request may wait at the fylr for a change."""
 REQUEST_TIMEOUT: Final = 60.0
+QUEUED_WAIT: Final = 2.0
+"""Seconds one follow request waits while a step waits in the queue (its position moves)."""
 
 
 class UploadError(Exception):
@@ -187,8 +191,10 @@ async def follow(
     url = f"{_base(server)}/api/v1/eas/{file_id}"
     last: Mapping[str, Any] | None = None
     while True:
+        # while a step waits for a slot its position moves without the file changing
+        step_wait = wait if last is not None and not waiting_steps(last) else min(wait, QUEUED_WAIT)
         try:
-            response = await http.get(url, params={"wait": f"{wait:g}"}, timeout=wait + 30.0)
+            response = await http.get(url, params={"wait": f"{step_wait:g}"}, timeout=wait + 30.0)
         except httpx.HTTPError as exc:
             raise UploadError(f"cannot reach {server}: {type(exc).__name__}: {exc}") from None
         if response.status_code != 200:
@@ -279,8 +285,16 @@ async def upload_files(
                     f"{path.name} (priority {priority})", total=None, status="uploading"
                 )
 
+                said: list[str] = []
+
                 def show(document: Mapping[str, Any]) -> None:
                     completed, total, status = _progress_of(document)
+                    queued = "; ".join(queue_text(q) for _, q in waiting_steps(document))
+                    if queued:
+                        status = f"{status}: {queued}"
+                        if not console.is_terminal and said[-1:] != [queued]:
+                            progress.console.print(f"{path.name}: {queued}", markup=False)
+                            said.append(queued)
                     progress.update(task, completed=completed, total=total, status=status)
 
                 try:

@@ -7,7 +7,10 @@ Real fylrs on one PostgreSQL, real execservers, a real HAProxy, real websockets.
 from __future__ import annotations
 
 import datetime
+import io
 import json
+import os
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -16,6 +19,8 @@ from typing import Any
 import httpx
 import jsonschema  # type: ignore[import-untyped]
 import trio
+from rich.console import Console
+from trio_broker_daemons import top
 from trio_broker_daemons.execserver import serve_from_config
 from trio_broker_daemons.fylr.app import serve_fylr
 from trio_broker_daemons.fylr.topology import schema, topology_document
@@ -279,3 +284,47 @@ def test_the_merge_dedupes_execservers_prefers_live_figures_and_skips_stale_back
     ]
     warned = {(ln["from"], ln["to"]): ln["warnings"] for ln in document["links"] if ln["warnings"]}
     assert warned == {("fylr:f2", "exec:i1"): ["name-i1: mismatch: x"]}
+
+
+# -- trio-broker top ---------------------------------------------------------------------------
+
+
+async def test_top_draws_the_live_document_and_once_prints_it(pg_dsn: str, tmp_path: Path) -> None:
+    """The live view follows the pushed documents; --once prints every node by name."""
+    async with open_installation(pg_dsn, tmp_path, fylrs=1, direct=1, balanced=2) as inst:
+        (fylr,) = inst.fylrs
+        out = io.StringIO()
+        with trio.fail_after(WAIT):
+            await top.live(fylr.url, Console(file=out, width=160), updates=1)
+        drawn = out.getvalue()
+        assert "1 fylr, 1 balancer, 2 execserver" in drawn  # one replica reached so far
+        with trio.fail_after(WAIT):
+            printed = await trio.run_process(
+                [
+                    sys.executable,
+                    "-m",
+                    "trio_broker_daemons",
+                    "top",
+                    "--once",
+                    "--server",
+                    fylr.url,
+                ],
+                capture_stdout=True,
+                capture_stderr=True,
+                env={**os.environ, "COLUMNS": "200"},
+            )
+    text = printed.stdout.decode()
+    for name in ("fylr-1", "exec-a", inst.balancer.address if inst.balancer else ""):
+        assert name in text, text
+    assert "direct" in text
+
+
+async def test_top_of_an_unreachable_fylr_exits_1() -> None:
+    """No fylr at the address: one line naming it, exit status 1."""
+    printed = await trio.run_process(
+        [sys.executable, "-m", "trio_broker_daemons", "top", "--server", "http://127.0.0.1:9"],
+        capture_stdout=True,
+        check=False,
+    )
+    assert printed.returncode == 1
+    assert "cannot follow http://127.0.0.1:9" in printed.stdout.decode()

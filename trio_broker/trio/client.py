@@ -254,7 +254,7 @@ class BrokerClient:
             default_close=(p.CLOSE_NORMAL, "client closing"),
         )
         self._waiters: dict[str, _Waiter] = {}
-        self._positions: dict[str, tuple[trio.MemorySendChannel[p.Position], int]] = {}
+        self._positions: dict[str, tuple[trio.MemorySendChannel[tuple[int, p.Position]], int]] = {}
         self._ids = itertools.count(1)
         self._id_prefix = secrets.token_hex(4)
         self._finished = 0
@@ -384,14 +384,23 @@ class BrokerClient:
         execserver where the job is parked (one when it runs); ``[]`` for a job
         this client does not know.
         """
+        return [answer for _, answer in await self.position_answers(job_id, timeout=timeout)]
+
+    async def position_answers(
+        self,
+        job_id: str,
+        *,
+        timeout: float = 5.0,  # noqa: ASYNC109 (answers that come later are not waited for)
+    ) -> list[tuple[int, p.Position]]:
+        """:meth:`position`, each answer with the connection it came on (see :meth:`links`)."""
         targets = len(self._core.parked_on(job_id))
         if targets == 0 and any(j == job_id and s == "accepted" for j, s, _ in self._core.jobs()):
             targets = 1
         if targets == 0 or job_id in self._positions:
             return []
-        send, receive = trio.open_memory_channel[p.Position](math.inf)
+        send, receive = trio.open_memory_channel[tuple[int, p.Position]](math.inf)
         self._positions[job_id] = (send, targets)
-        answers: list[p.Position] = []
+        answers: list[tuple[int, p.Position]] = []
         try:
             self._core.query(job_id, now=trio.current_time())
             self._driver.flush()
@@ -420,6 +429,10 @@ class BrokerClient:
     def waiting(self) -> int:
         """How many of this client's jobs wait for a slot right now."""
         return len(self._core.waiting())
+
+    def is_running(self, job_id: str) -> bool:
+        """Whether the job holds a slot (its ``JOB`` went out and it has not ended)."""
+        return any(j == job_id and s == "accepted" for j, s, _ in self._core.jobs())
 
     def offers(self, service: str) -> bool:
         """Whether some connected, non-draining execserver announced ``service``."""
@@ -564,7 +577,7 @@ class BrokerClient:
         elif isinstance(effect, PositionReport):
             entry = self._positions.get(effect.job_id)
             if entry is not None:
-                entry[0].send_nowait(effect.position)
+                entry[0].send_nowait((effect.conn, effect.position))
         elif isinstance(effect, PeerError):
             if effect.error.code == "offer_expired":
                 log.info("an offer for job %r expired", effect.error.job_id)
