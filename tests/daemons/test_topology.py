@@ -28,6 +28,8 @@ from trio_websocket import WebSocketConnection, open_websocket_url
 
 from tests.support.frames import FrameCount, serve_counting_relay
 from tests.support.installation import WAIT, execserver_config, fylr_config, open_installation
+from tests.trio.test_client import client_config
+from trio_broker.trio.client import open_broker_client
 from trio_broker.trio.execserver import ExecserverHandle
 from trio_broker.trio.views import BackendView
 
@@ -136,9 +138,6 @@ async def test_a_job_changes_the_pushed_figures(pg_dsn: str, tmp_path: Path) -> 
 
 async def hold_one(handle: ExecserverHandle) -> None:
     """Hold one slot of the execserver (through a client of its own) until cancelled."""
-    from tests.trio.test_client import client_config
-    from trio_broker.trio.client import open_broker_client
-
     async with open_broker_client(client_config(handle, backend_id="holder")) as client:
         await client.run("hold", {"params": {"seconds": 600}})
 

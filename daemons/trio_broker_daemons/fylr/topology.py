@@ -57,7 +57,7 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import trio
@@ -146,7 +146,7 @@ class Topology:
         self._follow_watchers()
 
     @contextlib.contextmanager
-    def viewer(self) -> Any:
+    def viewer(self) -> Iterator[None]:
         """A viewer of the page or the websocket is here while the block runs."""
         self.viewers += 1
         self._follow_watchers()
