@@ -12,7 +12,7 @@ SBIN ?= /usr/local/sbin:/usr/sbin:/sbin
 export PATH := $(PATH)$(if $(SBIN),:$(SBIN))
 # install (the default), check (never install) or dry-run
 SYSTEM_PACKAGES ?= install
-SYSTEM_TEST := haproxy postgresql nftables iproute2
+SYSTEM_TEST := haproxy postgresql nftables iproute2 chromium
 SYSTEM_DEMO := postgresql
 
 .PHONY: test lint typecheck pytest soak bench demo docs clean system-test system-demo

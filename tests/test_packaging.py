@@ -28,7 +28,8 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
 
 
 def test_the_wheel_ships_both_packages_typed_with_their_data(wheel: zipfile.ZipFile) -> None:
-    """Both packages, their py.typed markers, both migration folders and the licence."""
+    """Both packages, their py.typed markers, the migrations, the topology page and its
+    schema, and the licence."""
     names = set(wheel.namelist())
     assert {name.split("/")[0] for name in names if "dist-info" not in name} == {
         "trio_broker",
@@ -39,6 +40,9 @@ def test_the_wheel_ships_both_packages_typed_with_their_data(wheel: zipfile.ZipF
         "trio_broker_daemons/py.typed",
         "trio_broker/trio/migrations/001_queue.sql",
         "trio_broker_daemons/fylr/migrations/001_files.sql",
+        "trio_broker/trio/migrations/002_backend_view.sql",
+        "trio_broker_daemons/fylr/static/topology.html",
+        "trio_broker_daemons/fylr/topology.schema.json",
     ):
         assert needed in names
     assert any(name.endswith("licenses/LICENSE") for name in names)

@@ -152,6 +152,40 @@ def build_parser() -> argparse.ArgumentParser:
         help="give up after this long (exit 1, naming the files not ended)",
     )
     _global_options(upload, top=False)
+    position = commands.add_parser(
+        "position",
+        help="where a file's waiting steps stand in the queue",
+        description=(
+            "Print, once, each waiting step of file ID: the running and waiting jobs at "
+            "the best execserver, its number in the queue, and a rough time estimate."
+        ),
+    )
+    position.add_argument("file_id", type=int, metavar="ID", help="the file's id")
+    position.add_argument(
+        "--server",
+        default=os.environ.get(SERVER_VARIABLE) or None,
+        metavar="HOST:PORT",
+        help=f"the fylr, e.g. 127.0.0.1:7400 or https://fylr:7400 (default: ${SERVER_VARIABLE})",
+    )
+    top = commands.add_parser(
+        "top",
+        help="a live view of the installation in the terminal",
+        description=(
+            "Follow a fylr's topology (every fylr, balancer and execserver) and redraw "
+            "it each second until interrupted."
+        ),
+    )
+    top.add_argument(
+        "--server",
+        default=os.environ.get(SERVER_VARIABLE) or None,
+        metavar="HOST:PORT",
+        help=f"the fylr, e.g. 127.0.0.1:7400 or https://fylr:7400 (default: ${SERVER_VARIABLE})",
+    )
+    top.add_argument(
+        "--once", action="store_true", help="print the view once and exit (no live display)"
+    )
+    _global_options(position, top=False)
+    _global_options(top, top=False)
     return parser
 
 
@@ -166,9 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    if args.command == "upload" and args.server is None:
+    if args.command in ("upload", "position", "top") and args.server is None:
         print(
-            f"trio-broker upload: give --server HOST:PORT or set {SERVER_VARIABLE}",
+            f"trio-broker {args.command}: give --server HOST:PORT or set {SERVER_VARIABLE}",
             file=sys.stderr,
         )
         return 2
@@ -188,6 +222,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     from trio_broker_daemons.logfmt import configure_logging
 
+    if args.command in ("position", "top"):
+        from trio_broker_daemons.upload import server_url
+
+        configure_logging(args.log_level or "warning", args.log_format)
+        try:
+            server = server_url(args.server)
+        except ValueError as exc:
+            print(f"trio-broker {args.command}: --server: {exc}", file=sys.stderr)
+            return 2
+        if args.command == "position":
+            from trio_broker_daemons.position import main as position_main
+
+            return position_main(server, args.file_id)
+        from trio_broker_daemons.top import main as top_main
+
+        return top_main(server, once=args.once)
     if args.command == "upload":
         # the progress bars are the upload's output: by default only warnings are logged
         configure_logging(args.log_level or "warning", args.log_format)

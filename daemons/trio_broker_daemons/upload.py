@@ -45,6 +45,8 @@ import trio
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from trio_broker_daemons.position import queue_text, waiting_steps
+
 __all__ = [
     "FINISHED",
     "PRIORITY_BANDS",
@@ -131,6 +133,10 @@ def server_url(text: str) -> str:
     if port is None and "://" not in given:
         raise ValueError(f"expected host:port (a port is needed without a scheme), got {text!r}")
     return f"{parts.scheme}://{parts.netloc}"
+
+
+QUEUED_WAIT: Final = 2.0
+"""Seconds one follow request waits while a step waits in the queue (its position moves)."""
 
 
 class UploadError(Exception):
@@ -266,8 +272,10 @@ async def follow(
     url = f"{_base(server)}/api/v1/eas/{file_id}"
     last: Mapping[str, Any] | None = None
     while True:
+        # while a step waits for a slot its position moves without the file changing
+        step_wait = wait if last is not None and not waiting_steps(last) else min(wait, QUEUED_WAIT)
         try:
-            response = await http.get(url, params={"wait": f"{wait:g}"}, timeout=wait + 30.0)
+            response = await http.get(url, params={"wait": f"{step_wait:g}"}, timeout=wait + 30.0)
         except httpx.HTTPError as exc:
             raise UploadError(f"cannot reach {server}: {type(exc).__name__}: {exc}") from None
         if response.status_code != 200:
@@ -388,9 +396,17 @@ async def upload_files(
                     f"{path.name} (priority {priority})", total=None, status="uploading"
                 )
 
+                said: list[str] = []
+
                 def show(document: Mapping[str, Any]) -> None:
                     outcomes[index] = attrs.evolve(outcomes[index], document=document)
                     completed, total, status = _progress_of(document)
+                    queued = "; ".join(queue_text(q) for _, q in waiting_steps(document))
+                    if queued:
+                        status = f"{status}: {queued}"
+                        if not console.is_terminal and said[-1:] != [queued]:
+                            progress.console.print(f"{path.name}: {queued}", markup=False)
+                            said.append(queued)
                     progress.update(task, completed=completed, total=total, status=status)
 
                 try:

@@ -36,7 +36,7 @@ def decode_error(text: str | bytes, **kwargs: Any) -> p.ProtocolError:
 @pytest.mark.parametrize("message_type", sorted(p.MESSAGE_TYPES))
 @given(data=st.data())
 def test_round_trip_every_type(message_type: str, data: st.DataObject) -> None:
-    """decode(encode(m)) == m for generated messages of each of the 15 types."""
+    """decode(encode(m)) == m for generated messages of each of the 18 types."""
     message = data.draw(bs.messages_of(message_type))
     text = p.encode(message)
     assert p.decode(text) == message
@@ -48,6 +48,7 @@ def test_every_protocol_type_has_a_class() -> None:
     assert set(p.MESSAGE_TYPES) == {
         "HELLO", "REGISTER", "WANT", "QUEUED", "UNWANT", "OFFER", "JOB", "DECLINE",
         "CANCEL", "DONE", "QUERY", "POSITION", "ERROR", "PING", "PONG",
+        "SUBSCRIBE", "UNSUBSCRIBE", "STATS",
     }  # fmt: skip
     assert set(p.MESSAGE_TYPES) == p.CLIENT_TO_EXEC | p.EXEC_TO_CLIENT
     assert {"PING", "PONG"} == p.CLIENT_TO_EXEC & p.EXEC_TO_CLIENT

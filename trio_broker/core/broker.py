@@ -22,8 +22,9 @@ outputs (drain after every input)
 timers
     :meth:`~Broker.next_deadline` says when :meth:`~Broker.tick` is due next (or
     None). Offer expiry, the one-second ``HELLO`` window, the per-second ``idle``
-    figure, liveness pings, the ``ping_timeout`` and the drain timeout all live
-    here, so a test drives every one of them with plain numbers.
+    figure, liveness pings, the ``ping_timeout``, the drain timeout and the
+    once-a-second look of a ``STATS`` subscription (:mod:`trio_broker.core.figures`)
+    all live here, so a test drives every one of them with plain numbers.
 
 The life of a slot
 ------------------
@@ -77,6 +78,7 @@ import attrs
 from trio_broker.core import protocol as p
 from trio_broker.core.book import WantBook
 from trio_broker.core.errors import BrokerUsageError
+from trio_broker.core.figures import STATS_INTERVAL, JobFigures, Subscriptions, service_figures
 from trio_broker.core.liveness import Liveness
 from trio_broker.core.pool import PoolConfig, SlotPool
 from trio_broker.core.sansio import SansIOCore
@@ -355,7 +357,7 @@ class _Conn:
         self.wanted_at: dict[str, float] = {}
 
 
-_TimerKind: TypeAlias = Literal["offer", "ping", "dead", "hello", "second", "drain"]
+_TimerKind: TypeAlias = Literal["offer", "ping", "dead", "hello", "second", "drain", "stats"]
 
 
 # -- the broker ------------------------------------------------------------------------
@@ -382,6 +384,9 @@ class Broker(SansIOCore[Effect, _TimerKind]):
         self._offers: dict[str, _Offer] = {}
         self._runs: dict[RunId, _Run] = {}
         self._recent: deque[FinishedJob] = deque(maxlen=config.recent_receipts)
+        # STATS: the figures of ended jobs, and the connections that subscribed
+        self.figures = JobFigures()
+        self._subscriptions = Subscriptions()
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "wants",
@@ -498,6 +503,7 @@ class Broker(SansIOCore[Effect, _TimerKind]):
         receipt = attrs.evolve(receipt, instance_id=self.config.instance_id)
         self.pool.release(run.service, run.reserved)
         self.pool.record(run.service, receipt)
+        self.figures.record(receipt, now=now)
         self.counters["jobs_ended"] += 1
         conn = self._conns.get(run.conn)
         delivered = conn is not None and conn.runs.get(run.job_id) is run
@@ -695,6 +701,8 @@ class Broker(SansIOCore[Effect, _TimerKind]):
             self._on_cancel(conn, message.job_id)
         elif isinstance(message, p.Query):
             self._on_query(conn, message.job_id)
+        elif isinstance(message, p.Subscribe | p.Unsubscribe):
+            self._on_subscription(conn, message)
         else:  # pragma: no cover - decode(accept=CLIENT_TO_EXEC) rules these out
             self._error(conn, "unknown_type", f"type {message.TYPE!r} is not accepted here")
 
@@ -877,6 +885,7 @@ class Broker(SansIOCore[Effect, _TimerKind]):
     def _drop_connection(self, conn_id: ConnId) -> None:
         conn = self._conns.pop(conn_id)
         self.counters["connections_closed"] += 1
+        self._subscriptions.discard(conn_id)
         self.book.remove_connection(conn_id)
         for offer in list(conn.offers.values()):
             self._release_offer(offer)
@@ -925,6 +934,80 @@ class Broker(SansIOCore[Effect, _TimerKind]):
             self._second_scheduled = False
         elif kind == "drain":
             self._stop_runs(f"drain_timeout of {config.drain_timeout:g}s expired")
+        elif kind == "stats":
+            conn_id, generation = key
+            conn = self._conns.get(conn_id)
+            if conn is not None and self._subscriptions.current(conn_id, generation):
+                self._tell_stats(conn)
+                self._push_timer(now + STATS_INTERVAL, "stats", key)
+
+    # -- STATS -------------------------------------------------------------------------------
+
+    def _on_subscription(self, conn: _Conn, message: p.Subscribe | p.Unsubscribe) -> None:
+        """SUBSCRIBE: the first STATS at once, then one look a second (again: nothing).
+
+        UNSUBSCRIBE: no more STATS (silent, subscribed or not).
+        """
+        if isinstance(message, p.Unsubscribe):
+            self._subscriptions.discard(conn.id)
+            return
+        generation = self._subscriptions.add(conn.id)
+        if generation is not None:
+            self._tell_stats(conn)
+            self._push_timer(self._now + STATS_INTERVAL, "stats", (conn.id, generation))
+
+    def _tell_stats(self, conn: _Conn) -> None:
+        stats = self.stats_for(conn.id)
+        if self._subscriptions.changed(conn.id, stats):
+            self._send(conn, stats)
+
+    def stats_for(self, conn_id: ConnId) -> p.Stats:
+        """The ``STATS`` frame this connection would be sent now.
+
+        Raises:
+            BrokerUsageError: the connection is not open.
+        """
+        conn = self._conns.get(conn_id)
+        if conn is None:
+            raise BrokerUsageError(f"connection {conn_id} is not open")
+        pool = self.pool
+        waiting: dict[str, int] = {}
+        by_priority: dict[int, int] = {}
+        for want in self.book.wants():
+            waiting[want.service] = waiting.get(want.service, 0) + 1
+            by_priority[want.priority] = by_priority.get(want.priority, 0) + 1
+        running: dict[str, int] = {}
+        for run in self._runs.values():
+            running[run.service] = running.get(run.service, 0) + 1
+        kinds = dict(pool.kinds())
+        return p.Stats(
+            instance_id=self.config.instance_id,
+            name=self.config.name,
+            slots=pool.size,
+            fast_reserve=pool.config.fast_reserve,
+            running=len(self._runs),
+            offered=len(self._offers),
+            waiting=len(self.book),
+            finished=self.figures.finished,
+            failed=self.figures.failed,
+            per_minute=self.figures.per_minute(now=self._now),
+            bytes_in=self.figures.bytes_in,
+            bytes_out=self.figures.bytes_out,
+            clients=len(self._conns),
+            draining=self.draining,
+            callback_check=conn.callback_check,
+            services=service_figures(
+                kinds,
+                {name: pool.capacity(name) for name in kinds},
+                {name: pool.mean_runtime(name) for name in kinds},
+                running,
+                waiting,
+            ),
+            waiting_by_priority=tuple(
+                p.PriorityCount(priority=priority, waiting=count)
+                for priority, count in sorted(by_priority.items(), reverse=True)
+            ),
+        )
 
     # -- HELLO and idle ----------------------------------------------------------------------
 

@@ -216,6 +216,8 @@ class _Conn:
         "local_addr",
         "parked",
         "state",
+        "stats",
+        "watch",
     )
 
     def __init__(self, conn_id: ConnId, address: str, now: float) -> None:
@@ -228,6 +230,9 @@ class _Conn:
         self.last_sent = now
         self.last_recv = now
         self.local_addr: str | None = None
+        # STATS: not asked for, asked for (SUBSCRIBE sent), or refused (unknown_type)
+        self.watch: Literal["no", "asked", "refused"] = "no"
+        self.stats: p.Stats | None = None
 
     def offers(self, service: str) -> bool:
         hello = self.hello
@@ -319,6 +324,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         self._grow_timer_at: float | None = None
         self.surplus_offers = 0
         """Offers declined because the job already had a slot (or was withdrawn)."""
+        self._watching = False
         for address in self._addresses.values():
             self._dial(address)
 
@@ -503,7 +509,63 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
                 self._send(self._conns[conn_id], p.Query(job_id=job_id))
         self._leave()
 
+    def subscribe(self, *, now: float) -> None:
+        """Ask every ready execserver for its figures (``SUBSCRIBE``), and each new one.
+
+        The latest ``STATS`` of each connection is then kept (:meth:`stats`). An
+        execserver that answers ``unknown_type`` is older: it is not asked again.
+        Calling it again while subscribed does nothing.
+        """
+        self._enter(now)
+        if not self._watching:
+            self._watching = True
+            for conn in self._conns.values():
+                self._ask_stats(conn)
+        self._leave()
+
+    def unsubscribe(self, *, now: float) -> None:
+        """Stop the figures everywhere (``UNSUBSCRIBE``); the kept ``STATS`` are dropped."""
+        self._enter(now)
+        if self._watching:
+            self._watching = False
+            for conn in self._conns.values():
+                if conn.watch == "asked":
+                    conn.watch = "no"
+                    conn.stats = None
+                    self._send(conn, p.Unsubscribe(job_id=p.STATS_TAG))
+        self._leave()
+
+    def _ask_stats(self, conn: _Conn) -> None:
+        if self._watching and conn.state == "ready" and conn.watch == "no":
+            conn.watch = "asked"
+            self._send(conn, p.Subscribe(job_id=p.STATS_TAG))
+
     # -- queries ------------------------------------------------------------------------
+
+    @property
+    def subscribed(self) -> bool:
+        """Whether :meth:`subscribe` is in force."""
+        return self._watching
+
+    def stats(self, conn_id: ConnId) -> p.Stats | None:
+        """The latest ``STATS`` of a connection (None: none came, or not subscribed)."""
+        conn = self._conns.get(conn_id)
+        return conn.stats if conn else None
+
+    def stats_refused(self, conn_id: ConnId) -> bool:
+        """Whether the connection's execserver refused ``SUBSCRIBE`` (an older one)."""
+        conn = self._conns.get(conn_id)
+        return conn is not None and conn.watch == "refused"
+
+    def local_addr(self, conn_id: ConnId) -> str | None:
+        """The local ``host:port`` of a connection (as given to :meth:`connected`)."""
+        conn = self._conns.get(conn_id)
+        return conn.local_addr if conn else None
+
+    def address_of(self, conn_id: ConnId) -> str | None:
+        """The configured address a connection was dialled through."""
+        conn = self._conns.get(conn_id)
+        return conn.address if conn else None
 
     def ready_connections(self) -> list[ConnId]:
         return [c.id for c in self._conns.values() if c.state == "ready"]
@@ -567,6 +629,8 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
             self._effects.append(
                 PositionReport(job_id=message.job_id, conn=conn.id, position=message)
             )
+        elif isinstance(message, p.Stats) and conn.watch == "asked":
+            conn.stats = message
         # QUEUED and PONG need nothing
 
     def _on_hello(self, conn: _Conn, hello: p.Hello) -> None:
@@ -594,6 +658,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
                     return
             conn.state = "ready"
             address.backoff = self.config.reconnect_min
+            self._ask_stats(conn)
         if hello.draining:
             # The execserver emptied its book: nothing of ours is parked there.
             for job_id in conn.parked:
@@ -639,6 +704,11 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
     def _on_error(self, conn: _Conn, error: p.Error) -> None:
         self._effects.append(PeerError(conn=conn.id, error=error))
         job_id = error.job_id
+        if error.code == "unknown_type" and job_id == p.STATS_TAG:
+            # an execserver older than SUBSCRIBE: carry on without its figures
+            conn.watch = "refused"
+            conn.stats = None
+            return
         job = self._jobs.get(job_id) if job_id is not None else None
         if job is None:
             return

@@ -48,6 +48,7 @@ __all__ = [
     "EXEC_TO_CLIENT",
     "MAX_ID_CHARS",
     "PROTOCOL_VERSION",
+    "STATS_TAG",
     "Cancel",
     "Decline",
     "Done",
@@ -61,13 +62,18 @@ __all__ = [
     "Ping",
     "Pong",
     "Position",
+    "PriorityCount",
     "ProtocolError",
     "Query",
     "Queued",
     "Receipt",
     "Register",
+    "ServiceFigures",
     "ServiceInfo",
+    "Stats",
     "Status",
+    "Subscribe",
+    "Unsubscribe",
     "Unwant",
     "Want",
     "converter",
@@ -297,6 +303,70 @@ class Pong:
     nonce: str
 
 
+@attrs.frozen(kw_only=True)
+class Subscribe:
+    """client → exec: send ``STATS`` frames on this connection until ``UNSUBSCRIBE``.
+
+    ``job_id`` is not a job: it is a tag that an older execserver echoes in its
+    ``ERROR unknown_type`` answer, so the client can tell that this request was
+    refused (the reference client sends :data:`STATS_TAG`).
+    """
+
+    TYPE: ClassVar[str] = "SUBSCRIBE"
+    job_id: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Unsubscribe:
+    """client → exec: no more ``STATS`` frames on this connection."""
+
+    TYPE: ClassVar[str] = "UNSUBSCRIBE"
+    job_id: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ServiceFigures:
+    """One entry of ``STATS.services``."""
+
+    kind: Kind
+    capacity: Count
+    mean_s: float | None = None
+    running: Count
+    waiting: Count
+
+
+@attrs.frozen(kw_only=True)
+class PriorityCount:
+    """One entry of ``STATS.waiting_by_priority``."""
+
+    priority: int
+    waiting: Count
+
+
+@attrs.frozen(kw_only=True)
+class Stats:
+    """exec → client: the execserver's figures, sent only to a subscribed connection."""
+
+    TYPE: ClassVar[str] = "STATS"
+    instance_id: str
+    name: str
+    slots: Count
+    fast_reserve: Count
+    running: Count
+    offered: Count
+    waiting: Count
+    finished: ByteCount
+    failed: ByteCount
+    per_minute: Count
+    bytes_in: ByteCount
+    bytes_out: ByteCount
+    clients: Count
+    draining: bool
+    callback_check: str | None = None
+    services: Mapping[str, ServiceFigures]
+    waiting_by_priority: tuple[PriorityCount, ...]
+
+
 Message: TypeAlias = (
     Hello
     | Register
@@ -313,6 +383,9 @@ Message: TypeAlias = (
     | Error
     | Ping
     | Pong
+    | Subscribe
+    | Unsubscribe
+    | Stats
 )
 
 MESSAGE_TYPES: Final[dict[str, type[Message]]] = {
@@ -333,19 +406,37 @@ MESSAGE_TYPES: Final[dict[str, type[Message]]] = {
         Error,
         Ping,
         Pong,
+        Subscribe,
+        Unsubscribe,
+        Stats,
     )
 }
 """Every message class by its wire ``type``."""
 
 CLIENT_TO_EXEC: Final = frozenset(
-    {"REGISTER", "WANT", "UNWANT", "JOB", "DECLINE", "CANCEL", "QUERY", "PING", "PONG"}
+    {
+        "REGISTER",
+        "WANT",
+        "UNWANT",
+        "JOB",
+        "DECLINE",
+        "CANCEL",
+        "QUERY",
+        "PING",
+        "PONG",
+        "SUBSCRIBE",
+        "UNSUBSCRIBE",
+    }
 )
 """The types an execserver accepts."""
 
 EXEC_TO_CLIENT: Final = frozenset(
-    {"HELLO", "QUEUED", "OFFER", "DONE", "POSITION", "ERROR", "PING", "PONG"}
+    {"HELLO", "QUEUED", "OFFER", "DONE", "POSITION", "ERROR", "PING", "PONG", "STATS"}
 )
 """The types a client accepts."""
+
+STATS_TAG: Final = "stats"
+"""The ``job_id`` tag the reference client puts on ``SUBSCRIBE`` and ``UNSUBSCRIBE``."""
 
 
 # -- the converter --------------------------------------------------------------
@@ -444,17 +535,40 @@ def _literal_hook(allowed: tuple[str, ...]) -> Callable[[Any, Any], str]:
     return structure
 
 
-def _mapping_hook(value: Any, _: Any) -> dict[str, ServiceInfo]:
-    if type(value) is not dict:
-        raise _FieldError(f"expected an object, got {_show(value)}")
-    result: dict[str, ServiceInfo] = {}
-    for name, info in value.items():
-        try:
-            result[name] = converter.structure(info, ServiceInfo)
-        except (ClassValidationError, _FieldError) as exc:
-            path, reason = _first_failure(exc)
-            raise _NestedFieldError(f"{name}.{path}" if path else name, reason) from None
-    return result
+def _mapping_hook(cls: type[Any]) -> Callable[[Any, Any], dict[str, Any]]:
+    """Structure a JSON object whose members are all ``cls`` objects (``HELLO.services``)."""
+
+    def structure(value: Any, _: Any) -> dict[str, Any]:
+        if type(value) is not dict:
+            raise _FieldError(f"expected an object, got {_show(value)}")
+        result: dict[str, Any] = {}
+        for name, info in value.items():
+            try:
+                result[name] = converter.structure(info, cls)
+            except (ClassValidationError, _FieldError) as exc:
+                path, reason = _first_failure(exc)
+                raise _NestedFieldError(f"{name}.{path}" if path else name, reason) from None
+        return result
+
+    return structure
+
+
+def _array_hook(cls: type[Any]) -> Callable[[Any, Any], tuple[Any, ...]]:
+    """Structure a JSON array whose items are all ``cls`` objects."""
+
+    def structure(value: Any, _: Any) -> tuple[Any, ...]:
+        if type(value) is not list:
+            raise _FieldError(f"expected an array, got {_show(value)}")
+        result = []
+        for index, item in enumerate(value):
+            try:
+                result.append(converter.structure(item, cls))
+            except (ClassValidationError, _FieldError) as exc:
+                path, reason = _first_failure(exc)
+                raise _NestedFieldError(f"{index}.{path}" if path else str(index), reason) from None
+        return tuple(result)
+
+    return structure
 
 
 class _NestedFieldError(ValueError):
@@ -489,7 +603,14 @@ def _make_converter() -> Any:
     conv.register_structure_hook_func(lambda t: t == Count, _count)
     conv.register_structure_hook_func(lambda t: t == ByteCount, _byte_count)
     conv.register_structure_hook_func(lambda t: t == JsonObject, _json_object)
-    conv.register_structure_hook_func(lambda t: t == Mapping[str, ServiceInfo], _mapping_hook)
+    for nested in (ServiceInfo, ServiceFigures):
+        conv.register_structure_hook_func(
+            lambda t, cls=nested: t == Mapping[str, cls],  # type: ignore[misc,valid-type]
+            _mapping_hook(nested),
+        )
+    conv.register_structure_hook_func(
+        lambda t: t == tuple[PriorityCount, ...], _array_hook(PriorityCount)
+    )
     for literal in (ErrorCode, Kind, Status):
         conv.register_structure_hook_func(
             lambda t, lit=literal: t == lit,  # type: ignore[misc]

@@ -68,6 +68,15 @@ _service_infos = st.builds(
     p.ServiceInfo, max_slots=counts, kind=st.sampled_from(["light", "heavy", "unknown"])
 )
 
+_service_figures = st.builds(
+    p.ServiceFigures,
+    kind=st.sampled_from(["light", "heavy", "unknown"]),
+    capacity=counts,
+    mean_s=st.none() | numbers,
+    running=counts,
+    waiting=counts,
+)
+
 _BY_TYPE: dict[str, st.SearchStrategy[Any]] = {
     "HELLO": st.builds(
         p.Hello,
@@ -135,6 +144,30 @@ _BY_TYPE: dict[str, st.SearchStrategy[Any]] = {
     ),
     "PING": st.builds(p.Ping, nonce=texts),
     "PONG": st.builds(p.Pong, nonce=texts),
+    "SUBSCRIBE": st.builds(p.Subscribe, job_id=st.none() | texts),
+    "UNSUBSCRIBE": st.builds(p.Unsubscribe, job_id=st.none() | texts),
+    "STATS": st.builds(
+        p.Stats,
+        instance_id=texts,
+        name=texts,
+        slots=counts,
+        fast_reserve=counts,
+        running=counts,
+        offered=counts,
+        waiting=counts,
+        finished=byte_counts,
+        failed=byte_counts,
+        per_minute=counts,
+        bytes_in=byte_counts,
+        bytes_out=byte_counts,
+        clients=counts,
+        draining=st.booleans(),
+        callback_check=st.none() | texts,
+        services=st.dictionaries(texts, _service_figures, max_size=4),
+        waiting_by_priority=st.lists(
+            st.builds(p.PriorityCount, priority=int32, waiting=counts), max_size=4
+        ).map(tuple),
+    ),
 }
 
 

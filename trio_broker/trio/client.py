@@ -36,7 +36,7 @@ import math
 import random
 import secrets
 import ssl
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -72,6 +72,7 @@ __all__ = [
     "AddressState",
     "BrokerClient",
     "ClientStatistics",
+    "LinkState",
     "open_broker_client",
 ]
 
@@ -122,6 +123,29 @@ class ClientStatistics:
     finished: int
     failed: int
     surplus_offers: int
+
+
+@attrs.frozen(kw_only=True)
+class LinkState:
+    """One ready broker connection and what its execserver last told (``BrokerClient.links()``).
+
+    Attributes:
+        conn: the connection's id in the client core.
+        address: the configured address it was dialled through.
+        hello: the execserver's latest ``HELLO``.
+        local_addr: this side's ``host:port`` of the connection.
+        callback_base: the callback base this connection registered, if any.
+        stats: the latest ``STATS`` (None: not subscribed, or none came yet).
+        stats_refused: the execserver is older than ``SUBSCRIBE`` (no figures).
+    """
+
+    conn: int
+    address: str
+    hello: p.Hello
+    local_addr: str | None
+    callback_base: str | None
+    stats: p.Stats | None
+    stats_refused: bool
 
 
 class _Waiter:
@@ -193,7 +217,7 @@ class BrokerClient:
             default_close=(p.CLOSE_NORMAL, "client closing"),
         )
         self._waiters: dict[str, _Waiter] = {}
-        self._positions: dict[str, tuple[trio.MemorySendChannel[p.Position], int]] = {}
+        self._positions: dict[str, tuple[trio.MemorySendChannel[tuple[int, p.Position]], int]] = {}
         self._ids = itertools.count(1)
         self._id_prefix = secrets.token_hex(4)
         self._finished = 0
@@ -202,6 +226,7 @@ class BrokerClient:
         self._failed_dials: set[str] = set()  # addresses whose latest dial failed
         self._connection_tasks = 0
         self._no_connection_tasks = trio.Event()
+        self._watchers = 0
 
     # -- public API --------------------------------------------------------------------------
 
@@ -322,14 +347,23 @@ class BrokerClient:
         execserver where the job is parked (one when it runs); ``[]`` for a job
         this client does not know.
         """
+        return [answer for _, answer in await self.position_answers(job_id, timeout=timeout)]
+
+    async def position_answers(
+        self,
+        job_id: str,
+        *,
+        timeout: float = 5.0,  # noqa: ASYNC109 (answers that come later are not waited for)
+    ) -> list[tuple[int, p.Position]]:
+        """:meth:`position`, each answer with the connection it came on (see :meth:`links`)."""
         targets = len(self._core.parked_on(job_id))
         if targets == 0 and any(j == job_id and s == "accepted" for j, s, _ in self._core.jobs()):
             targets = 1
         if targets == 0 or job_id in self._positions:
             return []
-        send, receive = trio.open_memory_channel[p.Position](math.inf)
+        send, receive = trio.open_memory_channel[tuple[int, p.Position]](math.inf)
         self._positions[job_id] = (send, targets)
-        answers: list[p.Position] = []
+        answers: list[tuple[int, p.Position]] = []
         try:
             self._core.query(job_id, now=trio.current_time())
             self._driver.flush()
@@ -358,6 +392,10 @@ class BrokerClient:
     def waiting(self) -> int:
         """How many of this client's jobs wait for a slot right now."""
         return len(self._core.waiting())
+
+    def is_running(self, job_id: str) -> bool:
+        """Whether the job holds a slot (its ``JOB`` went out and it has not ended)."""
+        return any(j == job_id and s == "accepted" for j, s, _ in self._core.jobs())
 
     def offers(self, service: str) -> bool:
         """Whether some connected, non-draining execserver announced ``service``."""
@@ -397,6 +435,48 @@ class BrokerClient:
     def callback_base(self, conn_id: int) -> str | None:
         """The callback base one connection registered (``None`` when unset)."""
         return self._core.callback_base(conn_id)
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Keep every execserver's figures coming (``SUBSCRIBE``) while the block runs.
+
+        Blocks may nest and overlap (one per viewer); the client subscribes when
+        the first starts and unsubscribes when the last ends, so nobody watching
+        costs no frame. The figures are read with :meth:`links`.
+        """
+        self._watchers += 1
+        if self._watchers == 1 and not self._closed:
+            self._core.subscribe(now=trio.current_time())
+            self._driver.flush()
+        try:
+            yield
+        finally:
+            self._watchers -= 1
+            if self._watchers == 0 and not self._closed:
+                self._core.unsubscribe(now=trio.current_time())
+                self._driver.flush()
+
+    def links(self) -> tuple[LinkState, ...]:
+        """Every ready connection with its execserver's latest ``HELLO`` and ``STATS``."""
+        core = self._core
+        found = []
+        for conn_id in core.ready_connections():
+            hello = core.hello(conn_id)
+            address = core.address_of(conn_id)
+            if hello is None or address is None:
+                continue
+            found.append(
+                LinkState(
+                    conn=conn_id,
+                    address=address,
+                    hello=hello,
+                    local_addr=core.local_addr(conn_id),
+                    callback_base=core.callback_base(conn_id),
+                    stats=core.stats(conn_id),
+                    stats_refused=core.stats_refused(conn_id),
+                )
+            )
+        return tuple(found)
 
     async def wait_until(
         self,
@@ -460,10 +540,12 @@ class BrokerClient:
         elif isinstance(effect, PositionReport):
             entry = self._positions.get(effect.job_id)
             if entry is not None:
-                entry[0].send_nowait(effect.position)
+                entry[0].send_nowait((effect.conn, effect.position))
         elif isinstance(effect, PeerError):
             if effect.error.code == "offer_expired":
                 log.info("an offer for job %r expired", effect.error.job_id)
+            elif effect.error.code == "unknown_type" and effect.error.job_id == p.STATS_TAG:
+                log.info("connection %d: the execserver has no figures to send", effect.conn)
             else:
                 log.warning(
                     "execserver refused a frame on connection %d: %s: %s (job %r)",

@@ -47,8 +47,9 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from trio_broker.trio.store import StoreUnavailable
-from trio_broker_daemons.fylr import metrics
+from trio_broker_daemons.fylr import metrics, topology
 from trio_broker_daemons.fylr.files import FileRow
+from trio_broker_daemons.fylr.position import add_queue_positions
 from trio_broker_daemons.fylr.produce import api_status, class_of
 from trio_broker_daemons.fylr.state import FylrState
 from trio_broker_daemons.fylr.storage import FileReader, FileTooLarge
@@ -292,7 +293,9 @@ class FileApi:
         if found is None:
             return _not_found()
         row, versions = found
-        return JSONResponse(file_document(row, versions, base=self.state.base_url))
+        document = file_document(row, versions, base=self.state.base_url)
+        await add_queue_positions(self.state, document, row, versions)
+        return JSONResponse(document)
 
     async def resync(self, request: Request) -> Response:
         """``POST /api/v1/eas/<id>/sync``: sync an original again (after a configuration change)."""
@@ -367,6 +370,7 @@ def build_app(state: FylrState) -> Starlette:
             Route("/api/v1/eas/{file_id}", api.get_file, methods=["GET"]),
             Route("/healthz", api.healthz, methods=["GET"]),
             *metrics.routes(state),
+            *topology.routes(state),
             *state.pipes.routes(),
         ]
     )

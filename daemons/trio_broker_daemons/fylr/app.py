@@ -52,6 +52,7 @@ from trio_broker_daemons.fylr.files import fylr_migrations
 from trio_broker_daemons.fylr.metrics import inspect_document
 from trio_broker_daemons.fylr.state import FylrState, FylrStatistics
 from trio_broker_daemons.fylr.storage import Storage
+from trio_broker_daemons.fylr.topology import topology_of
 from trio_broker_daemons.fylr.worker import FileWorker
 from trio_broker_daemons.logfmt import fields
 from trio_broker_daemons.pgcluster import open_pg_cluster
@@ -286,6 +287,7 @@ async def serve_fylr(
                             state.dispatcher = dispatcher
                             if client is not None:
                                 work.start_soon(_wake_on_capacity, client, dispatcher)
+                            work.start_soon(topology_of(state).serve)
                             log.info(
                                 "fylr serving",
                                 extra=fields(

@@ -65,6 +65,7 @@ from trio_broker_daemons.fylr.files import (
     WantedVersion,
     source_failed,
 )
+from trio_broker_daemons.fylr.position import step_job_id
 from trio_broker_daemons.fylr.produce import (
     FileState,
     class_of,
@@ -184,6 +185,7 @@ class FileWorker:
         sink: Sink,
         priority: int,
         subject: str,
+        job_id: str | None = None,
     ) -> tuple[p.Receipt, OutPipe]:
         """Run a body-mode job: ``source_key`` on its stdin, its stdout into ``sink``.
 
@@ -207,6 +209,7 @@ class FileWorker:
                 subject=subject,
                 stdin=stdin,
                 stdout=stdout,
+                job_id=job_id,
             )
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(_CLEANUP_TIMEOUT):
@@ -262,6 +265,7 @@ class FileWorker:
                     sink=keep,
                     priority=row.priority,
                     subject=f"{row.filename} #{file_id} metadata",
+                    job_id=step_job_id(item),
                 )
                 if stopped := _stopped(receipt, "the metadata job"):
                     raise stopped
@@ -347,7 +351,7 @@ class FileWorker:
             return
         name = cast(str, version.version)
         try:
-            receipt, stored = await self._produce(start, recipe)
+            receipt, stored = await self._produce(start, recipe, job_id=step_job_id(item))
         except Exception as exc:
             verdict = self.judge(exc)
             if verdict.kind == "requeue":
@@ -397,7 +401,7 @@ class FileWorker:
         )
 
     async def _produce(
-        self, start: ProduceStart, recipe: VersionConfig
+        self, start: ProduceStart, recipe: VersionConfig, *, job_id: str | None = None
     ) -> tuple[p.Receipt, StoredFile | None]:
         """Run a version's job with its rendition streamed into storage.
 
@@ -430,6 +434,7 @@ class FileWorker:
                     sink=sink,
                     priority=original.priority,
                     subject=f"{original.filename} #{original.id} {version.version}",
+                    job_id=job_id,
                 )
             except BaseException:
                 nursery.cancel_scope.cancel()
