@@ -224,7 +224,8 @@ async def test_upload_without_wait_prints_each_id_and_url(pg_dsn: str, tmp_path:
     assert len(lines) == 2
     for line, name in zip(lines, ("a.bin", "b.xyz"), strict=True):
         assert re.fullmatch(
-            rf"{re.escape(name)}: id \d+ (pending|sync) {re.escape(fylr.http_url)}/api/v1/eas/\d+",
+            rf"{re.escape(name)}: id \d+ (processing|sync)"
+            rf" {re.escape(fylr.http_url)}/api/v1/eas/\d+",
             line,
         ), line
 

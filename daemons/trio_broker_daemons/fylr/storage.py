@@ -415,7 +415,7 @@ def _scan(root: Path, now: float) -> list[Leftover]:
     for folder in KIND_FOLDERS.values():
         try:
             fans = sorted(os.scandir(root / folder), key=lambda e: e.name)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             continue
         for fan in fans:
             if not fan.is_dir(follow_symlinks=False):
