@@ -58,7 +58,10 @@ MARK = b"\0" * 5000
 def gated(gate: Path, *then: str) -> dict[str, Any]:
     """A service that writes :data:`MARK`, waits at ``gate`` (a FIFO) on its first run, then
     runs ``then``."""
-    script = 'head -c 5000 /dev/zero; if [ -p "$0" ]; then cat "$0" >/dev/null; rm -f "$0"; fi; exec "$@"'
+    script = (
+        'head -c 5000 /dev/zero; if [ -p "$0" ]; then cat "$0" >/dev/null; rm -f "$0"; fi;'
+        ' exec "$@"'
+    )
     return {"argv": ["sh", "-c", script, str(gate), *then]}
 
 
