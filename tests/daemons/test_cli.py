@@ -62,7 +62,7 @@ def test_fylr_requeue_needs_failed_and_a_database(tmp_path: Path) -> None:
     """``fylr requeue`` without --failed, --failed without requeue, and a configuration on
     the private cluster (no 'database') are refused with one line, exit 2."""
     config = tmp_path / "fylr.yml"
-    config.write_text("state_dir: state\nexecservers: [\"127.0.0.1:7000\"]\n")
+    config.write_text('state_dir: state\nexecservers: ["127.0.0.1:7000"]\n')
     module = (sys.executable, "-m", "trio_broker_daemons", "fylr")
     for args, said in (
         (("requeue", "--config", str(config)), "requeue needs --failed"),
