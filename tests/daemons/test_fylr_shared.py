@@ -213,7 +213,8 @@ async def test_a_storage_folder_error_requeues_until_it_is_fixed(
     pg_dsn: str, tmp_path: Path
 ) -> None:
     """An OSError of the storage folder (here: ``versions`` is not a folder) requeues the step
-    with the reason in the queue; once the folder is fixed the version is made."""
+    with the reason in the queue; once the folder is fixed the version is made. An upload
+    meeting such an error is answered 503 with Retry-After."""
     classes = {"text": {"extensions": ["txt"], "versions": {"sha256": {"service": "sha256"}}}}
     state = tmp_path / "state"
     async with (
@@ -223,6 +224,13 @@ async def test_a_storage_folder_error_requeues_until_it_is_fixed(
         blocker = state / "files" / "versions"
         blocker.parent.mkdir(parents=True, exist_ok=True)
         blocker.write_bytes(b"not a folder")
+        (state / "files" / "originals").write_bytes(b"not a folder either")
+        refused = await http.put("/eas/put", params={"filename": "a.txt"}, content=b"text\n")
+        assert refused.status_code == 503
+        assert refused.headers["retry-after"] == str(RETRY_AFTER)
+        assert "could not be stored: [Errno 20] Not a directory" in refused.json()["error"]
+        assert fylr.statistics().uploads_failed == 1
+        (state / "files" / "originals").unlink()
         created = await put(http, "a.txt", b"text\n")
         assert fylr.dispatcher is not None
         with trio.fail_after(WAIT):  # the requeue is written
