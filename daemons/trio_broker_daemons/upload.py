@@ -9,7 +9,7 @@ with rich. The command line (:func:`main`) prints one line per file:
 
 .. code-block:: text
 
-    sunset.jpg: id 12 pending http://127.0.0.1:7400/api/v1/eas/12
+    sunset.jpg: id 12 processing http://127.0.0.1:7400/api/v1/eas/12
 
 and with ``--wait``, once every file has ended, its status and versions, then
 one indented line for the file's and each failed version's reason:
