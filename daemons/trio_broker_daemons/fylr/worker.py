@@ -26,11 +26,19 @@ which also queues the next step:
     ends the version ``error`` with the receipt's ``stderr_line``. The original
     is ``done`` when every version has ended.
 
-Retries. A step that cannot finish raises a typed outcome and lets it go on
-to the dispatcher: the broker client's ``NoSlot``, ``NoExecserver``,
-``UnknownService``, ``JobLost`` or ``ClientClosed``, the store's
-``StoreUnavailable``, or :class:`~trio_broker.core.errors.JobStopped` for a job
-the execserver stopped (draining) or whose output did not arrive whole. The
+Retries. A version or a metadata step fails for good only when its input or
+its recipe is at fault: the command ended with an error (a corrupt input, a
+converter's own failure), or the stored input is missing while the storage
+folder is there. Any other reason is temporary. A step that cannot finish raises
+a typed outcome and lets it go on to the dispatcher: the broker client's
+``NoSlot``, ``NoExecserver``, ``UnknownService``, ``JobLost`` (a killed
+execserver) or ``ClientClosed``, the store's ``StoreUnavailable`` (a lost
+database connection), :class:`~trio_broker.core.errors.JobStopped` for a job the
+execserver stopped (draining) or whose output did not arrive whole, or
+:class:`~trio_broker.core.errors.RetryLater` after ``retry_delay`` for a storage
+error (:meth:`FileWorker.storage_failed`: a temporary file that vanished under
+its writer, an I/O error of a shared folder, a full disk, an input that could
+not be read, an unreachable folder). The
 one outcome table (:func:`trio_broker.core.dispatch.judge`) decides, for the
 dispatcher and for the step alike, whether the item runs again (then the file
 goes back to the state the step started from) or fails (then the version, or
