@@ -1,5 +1,7 @@
 """The storage sweep against a real PostgreSQL: only dead writers' old, unreferenced files go.
 
+And the failed queue rows: listed with their reasons, retried by id or all.
+
 Each test plays several fylrs on one folder and one database: storages with
 distinct backend ids, registered (alive) or not (dead) in ``backends``. File
 ages are set with ``os.utime`` rather than waited for.
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import psycopg
 import trio
+from trio_broker_daemons.fylr.failed import failed_items, retry_failed
 from trio_broker_daemons.fylr.files import fylr_migrations
 from trio_broker_daemons.fylr.storage import Storage, StoredFile
 from trio_broker_daemons.fylr.sweep import GRACE_STALE, StorageSweeper
@@ -128,3 +131,32 @@ async def test_a_restart_with_the_same_backend_id_sweeps_its_own_leftovers(
             assert (result.temporary, result.orphans) == (1, 1)
             assert not temp.exists()
             assert not (root / orphan.key).exists()
+
+
+async def test_failed_rows_of_any_file_ref_are_listed_and_retried(pg_dsn: str) -> None:
+    """Failed rows are listed oldest first with their reason, also one whose file_ref names
+    no file; a retry puts back only the rows asked for."""
+    with trio.fail_after(TIMEOUT):
+        async with fylr_store(pg_dsn) as store:
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute(
+                    "INSERT INTO file_queue (file_ref, action, status, last_error) VALUES"
+                    " ('not-a-number', 'other', 'failed', 'ValueError: bad'),"
+                    " ('12345', 'produce', 'failed', 'KeyError: gone'),"
+                    " ('7', 'sync', 'new', NULL)"
+                )
+            listed = await failed_items(store)
+            assert [(i["file_ref"], i["reason"], i["file"]) for i in listed] == [
+                ("not-a-number", "ValueError: bad", None),
+                ("12345", "KeyError: gone", None),
+            ]
+            retried = await retry_failed(store, ids=[listed[1]["id"]])
+            assert [(r.file_ref, r.error) for r in retried] == [("12345", "KeyError: gone")]
+            assert [i["file_ref"] for i in await failed_items(store)] == ["not-a-number"]
+            with psycopg.connect(pg_dsn) as conn:
+                row = conn.execute(
+                    "SELECT status, last_error FROM file_queue WHERE file_ref = '12345'"
+                ).fetchone()
+            assert row == ("new", "requeued by an operator; it had failed: KeyError: gone")
+            assert len(await retry_failed(store)) == 1
+            assert await failed_items(store) == []

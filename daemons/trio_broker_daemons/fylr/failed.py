@@ -70,7 +70,7 @@ def _failed_rows(conn: Connection, limit: int) -> list[dict[str, Any]]:
         "SELECT q.id, q.action, q.file_ref, q.attempts, q.last_error, q.created_at,"
         " f.kind, f.filename, f.version, f.status, f.parent_id"
         " FROM file_queue q LEFT JOIN files f"
-        " ON q.file_ref ~ '^[0-9]{1,18}$' AND f.id = q.file_ref::bigint"
+        " ON f.id = CASE WHEN q.file_ref ~ '^[0-9]{1,18}$' THEN q.file_ref::bigint END"
         " WHERE q.status = 'failed' ORDER BY q.id LIMIT %s",
         (limit,),
     ).fetchall()
