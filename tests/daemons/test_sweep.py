@@ -133,6 +133,35 @@ async def test_a_restart_with_the_same_backend_id_sweeps_its_own_leftovers(
             assert not (root / orphan.key).exists()
 
 
+async def test_a_live_fylr_removes_what_it_stored_and_could_not_record(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """Its own stored file is spared while its row is being recorded; once settled and old,
+    unreferenced, it goes (the database failed at the moment of recording); a temporary file
+    of its own (a write in progress) always stays."""
+    root = tmp_path / "files"
+    storage = Storage(root, writer="fylr-self")
+    with trio.fail_after(TIMEOUT):
+        async with fylr_store(pg_dsn) as store:
+            await store.register_backend("fylr-self", "self")
+            unrecorded = await storage.write_stream("version", chunks(b"row never written"))
+            recorded = await storage.write_stream("version", chunks(b"row written"))
+            record(pg_dsn, recorded)
+            assert storage.recording == {unrecorded.key, recorded.key}
+            temp = temporary(storage)
+            for path in (root / unrecorded.key, root / recorded.key, temp):
+                age(path, OLD)
+            sweeper = StorageSweeper(storage, store, stale_after=STALE_AFTER)
+            assert (await sweeper.sweep()).orphans == 0  # both are still being recorded
+            storage.settled(unrecorded.key)
+            storage.settled(recorded.key)
+            result = await sweeper.sweep()
+            assert (result.temporary, result.orphans) == (0, 1)
+            assert not (root / unrecorded.key).exists()
+            assert (root / recorded.key).exists()
+            assert temp.exists()
+
+
 async def test_failed_rows_of_any_file_ref_are_listed_and_retried(pg_dsn: str) -> None:
     """Failed rows are listed oldest first with their reason, also one whose file_ref names
     no file; a retry puts back only the rows asked for."""

@@ -53,11 +53,12 @@ from starlette.types import Receive, Scope, Send
 
 from trio_broker.trio.store import StoreUnavailable
 from trio_broker_daemons.fylr import metrics, topology
+from trio_broker_daemons.fylr.config import FileClass
 from trio_broker_daemons.fylr.files import FileRow
 from trio_broker_daemons.fylr.position import add_queue_positions
 from trio_broker_daemons.fylr.produce import api_status, class_of
 from trio_broker_daemons.fylr.state import FylrState
-from trio_broker_daemons.fylr.storage import FileReader, FileTooLarge
+from trio_broker_daemons.fylr.storage import FileReader, FileTooLarge, StoredFile
 from trio_broker_daemons.fylr.worker import OCTET_STREAM
 from trio_broker_daemons.logfmt import fields
 
@@ -275,14 +276,7 @@ class FileApi:
         file_class = state.file_class(class_name)
         try:
             with trio.CancelScope(shield=True):
-                row = await self.files.create_original(
-                    filename=filename,
-                    file_class=class_name,
-                    priority=priority,
-                    stored=stored,
-                    mimetype=_guess_mimetype(filename),
-                    metadata_step=file_class is not None and file_class.metadata is not None,
-                )
+                row = await self._record(stored, filename, class_name, priority, file_class)
         except StoreUnavailable as exc:
             # it may or may not have committed: the stored bytes stay (never a row
             # without its file; at worst a file without a row, which the storage
@@ -305,6 +299,27 @@ class FileApi:
             ),
         )
         return JSONResponse(file_document(row, [], base=state.base_url), status_code=201)
+
+    async def _record(
+        self,
+        stored: StoredFile,
+        filename: str,
+        class_name: str | None,
+        priority: int,
+        file_class: FileClass | None,
+    ) -> FileRow:
+        """Insert the uploaded original's row; the stored file is settled either way."""
+        try:
+            return await self.files.create_original(
+                filename=filename,
+                file_class=class_name,
+                priority=priority,
+                stored=stored,
+                mimetype=_guess_mimetype(filename),
+                metadata_step=file_class is not None and file_class.metadata is not None,
+            )
+        finally:
+            self.storage.settled(stored.key)
 
     async def get_file(self, request: Request) -> Response:
         """``GET /api/v1/eas/<id>[?wait=S]``: the file and its versions."""

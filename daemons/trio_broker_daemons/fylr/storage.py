@@ -36,7 +36,12 @@ judges one (pure, the time passed in), :meth:`Storage.remove` deletes. The rule
 the live backends and of the referenced keys) is that a leftover is removed only
 when its writer is not a live backend *and* it has not been written to for a
 grace period; a stored file moreover only when no row references it. A write in
-progress in a live process is therefore never touched, whoever sweeps.
+progress in a live process is therefore never touched, whoever sweeps. Within
+one process the same holds without the heartbeat: a key stays in
+:attr:`Storage.recording` from before its file exists until the caller has
+written (or failed to write) its row (:meth:`Storage.settled`), and the sweep
+spares those; so a live fylr also removes what it stored itself and then could
+not record (the database failed at that moment).
 
 Blocking file I/O runs in worker threads (:func:`trio.to_thread.run_sync`); small
 chunks are gathered to :data:`WRITE_BATCH` bytes before each hop, and hashing
@@ -228,6 +233,8 @@ class Storage:
         self.root = Path(root)
         self.writer = writer
         self.tag = writer_tag(writer)
+        self.recording: set[str] = set()
+        """Keys this object wrote whose row is not settled yet (:meth:`settled`)."""
 
     def __repr__(self) -> str:
         return f"Storage({str(self.root)!r})"
@@ -283,7 +290,8 @@ class Storage:
                 for no limit.
 
         Returns:
-            The key, size and SHA-256 of the complete, durable file.
+            The key, size and SHA-256 of the complete, durable file. The key is
+            in :attr:`recording` until the caller calls :meth:`settled`.
 
         Raises:
             FileTooLarge: the stream passed ``max_size``.
@@ -318,12 +326,23 @@ class Storage:
             if pending:
                 await trio.to_thread.run_sync(_write_batch, stream, digest, b"".join(pending))
                 pending.clear()
+            self.recording.add(key)  # before it exists under its key: a sweep keeps it
             await trio.to_thread.run_sync(_finish, stream, temp, final)
         except BaseException:
+            self.recording.discard(key)
             with trio.CancelScope(shield=True), trio.move_on_after(_CLEANUP_TIMEOUT):
                 await trio.to_thread.run_sync(_discard, stream, temp)
             raise
         return StoredFile(key=key, size=size, sha256=digest.hexdigest())
+
+    def settled(self, key: str) -> None:
+        """The writer is done recording ``key`` (the row was written, or writing it failed).
+
+        Until then a sweep in this process never removes the file; afterwards it
+        may, once the file is old and no row references it. Not calling it only
+        keeps the file.
+        """
+        self.recording.discard(key)
 
     async def open_read(self, key: str, *, chunk_size: int = CHUNK_SIZE) -> FileReader:
         """Open a stored file for streaming out.

@@ -15,7 +15,10 @@ start-up and then every :data:`SWEEP_EVERY` × ``stale_after``; each sweep:
    live writer of it is in this answer;
 3. keeps every file of a live writer, and every file written to less than
    ``grace`` (:data:`GRACE_STALE` × ``stale_after``) ago
-   (:func:`~trio_broker_daemons.fylr.storage.abandoned`);
+   (:func:`~trio_broker_daemons.fylr.storage.abandoned`); of its own files it
+   keeps the temporary ones (writes in progress) and the stored ones whose row
+   it is still recording (:attr:`Storage.recording
+   <trio_broker_daemons.fylr.storage.Storage.recording>`);
 4. removes the remaining temporary files, and those remaining stored files whose
    key no row of ``files`` holds.
 
@@ -121,7 +124,7 @@ class StorageSweeper:
             live = {writer_tag(b) for b in await self.store.call(self._live, kind="sweep_live")}
             if startup:
                 live.discard(self.storage.tag)
-            candidates = [f for f in found if abandoned(f, live=live, grace=self.grace)]
+            candidates = [f for f in found if self._removable(f, live, startup=startup)]
             temporary = [f for f in candidates if f.kind == "temporary"]
             stored = [f for f in candidates if f.kind == "stored"]
             orphans = await self._unreferenced(stored)
@@ -143,6 +146,18 @@ class StorageSweeper:
                 extra=fields(temporary=removed_temporary, orphans=removed_orphans),
             )
         return result
+
+    def _removable(self, leftover: Leftover, live: set[str], *, startup: bool) -> bool:
+        own = self.storage
+        if leftover.writer != own.tag or startup:
+            return abandoned(leftover, live=live, grace=self.grace)
+        # this process's own file: a temporary one is a write in progress; a stored
+        # one is spared while its row is being recorded
+        return (
+            leftover.kind == "stored"
+            and leftover.age >= self.grace
+            and leftover.key not in own.recording
+        )
 
     def _live(self, conn: Connection) -> list[str]:
         return _live_backends(conn, self.stale_after)

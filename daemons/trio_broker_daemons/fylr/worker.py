@@ -410,14 +410,18 @@ class FileWorker:
         metadata = version_metadata(name, recipe, receipt)
         if stored is not None:
             # A database error here may or may not have committed: the file is kept
-            # either way (an unreferenced file is the safe loss).
-            end = await self.files.end_version(
-                version_id,
-                version.produce_hash,
-                stored=stored,
-                mimetype=recipe.mimetype or OCTET_STREAM,
-                metadata=metadata,
-            )
+            # either way (an unreferenced file is the safe loss; the storage sweep
+            # removes it once it is old, now that it is settled).
+            try:
+                end = await self.files.end_version(
+                    version_id,
+                    version.produce_hash,
+                    stored=stored,
+                    mimetype=recipe.mimetype or OCTET_STREAM,
+                    metadata=metadata,
+                )
+            finally:
+                self.storage.settled(stored.key)
             if not end.applied:  # a replay, or a removed version: keep nothing
                 with contextlib.suppress(OSError):  # else the storage sweep removes it
                     await self.storage.delete(stored.key)
