@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import trio
@@ -189,3 +190,64 @@ async def test_failed_rows_of_any_file_ref_are_listed_and_retried(pg_dsn: str) -
             assert row == ("new", "requeued by an operator; it had failed: KeyError: gone")
             assert len(await retry_failed(store)) == 1
             assert await failed_items(store) == []
+
+
+def new_id(conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...]) -> int:
+    row = conn.execute(query.encode(), params).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def test_retrying_a_failed_produce_resets_the_version_its_chain_and_the_original(
+    pg_dsn: str,
+) -> None:
+    """A failed produce row put back: its version and the versions that failed only because
+    of it go back to new, the done original back to produce; other versions are untouched."""
+    with trio.fail_after(TIMEOUT):
+        async with fylr_store(pg_dsn) as store:
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                original = new_id(
+                    conn,
+                    "INSERT INTO files (kind, filename, status, storage_key)"
+                    " VALUES ('original', 'a.txt', 'done', 'originals/00/00') RETURNING id",
+                    (),
+                )
+                ids = {}
+                for name, source, status, error in (
+                    ("a", None, "error", "KeyError: 'x'"),
+                    ("b", "a", "error", "source version 'a' failed"),
+                    ("c", "b", "error", "source version 'b' failed"),
+                    ("d", None, "error", "its own converter failed"),
+                    ("e", None, "done", None),
+                ):
+                    ids[name] = new_id(
+                        conn,
+                        "INSERT INTO files (kind, parent_id, version, source, filename,"
+                        " status, produce_hash, error)"
+                        " VALUES ('version', %s, %s, %s, 'a.txt', %s, 'h', %s) RETURNING id",
+                        (original, name, source, status, error),
+                    )
+                conn.execute(
+                    "INSERT INTO file_queue (file_ref, action, status, last_error)"
+                    " VALUES (%s, 'produce', 'failed', 'KeyError: x')",
+                    (str(ids["a"]),),
+                )
+            (retried,) = await retry_failed(store)
+            assert retried.file_ref == str(ids["a"])
+            with psycopg.connect(pg_dsn) as conn:
+                states: dict[str, str] = dict(
+                    conn.execute(
+                        "SELECT coalesce(version, 'original'), status || ':' || coalesce(error, '')"
+                        " FROM files"
+                    ).fetchall()
+                )
+                queued = conn.execute("SELECT status FROM file_queue").fetchall()
+    assert states == {
+        "original": "produce:",
+        "a": "new:",
+        "b": "new:",
+        "c": "new:",
+        "d": "error:its own converter failed",
+        "e": "done:",
+    }
+    assert queued == [("new",)]
