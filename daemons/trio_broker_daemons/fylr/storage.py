@@ -5,8 +5,9 @@ Theory of operation
 
 :class:`Storage` owns one folder with two subfolders, ``originals/`` (uploads)
 and ``versions/`` (renditions). A file's **key** is chosen here, never taken from
-a user's file name: ``<kind folder>/<2 hex>/<32 hex>``, 128 random bits, fanned
-out over 256 subfolders so that no folder grows huge. :meth:`Storage.path` accepts
+a user's file name: ``<kind folder>/<2 hex>/<32 hex>``, 64 random bits and the
+writer's tag (below), fanned out by the random part over 256 subfolders so that
+no folder grows huge. :meth:`Storage.path` accepts
 only keys of exactly that form, so a key from a database row can never point
 outside the folder.
 
@@ -90,7 +91,7 @@ _TEMP_PREFIX: Final = ".tmp-"
 _KEY: Final = re.compile(r"(originals|versions)/([0-9a-f]{2})/(\2[0-9a-f]{30})")
 _TEMP_NAME: Final = re.compile(r"\.tmp-([0-9a-f]{16})-[0-9a-f]{16}")
 _NAME: Final = re.compile(r"[0-9a-f]{32}")
-TAG_HEX: Final = 16
+_TAG_HEX: Final = 16
 _CLEANUP_TIMEOUT: Final = 10.0
 
 
@@ -123,7 +124,7 @@ def writer_tag(writer: str) -> str:
     Args:
         writer: a backend id (any string; ``""`` for an anonymous writer).
     """
-    return hashlib.sha256(writer.encode()).hexdigest()[:TAG_HEX]
+    return hashlib.sha256(writer.encode()).hexdigest()[:_TAG_HEX]
 
 
 @attrs.frozen(kw_only=True)
@@ -190,7 +191,7 @@ def _open_temporary(folder: Path, tag: str) -> tuple[Path, IO[bytes]]:
         temp = folder / f"{_TEMP_PREFIX}{tag}-{secrets.token_hex(8)}"
         try:
             return temp, open(temp, "xb")
-        except FileExistsError:  # pragma: no cover - 128 random bits
+        except FileExistsError:  # pragma: no cover - 64 random bits per writer
             continue
 
 
@@ -203,7 +204,7 @@ def _finish(stream: IO[bytes], temp: Path, final: Path) -> None:
     stream.flush()
     os.fsync(stream.fileno())
     stream.close()
-    if final.exists():  # pragma: no cover - 128 random bits
+    if final.exists():  # pragma: no cover - 64 random bits per writer
         raise FileExistsError(errno.EEXIST, "key already in use", str(final))
     os.rename(temp, final)
     try:
@@ -465,7 +466,7 @@ def _leftover(entry: os.DirEntry[str], folder: str, now: float) -> Leftover | No
     key = f"{folder}/{name}"
     if not _NAME.fullmatch(name) or not _KEY.fullmatch(key):
         return None  # not ours: never touched
-    return Leftover(path=Path(entry.path), kind="stored", key=key, writer=name[-TAG_HEX:], age=age)
+    return Leftover(path=Path(entry.path), kind="stored", key=key, writer=name[-_TAG_HEX:], age=age)
 
 
 def _remove(paths: Iterable[Path]) -> int:
