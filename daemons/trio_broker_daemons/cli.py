@@ -107,13 +107,34 @@ def build_parser() -> argparse.ArgumentParser:
     _daemon(
         commands,
         "fylr",
-        help="run the reference fylr (file server)",
+        help="run the reference fylr (file server), or requeue its failed work",
         description=(
             "Serve the file API (PUT /eas/put, GET /api/v1/eas/ID, downloads), the "
             "pipes, /healthz, /inspect/system/fylr and /metrics on the configured "
             "listener; make each file's metadata and versions on the execservers. "
-            "SIGTERM or SIGINT stops gracefully (claimed work goes back to the queue)."
+            "SIGTERM or SIGINT stops gracefully (claimed work goes back to the queue). "
+            "'trio-broker fylr requeue --failed --config FILE' instead puts the failed "
+            "queue rows (see /inspect/system/fylr) back into the queue, in the "
+            "configured database, and exits."
         ),
+    )
+    fylr = commands.choices["fylr"]
+    fylr.add_argument(
+        "operation",
+        nargs="?",
+        choices=("requeue",),
+        help="requeue: put failed work back into the queue (with --failed) and exit",
+    )
+    fylr.add_argument(
+        "--failed", action="store_true", help="requeue: the failed queue rows (all by default)"
+    )
+    fylr.add_argument(
+        "--id",
+        dest="ids",
+        type=int,
+        action="append",
+        metavar="N",
+        help="requeue: only the queue row N (repeatable)",
     )
     upload = commands.add_parser(
         "upload",
@@ -200,6 +221,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if args.command == "fylr" and (args.operation is None) == (args.failed or bool(args.ids)):
+        what = "requeue needs --failed" if args.operation else "--failed and --id need requeue"
+        print(f"trio-broker fylr: {what}", file=sys.stderr)
+        return 2
+    if args.command == "fylr" and args.operation == "requeue" and not args.failed:
+        print("trio-broker fylr: requeue needs --failed", file=sys.stderr)
+        return 2
     if args.command in ("upload", "position", "top") and args.server is None:
         print(
             f"trio-broker {args.command}: give --server HOST:PORT or set {SERVER_VARIABLE}",
@@ -250,6 +278,11 @@ def _run(args: argparse.Namespace) -> int:
             wait=args.wait,
             timeout=args.timeout,
         )
+    if args.command == "fylr" and args.operation == "requeue":
+        configure_logging(args.log_level or "warning", args.log_format)
+        from trio_broker_daemons.fylr.failed import requeue_main
+
+        return requeue_main(args.config, ids=args.ids)
     configure_logging(args.log_level or "info", args.log_format)
     if args.command == "fylr":
         from trio_broker_daemons.daemon import run_fylr

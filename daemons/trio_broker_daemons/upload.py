@@ -9,7 +9,7 @@ with rich. The command line (:func:`main`) prints one line per file:
 
 .. code-block:: text
 
-    sunset.jpg: id 12 pending http://127.0.0.1:7400/api/v1/eas/12
+    sunset.jpg: id 12 processing http://127.0.0.1:7400/api/v1/eas/12
 
 and with ``--wait``, once every file has ended, its status and versions, then
 one indented line for the file's and each failed version's reason:
@@ -20,6 +20,12 @@ one indented line for the file's and each failed version's reason:
     broken.png: id 13 done (preview failed, sha256 done, thumbnail failed)
       preview failed: convert_image: cannot read image: broken PNG data: image file is truncated
       thumbnail failed: convert_image: cannot read image: broken PNG data: image file is truncated
+
+A fylr answers 503 while its database is unavailable (or it is stopping, or
+its storage failed); :func:`upload` and :func:`follow` then try again, at most
+:data:`RETRIES` times per request, after the answer's ``Retry-After`` (at most
+:data:`RETRY_AFTER_MAX` seconds) or else an exponential back-off
+(:func:`retry_delay`). An upload is sent again whole.
 
 ``--server`` is ``host:port`` (``http://`` is assumed) or a URL with its scheme
 (:func:`server_url`); ``--priority`` a band name or a number
@@ -50,12 +56,15 @@ from trio_broker_daemons.position import queue_text, waiting_steps
 __all__ = [
     "FINISHED",
     "PRIORITY_BANDS",
+    "RETRIES",
+    "RETRY_AFTER_MAX",
     "FileOutcome",
     "UploadError",
     "ended_done",
     "failures",
     "follow",
     "parse_priority",
+    "retry_delay",
     "server_url",
     "summary",
     "upload",
@@ -70,6 +79,30 @@ WAIT: Final = 20.0
 REQUEST_TIMEOUT: Final = 60.0
 PRIORITY_BANDS: Final = {"background": -2, "normal": 0, "interactive": 2, "synchronous": 4}
 """The priority bands of the queue; ``band + 1`` is the band's "high" variant."""
+RETRIES: Final = 8
+"""How often one request is repeated after a 503 answer."""
+RETRY_AFTER_MAX: Final = 60.0
+"""The longest wait before a repeat, whatever ``Retry-After`` asks."""
+BACKOFF_FIRST: Final = 0.5
+"""The first back-off without ``Retry-After``, doubled for every further attempt."""
+RETRY_STATUSES: Final = frozenset({503})
+
+
+def retry_delay(attempt: int, retry_after: str | None) -> float:
+    """Seconds to wait before repeating a request that was answered 503.
+
+    Args:
+        attempt: how many repeats were made before this one (0 for the first).
+        retry_after: the answer's ``Retry-After`` header, if any (seconds; an
+            HTTP date or anything else unreadable is ignored).
+
+    Returns:
+        ``Retry-After`` when given, else ``BACKOFF_FIRST × 2^attempt``; never
+        more than :data:`RETRY_AFTER_MAX`.
+    """
+    if retry_after is not None and retry_after.strip().isdigit():
+        return min(float(retry_after.strip()), RETRY_AFTER_MAX)
+    return min(BACKOFF_FIRST * 2.0 ** max(0, attempt), RETRY_AFTER_MAX)
 
 
 def parse_priority(text: str) -> int:
@@ -194,8 +227,9 @@ async def upload(
     *,
     priority: int = 0,
     filename: str | None = None,
+    retries: int = RETRIES,
 ) -> dict[str, Any]:
-    """Stream one file to ``PUT /eas/put``.
+    """Stream one file to ``PUT /eas/put``, again after a 503 answer.
 
     Args:
         http: the HTTP client.
@@ -203,24 +237,40 @@ async def upload(
         path: the file to send.
         priority: the priority of its steps.
         filename: the name to send (default: the file's own name).
+        retries: how often to send it again after a 503 answer (see
+            :func:`retry_delay` for the waits).
 
     Returns:
         The fylr's document of the new file (``id``, ``status`` …).
 
     Raises:
-        UploadError: the file could not be read, the fylr refused it, or it
-            could not be reached.
+        UploadError: the file could not be read, the fylr refused it (or still
+            answered 503 after ``retries`` repeats), or it could not be reached.
     """
     name = filename if filename is not None else path.name
     query = urllib.parse.urlencode({"filename": name, "priority": str(priority)})
+    attempt = 0
+    while True:
+        response = await _put_once(http, f"{_base(server)}/eas/put?{query}", path, server)
+        if response.status_code not in RETRY_STATUSES or attempt >= retries:
+            break
+        await trio.sleep(retry_delay(attempt, response.headers.get("retry-after")))
+        attempt += 1
+    if response.status_code != 201:
+        raise UploadError(f"the fylr answered {response.status_code}: {_error_of(response)}")
+    document: dict[str, Any] = response.json()
+    return document
+
+
+async def _put_once(http: httpx.AsyncClient, url: str, path: Path, server: str) -> httpx.Response:
     try:
         stream = await trio.to_thread.run_sync(open, path, "rb")
     except OSError as exc:
         raise UploadError(f"cannot read {path}: {exc.strerror or exc}") from None
     try:
         size = os.fstat(stream.fileno()).st_size
-        response = await http.put(
-            f"{_base(server)}/eas/put?{query}",
+        return await http.put(
+            url,
             content=_FileChunks(stream),
             headers={"content-length": str(size), "content-type": "application/octet-stream"},
             timeout=REQUEST_TIMEOUT,
@@ -229,10 +279,6 @@ async def upload(
         raise UploadError(f"cannot reach {server}: {type(exc).__name__}: {exc}") from None
     finally:
         stream.close()
-    if response.status_code != 201:
-        raise UploadError(f"the fylr answered {response.status_code}: {_error_of(response)}")
-    document: dict[str, Any] = response.json()
-    return document
 
 
 def _error_of(response: httpx.Response) -> str:
@@ -267,10 +313,12 @@ async def follow(
         wait: seconds one request may wait for a change.
 
     Raises:
-        UploadError: the file is unknown, or the fylr could not be reached.
+        UploadError: the file is unknown, the fylr could not be reached, or it
+            answered 503 more than :data:`RETRIES` times in a row.
     """
     url = f"{_base(server)}/api/v1/eas/{file_id}"
     last: Mapping[str, Any] | None = None
+    unavailable = 0
     while True:
         # while a step waits for a slot its position moves without the file changing
         step_wait = wait if last is not None and not waiting_steps(last) else min(wait, QUEUED_WAIT)
@@ -278,8 +326,13 @@ async def follow(
             response = await http.get(url, params={"wait": f"{step_wait:g}"}, timeout=wait + 30.0)
         except httpx.HTTPError as exc:
             raise UploadError(f"cannot reach {server}: {type(exc).__name__}: {exc}") from None
+        if response.status_code in RETRY_STATUSES and unavailable < RETRIES:
+            await trio.sleep(retry_delay(unavailable, response.headers.get("retry-after")))
+            unavailable += 1
+            continue
         if response.status_code != 200:
             raise UploadError(f"file {file_id}: the fylr answered {response.status_code}")
+        unavailable = 0
         document: dict[str, Any] = response.json()
         if document != last and on_change is not None:
             on_change(document)

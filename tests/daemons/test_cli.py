@@ -56,3 +56,20 @@ def test_without_the_daemons_extra_one_line_names_it(tmp_path: Path) -> None:
     (line,) = result.stderr.splitlines()
     assert "pip install 'trio_broker[daemons]'" in line
     assert "yaml" in line
+
+
+def test_fylr_requeue_needs_failed_and_a_database(tmp_path: Path) -> None:
+    """``fylr requeue`` without --failed, --failed without requeue, and a configuration on
+    the private cluster (no 'database') are refused with one line, exit 2."""
+    config = tmp_path / "fylr.yml"
+    config.write_text('state_dir: state\nexecservers: ["127.0.0.1:7000"]\n')
+    module = (sys.executable, "-m", "trio_broker_daemons", "fylr")
+    for args, said in (
+        (("requeue", "--config", str(config)), "requeue needs --failed"),
+        (("--failed", "--config", str(config)), "--failed and --id need requeue"),
+        (("requeue", "--failed", "--config", str(config)), "POST /inspect/system/fylr/requeue"),
+    ):
+        result = run(*module, *args)
+        assert result.returncode == 2, (args, result.stderr)
+        (line,) = result.stderr.splitlines()
+        assert said in line

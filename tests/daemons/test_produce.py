@@ -251,8 +251,16 @@ def test_plan_sync_against_itself_is_empty(wanted: dict[str, str]) -> None:
 
 
 def test_api_status_table() -> None:
-    """Every internal state maps to the documented API status."""
+    """Every internal state maps to the API status of the published table, by kind."""
     assert {state: pr.api_status(state) for state in pr.STATES} == {
+        "new": "processing",  # queued for its first step
+        "metadata": "processing",
+        "sync": "sync",
+        "produce": "sync",  # its versions being made
+        "done": "done",
+        "error": "failed",
+    }
+    assert {state: pr.api_status(state, "version") for state in pr.STATES} == {
         "new": "pending",
         "metadata": "processing",
         "sync": "sync",
@@ -262,14 +270,19 @@ def test_api_status_table() -> None:
     }
     with pytest.raises(ValueError, match="unknown file state 'uploading'"):
         pr.api_status("uploading")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="of kind 'rendition'"):
+        pr.api_status("new", "rendition")  # type: ignore[arg-type]
 
 
 def test_the_table_is_in_the_module_docstring() -> None:
     """The module docstring's state table says what API_STATUS does."""
     doc = pr.__doc__ or ""
-    for state, status in pr.API_STATUS.items():
+    for state in pr.STATES:
+        original, version = pr.API_STATUS["original"][state], pr.API_STATUS["version"][state]
         assert any(
-            line.startswith(f"``{state}``") and f"``{status}``" in line for line in doc.splitlines()
+            line.startswith(f"``{state}``")
+            and line.split()[1:3] == [f"``{original}``", f"``{version}``"]
+            for line in doc.splitlines()
         ), state
 
 

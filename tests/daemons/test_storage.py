@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import time
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 import pytest
 import trio
-from trio_broker_daemons.fylr.storage import WRITE_BATCH, FileTooLarge, Storage, StoredFile
+from trio_broker_daemons.fylr.storage import (
+    WRITE_BATCH,
+    FileTooLarge,
+    Leftover,
+    Storage,
+    StoredFile,
+    abandoned,
+    writer_tag,
+)
 
 TIMEOUT = 30
 
@@ -244,21 +254,65 @@ def test_unknown_kind_is_refused(tmp_path: Path) -> None:
         Storage(tmp_path).new_key("thumbnail")  # type: ignore[arg-type]
 
 
-async def test_sweep_removes_leftovers_of_killed_writes(tmp_path: Path) -> None:
-    """Temporary files a killed process left are swept; complete files stay."""
-    storage = Storage(tmp_path)
+async def test_files_carry_their_writer_tag(tmp_path: Path) -> None:
+    """Keys end in the writer's tag, temporary files are named after it; writers differ."""
+    one, other = Storage(tmp_path, writer="fylr-a-1"), Storage(tmp_path, writer="fylr-b-2")
+    assert one.tag == writer_tag("fylr-a-1") != other.tag
+    assert re.fullmatch(r"[0-9a-f]{16}", one.tag)
+    for _ in range(20):
+        key = one.new_key("version")
+        assert key.endswith(one.tag)
+        assert one.path(key) == tmp_path / key  # still a well-formed key
+    source = Chunks([b"half"], then="hang")
     with trio.fail_after(TIMEOUT):
-        kept = await storage.write_stream("original", Chunks([b"keep me"]))
-        left = [
-            storage.path(kept.key).parent / ".tmp-0123",
-            tmp_path / "versions" / "ff" / ".tmp-4567",
-        ]
-        for path in left:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(b"half an upload")
-        assert await storage.sweep_temporary() == 2
-        assert await storage.sweep_temporary() == 0
-    assert files_under(tmp_path) == [storage.path(kept.key)]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one.write_stream, "original", source)
+            await source.exhausted.wait()
+            (temp,) = files_under(tmp_path)
+            assert re.fullmatch(rf"\.tmp-{one.tag}-[0-9a-f]{{16}}", temp.name)
+            nursery.cancel_scope.cancel()
+    assert files_under(tmp_path) == []
+
+
+async def test_scan_lists_leftovers_with_writer_and_age(tmp_path: Path) -> None:
+    """scan finds temporary and stored files with their writer and age, and nothing foreign."""
+    storage = Storage(tmp_path, writer="w")
+    with trio.fail_after(TIMEOUT):
+        stored = await storage.write_stream("original", Chunks([b"kept"]))
+    folder = storage.path(stored.key).parent
+    temp = folder / f".tmp-{storage.tag}-0123456789abcdef"
+    old_temp = tmp_path / "versions" / "ff" / ".tmp-0123"  # an older release's name
+    foreign = folder / "notes.txt"
+    for path in (temp, old_temp, foreign):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"half an upload")
+    now = time.time()
+    os.utime(temp, (now - 100, now - 100))
+    found = {f.path: f for f in await storage.scan(now)}
+    assert set(found) == {storage.path(stored.key), temp, old_temp}
+    assert found[temp].kind == "temporary"
+    assert found[temp].writer == storage.tag
+    assert 99 <= found[temp].age <= 101
+    assert found[old_temp].writer is None
+    assert found[storage.path(stored.key)].key == stored.key
+    assert found[storage.path(stored.key)].writer == storage.tag
+    assert await storage.remove([found[temp], found[old_temp], found[temp]]) == 2
+    assert files_under(tmp_path) == sorted([storage.path(stored.key), foreign])
+    assert await Storage(tmp_path / "missing").scan(now) == []
+
+
+def test_abandoned_needs_a_dead_writer_and_age() -> None:
+    """A leftover is abandoned only when its writer is not live and it is older than the grace."""
+
+    def leftover(writer: str | None, age: float) -> Leftover:
+        return Leftover(path=Path("x"), kind="temporary", key=None, writer=writer, age=age)
+
+    live = {"a" * 16}
+    assert not abandoned(leftover("a" * 16, 1e9), live=live, grace=10)  # a live writer: never
+    assert not abandoned(leftover("b" * 16, 9.9), live=live, grace=10)  # too recent
+    assert abandoned(leftover("b" * 16, 10), live=live, grace=10)
+    assert abandoned(leftover(None, 10), live=live, grace=10)  # no writer known
+    assert not abandoned(leftover(None, 1), live=live, grace=10)
 
 
 async def test_a_stream_of_an_async_generator(tmp_path: Path) -> None:

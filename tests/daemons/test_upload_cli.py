@@ -24,7 +24,14 @@ import trio
 import yaml
 from PIL import Image
 from trio_broker_daemons.processes import open_execserver_process, open_fylr_process
-from trio_broker_daemons.upload import parse_priority, server_url
+from trio_broker_daemons.upload import (
+    RETRY_AFTER_MAX,
+    UploadError,
+    parse_priority,
+    retry_delay,
+    server_url,
+    upload,
+)
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 CONVERTER = REPOSITORY / "examples" / "convert_image.py"
@@ -224,7 +231,8 @@ async def test_upload_without_wait_prints_each_id_and_url(pg_dsn: str, tmp_path:
     assert len(lines) == 2
     for line, name in zip(lines, ("a.bin", "b.xyz"), strict=True):
         assert re.fullmatch(
-            rf"{re.escape(name)}: id \d+ (pending|sync) {re.escape(fylr.http_url)}/api/v1/eas/\d+",
+            rf"{re.escape(name)}: id \d+ (processing|sync)"
+            rf" {re.escape(fylr.http_url)}/api/v1/eas/\d+",
             line,
         ), line
 
@@ -410,3 +418,31 @@ def test_server_url_refuses_what_is_no_server(text: str) -> None:
     """No port without a scheme, another scheme, a bad port, a path: ValueError."""
     with pytest.raises(ValueError, match="expected"):
         server_url(text)
+
+
+def test_retry_delay_honours_retry_after_else_backs_off() -> None:
+    """A 503's Retry-After is waited for (capped); without it the wait doubles, capped."""
+    assert retry_delay(0, "2") == 2.0
+    assert retry_delay(5, " 7 ") == 7.0
+    assert retry_delay(0, "3600") == RETRY_AFTER_MAX
+    assert [retry_delay(n, None) for n in range(4)] == [0.5, 1.0, 2.0, 4.0]
+    assert retry_delay(0, "Wed, 21 Oct 2015 07:28:00 GMT") == 0.5  # a date: backs off
+    assert retry_delay(20, None) == RETRY_AFTER_MAX
+
+
+async def test_upload_retries_503_a_bounded_number_of_times(tmp_path: Path) -> None:
+    """Against a server that always answers 503 with Retry-After: 0, the upload is sent
+    1 + ``retries`` times, then fails naming the answer."""
+    source = tmp_path / "a.txt"
+    source.write_bytes(b"text\n")
+    seen: list[bytes] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request.read())
+        return httpx.Response(503, json={"error": "the database is unavailable"},
+                              headers={"retry-after": "0"})  # fmt: skip
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
+        with pytest.raises(UploadError, match="503: the database is unavailable"):
+            await upload(http, "http://fylr.test", source, retries=3)
+    assert seen == [b"text\n"] * 4  # the whole body each time

@@ -11,8 +11,8 @@ serves; its handlers (:class:`FileApi`) work on the process's
     the body is streamed into storage (hashed on the way), then the original's
     row is inserted with its first step queued, in one transaction; 201 with the
     file's document, 400 for a bad query, 413 over ``max_upload_size``, 503
-    while stopping or when the database is unavailable. An upload whose sender
-    goes away keeps nothing.
+    while stopping, or when the storage folder or the database fails. An upload
+    whose sender goes away keeps nothing.
 ``GET /api/v1/eas/<id>[?wait=S]``
     the file's document (:func:`file_document`); 404 for an unknown id. With
     ``wait``, it answers at once when the file has ended, otherwise when this
@@ -28,6 +28,11 @@ serves; its handlers (:class:`FileApi`) work on the process's
 The application also carries the inspection routes
 (:func:`trio_broker_daemons.fylr.metrics.routes`) and the broker client's
 one-time pipes and ``/whoami``.
+
+While the database is unavailable every route that needs it answers 503 with
+``Retry-After: RETRY_AFTER`` (:data:`RETRY_AFTER`), GET included: the request
+may be repeated as it is. So do uploads whose storage write failed, and
+requests while the process is stopping.
 """
 
 from __future__ import annotations
@@ -48,15 +53,24 @@ from starlette.types import Receive, Scope, Send
 
 from trio_broker.trio.store import StoreUnavailable
 from trio_broker_daemons.fylr import metrics, topology
+from trio_broker_daemons.fylr.config import FileClass
 from trio_broker_daemons.fylr.files import FileRow
 from trio_broker_daemons.fylr.position import add_queue_positions
 from trio_broker_daemons.fylr.produce import api_status, class_of
 from trio_broker_daemons.fylr.state import FylrState
-from trio_broker_daemons.fylr.storage import FileReader, FileTooLarge
+from trio_broker_daemons.fylr.storage import FileReader, FileTooLarge, StoredFile
 from trio_broker_daemons.fylr.worker import OCTET_STREAM
 from trio_broker_daemons.logfmt import fields
 
-__all__ = ["MAX_FILENAME_CHARS", "MAX_WAIT", "FileApi", "build_app", "file_document"]
+__all__ = [
+    "MAX_FILENAME_CHARS",
+    "MAX_WAIT",
+    "RETRY_AFTER",
+    "FileApi",
+    "build_app",
+    "file_document",
+    "unavailable",
+]
 
 log = logging.getLogger("trio_broker_daemons.fylr.api")
 
@@ -65,6 +79,8 @@ MAX_WAIT: Final = 60.0
 MAX_FILENAME_CHARS: Final = 1000
 """The longest file name an upload may carry."""
 PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
+RETRY_AFTER: Final = 2
+"""Seconds a 503 answer asks the client to wait (its ``Retry-After``)."""
 
 
 class _UploadInterrupted(Exception):
@@ -126,6 +142,18 @@ def _not_found() -> Response:
     return JSONResponse({"error": "not found"}, status_code=404)
 
 
+def unavailable(error: str) -> Response:
+    """A 503 answer with ``Retry-After``: the request may be repeated as it is."""
+    return JSONResponse(
+        {"error": error}, status_code=503, headers={"retry-after": str(RETRY_AFTER)}
+    )
+
+
+async def _store_unavailable(request: Request, exc: Exception) -> Response:
+    log.info("database unavailable", extra=fields(path=request.url.path, error=str(exc)))
+    return unavailable(f"the database is unavailable: {exc}")
+
+
 def _quote(text: str) -> str:
     return urllib.parse.quote(text, safe="")
 
@@ -140,7 +168,7 @@ def _row_document(row: FileRow, base: str) -> dict[str, Any]:
     return {
         "id": row.id,
         "kind": row.kind,
-        "status": api_status(row.status),
+        "status": api_status(row.status, row.kind),
         "state": row.status,
         "filename": row.filename,
         "class": row.file_class,
@@ -220,7 +248,7 @@ class FileApi:
         if problem is None and not PRIORITY_MIN <= priority <= PRIORITY_MAX:
             problem = f"priority: expected a 32-bit signed integer, got {priority}"
         if state.stopping:
-            return JSONResponse({"error": "the server is shutting down"}, status_code=503)
+            return unavailable("the server is shutting down")
         if problem is not None:
             state.count("uploads_refused")
             return JSONResponse({"error": problem}, status_code=400)
@@ -240,22 +268,21 @@ class FileApi:
             state.count("uploads_aborted")
             log.info("upload interrupted", extra=fields(filename=filename))
             return Response(status_code=400)  # nobody reads it
+        except OSError as exc:  # the folder failed (a vanished temporary file, an I/O error)
+            state.count("uploads_failed")
+            log.warning("upload not stored", extra=fields(filename=filename, error=repr(exc)))
+            return unavailable(f"the file could not be stored: {exc}")
         class_name = class_of(filename, state.config)
         file_class = state.file_class(class_name)
         try:
             with trio.CancelScope(shield=True):
-                row = await self.files.create_original(
-                    filename=filename,
-                    file_class=class_name,
-                    priority=priority,
-                    stored=stored,
-                    mimetype=_guess_mimetype(filename),
-                    metadata_step=file_class is not None and file_class.metadata is not None,
-                )
+                row = await self._record(stored, filename, class_name, priority, file_class)
         except StoreUnavailable as exc:
             # it may or may not have committed: the stored bytes stay (never a row
-            # without its file; at worst a file without a row)
-            return JSONResponse({"error": f"the database is unavailable: {exc}"}, 503)
+            # without its file; at worst a file without a row, which the storage
+            # sweep removes once it is unreferenced and old)
+            state.count("uploads_failed")
+            return unavailable(f"the database is unavailable: {exc}")
         state.count("uploads")
         state.count("bytes_uploaded", stored.size)
         state.wake_dispatcher()
@@ -272,6 +299,27 @@ class FileApi:
             ),
         )
         return JSONResponse(file_document(row, [], base=state.base_url), status_code=201)
+
+    async def _record(
+        self,
+        stored: StoredFile,
+        filename: str,
+        class_name: str | None,
+        priority: int,
+        file_class: FileClass | None,
+    ) -> FileRow:
+        """Insert the uploaded original's row; the stored file is settled either way."""
+        try:
+            return await self.files.create_original(
+                filename=filename,
+                file_class=class_name,
+                priority=priority,
+                stored=stored,
+                mimetype=_guess_mimetype(filename),
+                metadata_step=file_class is not None and file_class.metadata is not None,
+            )
+        finally:
+            self.storage.settled(stored.key)
 
     async def get_file(self, request: Request) -> Response:
         """``GET /api/v1/eas/<id>[?wait=S]``: the file and its versions."""
@@ -348,7 +396,11 @@ class FileApi:
     async def healthz(self, request: Request) -> Response:
         """``GET /healthz``: serving, or stopping (503)."""
         if self.state.stopping:
-            return JSONResponse({"status": "stopping"}, status_code=503)
+            return JSONResponse(
+                {"status": "stopping"},
+                status_code=503,
+                headers={"retry-after": str(RETRY_AFTER)},
+            )
         return JSONResponse({"status": "serving"})
 
 
@@ -372,5 +424,6 @@ def build_app(state: FylrState) -> Starlette:
             *metrics.routes(state),
             *topology.routes(state),
             *state.pipes.routes(),
-        ]
+        ],
+        exception_handlers={StoreUnavailable: _store_unavailable},
     )

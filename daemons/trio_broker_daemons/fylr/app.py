@@ -9,8 +9,11 @@ Theory of operation
   cluster in ``state_dir/pg`` (:mod:`trio_broker_daemons.pgcluster`); migrations are
   applied at start. ``files`` (:mod:`trio_broker_daemons.fylr.files`) sits beside
   ``file_queue``;
-- **the storage**: stored files in ``state_dir/files`` (:mod:`trio_broker_daemons.fylr.storage`);
-  leftovers of writes a killed process could not clean up are swept at start;
+- **the storage**: stored files in ``state_dir/files`` (:mod:`trio_broker_daemons.fylr.storage`),
+  which several fylrs may share. The process registers its backend id in the
+  database before it writes anything, so that the other fylrs' sweeps see it
+  alive; leftovers of writers that are gone (:mod:`trio_broker_daemons.fylr.sweep`)
+  are swept at start and then periodically, never a live writer's files;
 - **one HTTP listener** (hypercorn, trio worker) serving the application of
   :mod:`trio_broker_daemons.fylr.api`: the file API, health, inspection and
   metrics (:mod:`trio_broker_daemons.fylr.metrics`), and the one-time pipes and
@@ -82,6 +85,7 @@ class FylrHandle:
         backend_id: this process's backend id.
         files: the ``files`` table (tests and tools read it).
         storage: the stored files.
+        sweeper: the storage sweep (:meth:`StorageSweeper.sweep` sweeps now).
         store: the queue database.
     """
 
@@ -94,6 +98,7 @@ class FylrHandle:
         self.backend_id = state.backend_id
         self.files = state.files
         self.storage = state.storage
+        self.sweeper = state.sweeper
         self.store = state.store
 
     @property
@@ -222,7 +227,8 @@ async def serve_fylr(
 ) -> None:
     """Run a fylr until :meth:`FylrHandle.stop` (or until cancelled).
 
-    Starts (or connects to) the database, sweeps the storage, binds the listener
+    Starts (or connects to) the database, registers its backend id, sweeps the
+    storage of what killed writers left, binds the listener
     of ``config.listen`` (port 0 picks a free port), dials the execservers and
     starts the dispatcher; then calls ``task_status.started()`` with a
     :class:`FylrHandle`. Routes of the listener:
@@ -238,6 +244,11 @@ async def serve_fylr(
         the stored original (``original``) or a ``done`` version; 404 otherwise.
     ``GET /healthz``, ``GET /inspect/system/fylr``, ``GET /metrics``
         health, the inspection document (JSON), Prometheus text.
+    ``POST /inspect/system/fylr/requeue[?id=N]``, ``POST /inspect/system/fylr/sweep``
+        retry the failed queue rows; sweep the storage folder now.
+
+    While the database is unavailable every route that needs it answers 503
+    with ``Retry-After``.
     ``GET|PUT /pipe/<id>``, ``GET /whoami``
         the broker client's one-time pipes and callback check.
 
@@ -249,10 +260,7 @@ async def serve_fylr(
         StoreUnavailable: the database could not be reached.
     """
     backend_id = config.backend_id or new_backend_id(config.name)
-    storage = Storage(config.storage_dir)
-    swept = await storage.sweep_temporary()
-    if swept:
-        log.info("removed leftovers of interrupted writes", extra=fields(files=swept))
+    storage = Storage(config.storage_dir, writer=backend_id)
     state: FylrState | None = None
     try:
         async with (
@@ -264,6 +272,9 @@ async def serve_fylr(
             state = FylrState(
                 config, backend_id=backend_id, store=store, storage=storage, database=database
             )
+            # alive in the database before the first write: other fylrs' sweeps keep our files
+            await store.register_backend(backend_id, config.name)
+            await state.sweeper.sweep(startup=True)
             http_stopped = trio.Event()
             async with trio.open_nursery() as http_nursery:
                 host, port = await http_nursery.start(
@@ -288,6 +299,7 @@ async def serve_fylr(
                             if client is not None:
                                 work.start_soon(_wake_on_capacity, client, dispatcher)
                             work.start_soon(topology_of(state).serve)
+                            work.start_soon(state.sweeper.serve)
                             log.info(
                                 "fylr serving",
                                 extra=fields(

@@ -72,6 +72,8 @@ Top-level keys (:class:`FylrConfig`):
 ``stale_after`` (45s, > 2 × ``heartbeat_interval``)
     A backend whose heartbeat is older than this is dead; its claimed rows are
     requeued. More than two intervals, so one late heartbeat never kills a live one.
+    It also paces the storage sweep (:mod:`~trio_broker_daemons.fylr.sweep`): a dead
+    writer's leftovers go once 2 × ``stale_after`` old, swept every 10 × ``stale_after``.
 ``max_upload_size`` (null)
     Largest upload accepted, bytes or a size string; null = no limit.
 ``default_class`` (null)

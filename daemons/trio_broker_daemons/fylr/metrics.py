@@ -11,10 +11,18 @@ own counters, dispatcher, broker client and pipes from
 :meth:`FylrState.statistics <trio_broker_daemons.fylr.state.FylrState.statistics>`.
 The Prometheus side registers a one-shot collector in a fresh registry for each
 scrape, so nothing is global.
+
+Two operator routes sit beside them: ``POST /inspect/system/fylr/requeue``
+puts the failed queue rows back (all, or ``?id=N`` once or more;
+:func:`~trio_broker_daemons.fylr.failed.retry_failed`), and
+``POST /inspect/system/fylr/sweep`` sweeps the storage folder now
+(:class:`~trio_broker_daemons.fylr.sweep.StorageSweeper`). Like the file API,
+they are not authenticated: the fylr's listener belongs on a trusted network.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,11 +36,16 @@ from starlette.routing import Route
 from trio_broker._version import __version__
 from trio_broker.trio.client import ClientStatistics
 from trio_broker.trio.store import QueueCounts
+from trio_broker_daemons.fylr.failed import failed_items, retry_failed
 from trio_broker_daemons.fylr.state import FylrState, FylrStatistics
+from trio_broker_daemons.fylr.sweep import StorageSweeper
+from trio_broker_daemons.logfmt import fields
 
 __all__ = ["inspect_document", "metrics_text", "routes"]
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+log = logging.getLogger("trio_broker_daemons.fylr.metrics")
 
 
 async def inspect_document(state: FylrState) -> dict[str, Any]:
@@ -42,14 +55,18 @@ async def inspect_document(state: FylrState) -> dict[str, Any]:
         state: the process's shared state.
 
     Returns:
-        Identity, the queue's and the files' counts by state, the HTTP and step
-        counters, and the dispatcher's, the client's and the pipes' snapshots.
+        Identity, the queue's and the files' counts by state, the failed queue
+        rows with their reasons (``failed``, at most
+        :data:`~trio_broker_daemons.fylr.failed.FAILED_SHOWN`), the storage
+        sweep's figures (``storage``), the HTTP and step counters, and the
+        dispatcher's, the client's and the pipes' snapshots.
 
     Raises:
         StoreUnavailable: the database could not be read.
     """
     queue = await state.store.counts()
     counts = await state.files.counts()
+    failed = await failed_items(state.store)
     stats = state.statistics()
     files: dict[str, dict[str, int]] = {"original": {}, "version": {}}
     for (kind, status), count in sorted(counts.items()):
@@ -65,6 +82,8 @@ async def inspect_document(state: FylrState) -> dict[str, Any]:
         "stopping": state.stopping,
         "queue": attrs.asdict(queue),
         "files": files,
+        "failed": failed,
+        "storage": {"folder": str(state.storage.root), **state.sweeper.document()},
         "http": dict(state.counters),
         "steps": dict(stats.steps),
         "dispatcher": attrs.asdict(stats.dispatcher) if stats.dispatcher else None,
@@ -82,7 +101,7 @@ async def metrics_text(state: FylrState) -> bytes:
     queue = await state.store.counts()
     counts = await state.files.counts()
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(state.statistics(), queue, counts))
+    registry.register(_Collector(state.statistics(), queue, counts, state.sweeper))
     return bytes(generate_latest(registry))
 
 
@@ -95,8 +114,25 @@ def routes(state: FylrState) -> list[Route]:
     async def metrics(request: Request) -> Response:
         return Response(await metrics_text(state), media_type=PROMETHEUS_TEXT)
 
+    async def requeue(request: Request) -> Response:
+        raw = request.query_params.getlist("id")
+        if not all(text.isascii() and text.isdigit() and len(text) <= 18 for text in raw):
+            return JSONResponse({"error": "id: expected queue row ids"}, status_code=400)
+        retried = await retry_failed(state.store, ids=[int(text) for text in raw] or None)
+        if retried:
+            state.wake_dispatcher()
+            state.changed()
+        log.info("failed items requeued", extra=fields(items=len(retried)))
+        return JSONResponse({"requeued": [attrs.asdict(item) for item in retried]})
+
+    async def sweep(request: Request) -> Response:
+        result = await state.sweeper.sweep()
+        return JSONResponse(attrs.asdict(result))
+
     return [
         Route("/inspect/system/fylr", inspect_page, methods=["GET"]),
+        Route("/inspect/system/fylr/requeue", requeue, methods=["POST"]),
+        Route("/inspect/system/fylr/sweep", sweep, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
 
@@ -134,10 +170,12 @@ class _Collector:
         stats: FylrStatistics,
         queue: QueueCounts,
         files: Mapping[tuple[str, str], int],
+        sweeper: StorageSweeper,
     ) -> None:
         self.stats = stats
         self.queue = queue
         self.files = files
+        self.sweeper = sweeper
 
     def collect(self) -> list[Metric]:
         stats = self.stats
@@ -158,6 +196,17 @@ class _Collector:
             ("uploads", "Uploads stored and recorded.", stats.uploads),
             ("uploads_refused", "Uploads refused before storing.", stats.uploads_refused),
             ("uploads_aborted", "Uploads whose sender went away.", stats.uploads_aborted),
+            ("uploads_failed", "Uploads the storage failed to keep.", stats.uploads_failed),
+            (
+                "swept_temporary",
+                "Temporary files of killed writers removed.",
+                self.sweeper.temporary_removed,
+            ),
+            (
+                "swept_orphans",
+                "Unreferenced stored files of killed writers removed.",
+                self.sweeper.orphans_removed,
+            ),
             ("uploaded_bytes", "Bytes of recorded uploads.", stats.bytes_uploaded),
             ("downloads", "Downloads started.", stats.downloads),
         ]

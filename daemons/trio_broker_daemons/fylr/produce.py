@@ -30,20 +30,28 @@ An original goes ``new → metadata → sync → produce → done``:
 5. The original is ``done`` once every version is ``done`` or ``error``
    (:func:`original_done`); a failed version does not fail the original.
 
-Internal states, their API status, and who is in them:
+Internal states, the API status they read as (for an original, for a version),
+and who is in them:
 
-===========  ==============  ==========================================================
-state        API status      meaning
-===========  ==============  ==========================================================
-``new``      ``pending``     original: stored, metadata step queued;
-                             version: row created by sync, produce queued
-``metadata`` ``processing``  original: metadata job claimed (running on an execserver)
-``sync``     ``sync``        original: metadata known, sync queued or running (local)
-``produce``  ``processing``  original: versions being produced;
-                             version: produce job claimed (running)
-``done``     ``done``        finished: content and metadata stored
-``error``    ``failed``      failed for good; the row's ``error`` says why
-===========  ==============  ==========================================================
+===========  ==============  ==============  ==========================================
+state        original        version         meaning
+===========  ==============  ==============  ==========================================
+``new``      ``processing``  ``pending``     original: stored, its first step queued;
+                                             version: row created by sync, not yet begun
+``metadata`` ``processing``  ``processing``  original: metadata job claimed (running)
+``sync``     ``sync``        ``sync``        original: metadata known, sync queued or
+                                             running (local)
+``produce``  ``sync``        ``processing``  original: its versions being made;
+                                             version: produce job claimed (running)
+``done``     ``done``        ``done``        finished: content and metadata stored
+``error``    ``failed``      ``failed``      failed for good; the row's ``error`` says why
+===========  ==============  ==============  ==========================================
+
+The API collapses the states as the published file worker does: an original
+whose first step is queued or running is ``processing``, one whose versions are
+planned or being made is ``sync``; ``pending`` is a version that has not begun
+(its produce waits for a slot, or for its source version). A version is never
+in ``metadata`` or ``sync``; the table maps them anyway.
 
 Transitions (:data:`TRANSITIONS`, checked by :func:`check_transition`): a claimed
 step that is requeued (no slot within ``connect_timeout``, no execserver, a
@@ -114,15 +122,25 @@ Readiness: TypeAlias = Literal["ready", "waiting", "failed"]
 STATES: Final[tuple[FileState, ...]] = ("new", "metadata", "sync", "produce", "done", "error")
 FINISHED_STATES: Final[frozenset[FileState]] = frozenset({"done", "error"})
 
-API_STATUS: Final[Mapping[FileState, ApiStatus]] = {
-    "new": "pending",
-    "metadata": "processing",
-    "sync": "sync",
-    "produce": "processing",
-    "done": "done",
-    "error": "failed",
+API_STATUS: Final[Mapping[FileKind, Mapping[FileState, ApiStatus]]] = {
+    "original": {
+        "new": "processing",
+        "metadata": "processing",
+        "sync": "sync",
+        "produce": "sync",
+        "done": "done",
+        "error": "failed",
+    },
+    "version": {
+        "new": "pending",
+        "metadata": "processing",
+        "sync": "sync",
+        "produce": "processing",
+        "done": "done",
+        "error": "failed",
+    },
 }
-"""Internal state → API status (the table of the module docstring)."""
+"""Kind → internal state → API status (the table of the module docstring)."""
 
 TRANSITIONS: Final[Mapping[FileKind, Mapping[FileState, frozenset[FileState]]]] = {
     "original": {
@@ -164,22 +182,23 @@ class InvalidTransition(ValueError):
 # -- states -------------------------------------------------------------------------
 
 
-def api_status(state: FileState) -> ApiStatus:
+def api_status(state: FileState, kind: FileKind = "original") -> ApiStatus:
     """The API status of an internal state.
 
     Args:
         state: one of :data:`STATES`.
+        kind: ``original`` or ``version``.
 
     Returns:
         ``pending``, ``processing``, ``sync``, ``done`` or ``failed``.
 
     Raises:
-        ValueError: not a known state.
+        ValueError: not a known state or kind.
     """
     try:
-        return API_STATUS[state]
+        return API_STATUS[kind][state]
     except KeyError:
-        raise ValueError(f"unknown file state {state!r}") from None
+        raise ValueError(f"unknown file state {state!r} of kind {kind!r}") from None
 
 
 def can_transition(kind: FileKind, old: FileState, new: FileState) -> bool:

@@ -11,8 +11,8 @@ HTTP API (:mod:`~trio_broker_daemons.fylr.api`), the queue worker
 its own; it holds:
 
 - the resources: the configuration, the queue store and the ``files`` table on
-  it, the stored files, the one-time pipes, and (once started) the broker client
-  and the dispatcher;
+  it, the stored files and their sweeper, the one-time pipes, and (once started)
+  the broker client and the dispatcher;
 - the counters the HTTP side and the steps keep (:meth:`FylrState.count`,
   :meth:`FylrState.step`), read as a frozen :class:`FylrStatistics`;
 - change notification without polling: :meth:`FylrState.changed` wakes whoever
@@ -35,10 +35,18 @@ from trio_broker.trio.store import Store
 from trio_broker_daemons.fylr.config import FileClass, FylrConfig
 from trio_broker_daemons.fylr.files import FileStore
 from trio_broker_daemons.fylr.storage import Storage
+from trio_broker_daemons.fylr.sweep import StorageSweeper
 
 __all__ = ["FylrState", "FylrStatistics"]
 
-COUNTERS = ("uploads", "uploads_refused", "uploads_aborted", "bytes_uploaded", "downloads")
+COUNTERS = (
+    "uploads",
+    "uploads_refused",
+    "uploads_aborted",
+    "uploads_failed",
+    "bytes_uploaded",
+    "downloads",
+)
 """The HTTP side's counters, by name."""
 
 
@@ -51,6 +59,7 @@ class FylrStatistics:
         uploads: uploads stored and recorded.
         uploads_refused: uploads refused before storing (bad request, too large).
         uploads_aborted: uploads whose sender went away before the end (nothing kept).
+        uploads_failed: uploads the storage folder failed to keep (answered 503).
         bytes_uploaded: bytes of the recorded uploads.
         downloads: downloads started.
         steps: step ends by ``"<action>.<outcome>"`` (``produce.done``,
@@ -65,6 +74,7 @@ class FylrStatistics:
     uploads: int
     uploads_refused: int
     uploads_aborted: int
+    uploads_failed: int
     bytes_uploaded: int
     downloads: int
     steps: Mapping[str, int]
@@ -98,6 +108,7 @@ class FylrState:
         self.store = store
         self.files = FileStore(store)
         self.storage = storage
+        self.sweeper = StorageSweeper(storage, store, stale_after=config.stale_after)
         self.database = database
         self.pipes = PipeRegistry(backend_id)
         self.client: BrokerClient | None = None
@@ -165,6 +176,7 @@ class FylrState:
             uploads=c["uploads"],
             uploads_refused=c["uploads_refused"],
             uploads_aborted=c["uploads_aborted"],
+            uploads_failed=c["uploads_failed"],
             bytes_uploaded=c["bytes_uploaded"],
             downloads=c["downloads"],
             steps=dict(self.steps),

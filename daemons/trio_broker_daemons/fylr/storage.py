@@ -5,20 +5,44 @@ Theory of operation
 
 :class:`Storage` owns one folder with two subfolders, ``originals/`` (uploads)
 and ``versions/`` (renditions). A file's **key** is chosen here, never taken from
-a user's file name: ``<kind folder>/<2 hex>/<32 hex>``, 128 random bits, fanned
-out over 256 subfolders so that no folder grows huge. :meth:`Storage.path` accepts
+a user's file name: ``<kind folder>/<2 hex>/<32 hex>``, 64 random bits and the
+writer's tag (below), fanned out by the random part over 256 subfolders so that
+no folder grows huge. :meth:`Storage.path` accepts
 only keys of exactly that form, so a key from a database row can never point
 outside the folder.
 
 Writing is all or nothing. :meth:`Storage.write_stream` writes the chunks to a
-temporary file ``.tmp-<random>`` in the destination's own folder, hashing
-(SHA-256) and counting as it goes; on success it flushes, ``fsync``\\ s, renames
-the temporary file to its key and ``fsync``\\ s the folder, so a returned key
-names a complete file that survives a crash. On any failure or cancellation (the
-client hung up, a chunk source raised, the size limit was passed, the disk is
-full) the temporary file is closed and deleted in a shielded, bounded cleanup:
-an interrupted upload leaves nothing. A process killed outright cannot clean up;
-:meth:`Storage.sweep_temporary` removes such leftovers at startup.
+temporary file ``.tmp-<writer tag>-<random>`` in the destination's own folder,
+hashing (SHA-256) and counting as it goes; on success it flushes, ``fsync``\\ s,
+renames the temporary file to its key and ``fsync``\\ s the folder, so a
+returned key names a complete file that survives a crash. On any failure or
+cancellation (the client hung up, a chunk source raised, the size limit was
+passed, the disk is full) the temporary file is closed and deleted in a
+shielded, bounded cleanup: an interrupted upload leaves nothing.
+
+Several processes on one folder
+-------------------------------
+
+Several fylrs may share the folder (and the database). Each :class:`Storage` is
+made for one **writer**, the backend id of its process, and marks what it writes
+with the writer's **tag** (:func:`writer_tag`, 64 bits of the id's SHA-256):
+temporary files carry it in their name, and a key's 32 hex digits are 64 random
+bits followed by the tag. A process killed outright cannot clean up after
+itself; its leftovers are of two sorts: temporary files of writes it never
+finished, and stored files it wrote but never recorded in a row (killed between
+the two). Nothing here decides alone what another process still uses:
+:meth:`Storage.scan` lists both sorts with their writer and age, :func:`abandoned`
+judges one (pure, the time passed in), :meth:`Storage.remove` deletes. The rule
+(:mod:`~trio_broker_daemons.fylr.sweep` applies it with the database's view of
+the live backends and of the referenced keys) is that a leftover is removed only
+when its writer is not a live backend *and* it has not been written to for a
+grace period; a stored file moreover only when no row references it. A write in
+progress in a live process is therefore never touched, whoever sweeps. Within
+one process the same holds without the heartbeat: a key stays in
+:attr:`Storage.recording` from before its file exists until the caller has
+written (or failed to write) its row (:meth:`Storage.settled`), and the sweep
+spares those; so a live fylr also removes what it stored itself and then could
+not record (the database failed at that moment).
 
 Blocking file I/O runs in worker threads (:func:`trio.to_thread.run_sync`); small
 chunks are gathered to :data:`WRITE_BATCH` bytes before each hop, and hashing
@@ -32,8 +56,7 @@ import hashlib
 import os
 import re
 import secrets
-from collections.abc import AsyncIterable
-from functools import partial
+from collections.abc import AsyncIterable, Collection, Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Final, Literal, TypeAlias
@@ -47,9 +70,12 @@ __all__ = [
     "WRITE_BATCH",
     "FileReader",
     "FileTooLarge",
+    "Leftover",
     "Storage",
     "StoredFile",
     "StoredKind",
+    "abandoned",
+    "writer_tag",
 ]
 
 StoredKind: TypeAlias = Literal["original", "version"]
@@ -63,6 +89,9 @@ WRITE_BATCH: Final = 65536
 
 _TEMP_PREFIX: Final = ".tmp-"
 _KEY: Final = re.compile(r"(originals|versions)/([0-9a-f]{2})/(\2[0-9a-f]{30})")
+_TEMP_NAME: Final = re.compile(r"\.tmp-([0-9a-f]{16})-[0-9a-f]{16}")
+_NAME: Final = re.compile(r"[0-9a-f]{32}")
+_TAG_HEX: Final = 16
 _CLEANUP_TIMEOUT: Final = 10.0
 
 
@@ -89,6 +118,50 @@ class StoredFile:
     sha256: str
 
 
+def writer_tag(writer: str) -> str:
+    """The tag a writer marks its files with: 16 hex digits of the SHA-256 of its id.
+
+    Args:
+        writer: a backend id (any string; ``""`` for an anonymous writer).
+    """
+    return hashlib.sha256(writer.encode()).hexdigest()[:_TAG_HEX]
+
+
+@attrs.frozen(kw_only=True)
+class Leftover:
+    """A file a sweep may remove: a temporary file, or a stored file (maybe unreferenced).
+
+    Attributes:
+        path: the file.
+        kind: ``temporary`` (an unfinished write) or ``stored`` (a complete file).
+        key: a stored file's key (``None`` for a temporary file).
+        writer: the writer's tag from the name (``None``: a name of no known writer).
+        age: seconds since it was last written to, when it was scanned.
+    """
+
+    path: Path
+    kind: Literal["temporary", "stored"]
+    key: str | None
+    writer: str | None
+    age: float
+
+
+def abandoned(leftover: Leftover, *, live: Collection[str], grace: float) -> bool:
+    """Whether nobody can still be writing or recording a file.
+
+    Args:
+        leftover: what :meth:`Storage.scan` found.
+        live: the tags (:func:`writer_tag`) of the backends that are alive.
+        grace: seconds a file must have gone unwritten.
+
+    Returns:
+        ``True`` when its writer is not among ``live`` (or unknown) and it is at
+        least ``grace`` seconds old. A stored file must further be unreferenced,
+        which only the database can say.
+    """
+    return leftover.age >= grace and (leftover.writer is None or leftover.writer not in live)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -113,12 +186,12 @@ def _make_dirs(path: Path, root: Path) -> None:
         _fsync_dir(folder.parent)
 
 
-def _open_temporary(folder: Path) -> tuple[Path, IO[bytes]]:
+def _open_temporary(folder: Path, tag: str) -> tuple[Path, IO[bytes]]:
     while True:
-        temp = folder / f"{_TEMP_PREFIX}{secrets.token_hex(16)}"
+        temp = folder / f"{_TEMP_PREFIX}{tag}-{secrets.token_hex(8)}"
         try:
             return temp, open(temp, "xb")
-        except FileExistsError:  # pragma: no cover - 128 random bits
+        except FileExistsError:  # pragma: no cover - 64 random bits per writer
             continue
 
 
@@ -131,7 +204,7 @@ def _finish(stream: IO[bytes], temp: Path, final: Path) -> None:
     stream.flush()
     os.fsync(stream.fileno())
     stream.close()
-    if final.exists():  # pragma: no cover - 128 random bits
+    if final.exists():  # pragma: no cover - 64 random bits per writer
         raise FileExistsError(errno.EEXIST, "key already in use", str(final))
     os.rename(temp, final)
     try:
@@ -153,10 +226,16 @@ class Storage:
 
     Args:
         root: the folder; it and its subfolders are created on first write.
+        writer: the backend id of the process that writes through this object
+            (its files carry :func:`writer_tag` of it).
     """
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, writer: str = "") -> None:
         self.root = Path(root)
+        self.writer = writer
+        self.tag = writer_tag(writer)
+        self.recording: set[str] = set()
+        """Keys this object wrote whose row is not settled yet (:meth:`settled`)."""
 
     def __repr__(self) -> str:
         return f"Storage({str(self.root)!r})"
@@ -190,14 +269,14 @@ class Storage:
         return "original" if match.group(1) == "originals" else "version"
 
     def new_key(self, kind: StoredKind) -> str:
-        """A fresh random key of this kind (128 bits; nothing is created).
+        """A fresh key of this kind: 64 random bits and this writer's tag (nothing is created).
 
         Raises:
             ValueError: an unknown kind.
         """
         if kind not in KIND_FOLDERS:
             raise ValueError(f"kind must be 'original' or 'version', got {kind!r}")
-        name = secrets.token_hex(16)
+        name = secrets.token_hex(8) + self.tag
         return f"{KIND_FOLDERS[kind]}/{name[:2]}/{name}"
 
     async def write_stream(
@@ -212,11 +291,13 @@ class Storage:
                 for no limit.
 
         Returns:
-            The key, size and SHA-256 of the complete, durable file.
+            The key, size and SHA-256 of the complete, durable file. The key is
+            in :attr:`recording` until the caller calls :meth:`settled`.
 
         Raises:
             FileTooLarge: the stream passed ``max_size``.
-            OSError: the file could not be written (disk full, permissions).
+            OSError: the file could not be written (disk full, permissions, the
+                folder went away, the temporary file vanished).
             Exception: whatever iterating ``chunks`` raised.
 
             On any of these and on cancellation nothing is left behind.
@@ -224,7 +305,7 @@ class Storage:
         key = self.new_key(kind)
         final = self.root / key
         await trio.to_thread.run_sync(_make_dirs, final.parent, self.root)
-        temp, stream = await trio.to_thread.run_sync(_open_temporary, final.parent)
+        temp, stream = await trio.to_thread.run_sync(_open_temporary, final.parent, self.tag)
         digest = hashlib.sha256()
         size = 0
         pending: list[bytes] = []
@@ -246,12 +327,23 @@ class Storage:
             if pending:
                 await trio.to_thread.run_sync(_write_batch, stream, digest, b"".join(pending))
                 pending.clear()
+            self.recording.add(key)  # before it exists under its key: a sweep keeps it
             await trio.to_thread.run_sync(_finish, stream, temp, final)
         except BaseException:
+            self.recording.discard(key)
             with trio.CancelScope(shield=True), trio.move_on_after(_CLEANUP_TIMEOUT):
                 await trio.to_thread.run_sync(_discard, stream, temp)
             raise
         return StoredFile(key=key, size=size, sha256=digest.hexdigest())
+
+    def settled(self, key: str) -> None:
+        """The writer is done recording ``key`` (the row was written, or writing it failed).
+
+        Until then a sweep in this process never removes the file; afterwards it
+        may, once the file is old and no row references it. Not calling it only
+        keeps the file.
+        """
+        self.recording.discard(key)
 
     async def open_read(self, key: str, *, chunk_size: int = CHUNK_SIZE) -> FileReader:
         """Open a stored file for streaming out.
@@ -304,16 +396,29 @@ class Storage:
         """
         return await trio.to_thread.run_sync(self.path(key).is_file)
 
-    async def sweep_temporary(self) -> int:
-        """Delete the temporary files of interrupted writes (a killed process leaves them).
+    async def scan(self, now: float) -> list[Leftover]:
+        """Every temporary and stored file under the folder, with its writer and age.
 
-        Call it at startup, before any write: it removes every temporary file,
-        including those of writes still running in another process on this folder.
+        Args:
+            now: the current time (``time.time()``), to age the files by their mtime.
+
+        Returns:
+            The files found (a file that vanishes while scanning is left out).
+        """
+        return await trio.to_thread.run_sync(_scan, self.root, now)
+
+    async def remove(self, leftovers: Iterable[Leftover]) -> int:
+        """Delete files :meth:`scan` found (those already gone count as not deleted).
 
         Returns:
             How many files were deleted.
         """
-        return await trio.to_thread.run_sync(partial(_sweep, self.root))
+        paths = [leftover.path for leftover in leftovers]
+        return await trio.to_thread.run_sync(_remove, paths)
+
+    async def available(self) -> bool:
+        """Whether the folder itself can be reached (a missing file then is really missing)."""
+        return await trio.to_thread.run_sync(_folder_available, self.root)
 
 
 def _open_for_reading(path: Path) -> tuple[IO[bytes], int]:
@@ -325,13 +430,61 @@ def _open_for_reading(path: Path) -> tuple[IO[bytes], int]:
         raise
 
 
-def _sweep(root: Path) -> int:
-    count = 0
+def _scan(root: Path, now: float) -> list[Leftover]:
+    found: list[Leftover] = []
     for folder in KIND_FOLDERS.values():
-        for temp in (root / folder).glob(f"*/{_TEMP_PREFIX}*"):
-            temp.unlink(missing_ok=True)
-            count += 1
+        try:
+            fans = sorted(os.scandir(root / folder), key=lambda e: e.name)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for fan in fans:
+            if not fan.is_dir(follow_symlinks=False):
+                continue
+            try:
+                entries = list(os.scandir(fan.path))
+            except FileNotFoundError:  # pragma: no cover - removed meanwhile
+                continue
+            for entry in entries:
+                leftover = _leftover(entry, f"{folder}/{fan.name}", now)
+                if leftover is not None:
+                    found.append(leftover)
+    return found
+
+
+def _leftover(entry: os.DirEntry[str], folder: str, now: float) -> Leftover | None:
+    name = entry.name
+    try:
+        if not entry.is_file(follow_symlinks=False):
+            return None
+        age = now - entry.stat(follow_symlinks=False).st_mtime
+    except FileNotFoundError:
+        return None
+    if name.startswith(_TEMP_PREFIX):
+        match = _TEMP_NAME.fullmatch(name)
+        writer = match.group(1) if match else None
+        return Leftover(path=Path(entry.path), kind="temporary", key=None, writer=writer, age=age)
+    key = f"{folder}/{name}"
+    if not _NAME.fullmatch(name) or not _KEY.fullmatch(key):
+        return None  # not ours: never touched
+    return Leftover(path=Path(entry.path), kind="stored", key=key, writer=name[-_TAG_HEX:], age=age)
+
+
+def _remove(paths: Iterable[Path]) -> int:
+    count = 0
+    for path in paths:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        count += 1
     return count
+
+
+def _folder_available(root: Path) -> bool:
+    try:
+        return root.is_dir() and os.access(root, os.R_OK | os.X_OK)
+    except OSError:  # pragma: no cover - an unreachable mount
+        return False
 
 
 class FileReader:

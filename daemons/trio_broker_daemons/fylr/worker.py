@@ -26,11 +26,19 @@ which also queues the next step:
     ends the version ``error`` with the receipt's ``stderr_line``. The original
     is ``done`` when every version has ended.
 
-Retries. A step that cannot finish raises a typed outcome and lets it go on
-to the dispatcher: the broker client's ``NoSlot``, ``NoExecserver``,
-``UnknownService``, ``JobLost`` or ``ClientClosed``, the store's
-``StoreUnavailable``, or :class:`~trio_broker.core.errors.JobStopped` for a job
-the execserver stopped (draining) or whose output did not arrive whole. The
+Retries. A version or a metadata step fails for good only when its input or
+its recipe is at fault: the command ended with an error (a corrupt input, a
+converter's own failure), or the stored input is missing while the storage
+folder is there. Any other reason is temporary. A step that cannot finish raises
+a typed outcome and lets it go on to the dispatcher: the broker client's
+``NoSlot``, ``NoExecserver``, ``UnknownService``, ``JobLost`` (a killed
+execserver) or ``ClientClosed``, the store's ``StoreUnavailable`` (a lost
+database connection), :class:`~trio_broker.core.errors.JobStopped` for a job the
+execserver stopped (draining) or whose output did not arrive whole, or
+:class:`~trio_broker.core.errors.RetryLater` after ``retry_delay`` for a storage
+error (:meth:`FileWorker.storage_failed`: a temporary file that vanished under
+its writer, an I/O error of a shared folder, a full disk, an input that could
+not be read, an unreachable folder). The
 one outcome table (:func:`trio_broker.core.dispatch.judge`) decides, for the
 dispatcher and for the step alike, whether the item runs again (then the file
 goes back to the state the step started from) or fails (then the version, or
@@ -51,7 +59,13 @@ import trio
 
 from trio_broker.core import protocol as p
 from trio_broker.core.dispatch import Verdict, judge
-from trio_broker.core.errors import JobStopped, NoExecserver, StoreUnavailable
+from trio_broker.core.errors import (
+    JobStopped,
+    NoExecserver,
+    RetryLater,
+    StoreUnavailable,
+    describe,
+)
 from trio_broker.trio.dispatcher import Action
 from trio_broker.trio.pipes import OutPipe, Sink
 from trio_broker.trio.store import QueueItem
@@ -89,13 +103,18 @@ _CLEANUP_TIMEOUT: Final = 10.0
 
 
 class _StoredSource:
-    """An in-pipe's source: a stored file, opened only when the execserver asks for it."""
+    """An in-pipe's source: a stored file, opened only when the execserver asks for it.
+
+    A read that fails is remembered in :attr:`error`: the job then saw a cut-off
+    input, and its result is not to be trusted whatever it says.
+    """
 
     def __init__(self, storage: Storage, key: str) -> None:
         self._storage = storage
         self._key = key
         self._reader: FileReader | None = None
         self._closed = False
+        self.error: OSError | None = None
 
     def __aiter__(self) -> _StoredSource:
         return self
@@ -103,9 +122,13 @@ class _StoredSource:
     async def __anext__(self) -> bytes:
         if self._closed:
             raise StopAsyncIteration
-        if self._reader is None:
-            self._reader = await self._storage.open_read(self._key)
-        return await self._reader.__anext__()
+        try:
+            if self._reader is None:
+                self._reader = await self._storage.open_read(self._key)
+            return await self._reader.__anext__()
+        except OSError as exc:
+            self.error = exc
+            raise
 
     async def aclose(self) -> None:
         self._closed = True
@@ -190,13 +213,24 @@ class FileWorker:
         """Run a body-mode job: ``source_key`` on its stdin, its stdout into ``sink``.
 
         Raises:
-            FileNotFoundError: the stored input is gone (a hard failure, not a retry).
+            FileNotFoundError: the stored input is gone while the storage folder is
+                there (a hard failure, not a retry).
+            RetryLater: the storage folder could not be reached, or reading the
+                input failed during the job (the job's result is dropped).
             NoExecserver, NoSlot, JobLost, ClientClosed: see :meth:`BrokerClient.run`.
         """
         client = self.state.client
         if client is None:
             raise NoExecserver("no execserver is configured")
-        if not await self.storage.exists(source_key):
+        try:
+            present = await self.storage.exists(source_key)
+        except OSError as exc:
+            raise self.storage_failed(exc) from exc
+        if not present:
+            if not await self.storage.available():
+                raise self.storage_failed(
+                    FileNotFoundError(f"the storage folder {self.storage.root} is unreachable")
+                )
             raise FileNotFoundError(f"the stored input {source_key} is missing")
         source = _StoredSource(self.storage, source_key)
         try:
@@ -214,7 +248,17 @@ class FileWorker:
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(_CLEANUP_TIMEOUT):
                 await source.aclose()
+        if source.error is not None:
+            raise self.storage_failed(source.error) from source.error
         return receipt, stdout
+
+    def storage_failed(self, exc: BaseException) -> RetryLater:
+        """The outcome of a storage error: temporary, the step runs again after ``retry_delay``.
+
+        A vanished temporary file (another process's sweep, a remount), an I/O
+        error of a shared folder, a full disk: none is the input's fault.
+        """
+        return RetryLater(self.state.config.retry_delay, f"storage: {describe(exc)}")
 
     def judge(self, exc: BaseException) -> Verdict:
         """What the dispatcher will make of a step that raised ``exc`` (the outcome table)."""
@@ -366,16 +410,21 @@ class FileWorker:
         metadata = version_metadata(name, recipe, receipt)
         if stored is not None:
             # A database error here may or may not have committed: the file is kept
-            # either way (an unreferenced file is the safe loss).
-            end = await self.files.end_version(
-                version_id,
-                version.produce_hash,
-                stored=stored,
-                mimetype=recipe.mimetype or OCTET_STREAM,
-                metadata=metadata,
-            )
+            # either way (an unreferenced file is the safe loss; the storage sweep
+            # removes it once it is old, now that it is settled).
+            try:
+                end = await self.files.end_version(
+                    version_id,
+                    version.produce_hash,
+                    stored=stored,
+                    mimetype=recipe.mimetype or OCTET_STREAM,
+                    metadata=metadata,
+                )
+            finally:
+                self.storage.settled(stored.key)
             if not end.applied:  # a replay, or a removed version: keep nothing
-                await self.storage.delete(stored.key)
+                with contextlib.suppress(OSError):  # else the storage sweep removes it
+                    await self.storage.delete(stored.key)
         else:
             end = await self.files.end_version(
                 version_id,
@@ -412,40 +461,54 @@ class FileWorker:
         Raises:
             JobStopped: the execserver stopped the job, or the output did not
                 arrive whole.
+            RetryLater: the rendition could not be written to storage, or the
+                input could not be read (:meth:`storage_failed`).
         """
         version, original = start.version, start.original
         send, receive = trio.open_memory_channel[bytes](0)
         stored: list[StoredFile] = []
+        failed: list[OSError] = []
 
         async def write() -> None:
             async with receive:
-                stored.append(await self.storage.write_stream("version", receive))
+                try:
+                    stored.append(await self.storage.write_stream("version", receive))
+                except OSError as exc:  # the storage's fault, not the job's: stop the job
+                    failed.append(exc)
+                    nursery.cancel_scope.cancel()
 
         async def sink(chunk: bytes) -> None:
             await send.send(chunk)
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(write)
-            try:
-                receipt, stdout = await self.run_piped(
-                    recipe.service,
-                    recipe.params,
-                    source_key=start.source_key,
-                    sink=sink,
-                    priority=original.priority,
-                    subject=f"{original.filename} #{original.id} {version.version}",
-                    job_id=job_id,
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(write)
+                try:
+                    receipt, stdout = await self.run_piped(
+                        recipe.service,
+                        recipe.params,
+                        source_key=start.source_key,
+                        sink=sink,
+                        priority=original.priority,
+                        subject=f"{original.filename} #{original.id} {version.version}",
+                        job_id=job_id,
+                    )
+                except BaseException:
+                    nursery.cancel_scope.cancel()
+                    raise
+                complete = stdout.state == "done" or (
+                    stdout.state == "closed" and receipt.stdout_bytes == 0
                 )
-            except BaseException:
-                nursery.cancel_scope.cancel()
-                raise
-            complete = stdout.state == "done" or (
-                stdout.state == "closed" and receipt.stdout_bytes == 0
-            )
-            if receipt.status == "ok" and complete:
-                await send.aclose()  # the writer finishes the file
-            else:
-                nursery.cancel_scope.cancel()  # the writer deletes what it has
+                if receipt.status == "ok" and complete:
+                    await send.aclose()  # the writer finishes the file
+                else:
+                    nursery.cancel_scope.cancel()  # the writer deletes what it has
+        except Exception as exc:
+            if failed:  # what broke the job was the storage
+                raise self.storage_failed(failed[0]) from exc
+            raise
+        if failed:
+            raise self.storage_failed(failed[0]) from failed[0]
         if stopped := _stopped(receipt, "the job"):
             raise stopped
         if receipt.status == "ok":
