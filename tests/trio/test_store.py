@@ -12,15 +12,13 @@ import pytest
 import trio
 from trio_broker_daemons.pgcluster import PgCluster
 
+from trio_broker.trio.schema import Migration, apply_migrations, load_migrations
 from trio_broker.trio.store import (
     ClaimRequest,
-    Migration,
     NewItem,
     Outcome,
     Store,
     StoreUnavailable,
-    apply_migrations,
-    load_migrations,
     open_store,
 )
 

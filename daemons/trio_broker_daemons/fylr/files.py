@@ -46,7 +46,8 @@ import psycopg
 from psycopg.rows import TupleRow
 from psycopg.types.json import Jsonb
 
-from trio_broker.trio.store import Migration, Store, load_migrations
+from trio_broker.trio.schema import Migration, load_migrations
+from trio_broker.trio.store import Store
 from trio_broker_daemons.fylr.produce import (
     FINISHED_STATES,
     FileKind,
