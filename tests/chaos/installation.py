@@ -40,8 +40,6 @@ import yaml
 from trio_broker_daemons.haproxy import HAProxy, open_haproxy
 from trio_broker_daemons.pgcluster import PgCluster, free_port
 
-from tests.support.pg import TEST_SETTINGS
-
 __all__ = [
     "EXAMPLES",
     "JOB_MARKER",
@@ -59,6 +57,10 @@ JOB_MARKER: Final = "TRIO_BROKER_CHAOS_RUN"
 """The environment variable every job of a run carries (its value: the run's token)."""
 READY_WITHIN: Final = 120.0
 STOP_WITHIN: Final = 60.0
+DATABASE_SETTINGS: Final = {"max_connections": "200"}
+"""Durable, unlike the test session's cluster: with ``synchronous_commit`` or ``fsync``
+off an immediate restart may lose commits a fylr was told about, which no daemon can
+be asked to survive."""
 DRAIN_TIMEOUT: Final = 30.0
 """The execservers' ``drain_timeout``: what a drain may take before jobs are stopped."""
 
@@ -284,7 +286,7 @@ async def open_chaos_installation(workdir: Path, token: str) -> AsyncIterator[Ch
     configs = workdir / "configs"
     configs.mkdir(exist_ok=True)
     pg_folder = tempfile.mkdtemp(prefix="trio-broker-chaos-pg-")
-    cluster = PgCluster(pg_folder, settings=TEST_SETTINGS)
+    cluster = PgCluster(pg_folder, settings=DATABASE_SETTINGS)
     daemons: list[Daemon] = []
     try:
         await trio.to_thread.run_sync(cluster.start)
