@@ -218,7 +218,7 @@ def fylr_mapping(
         connect_timeout="30s",
         retry_delay="1s",
         heartbeat_interval="0.5s",
-        stale_after="3s",
+        stale_after="5s",
     )
     return document
 

@@ -314,11 +314,10 @@ class _Run:
                 uploads.start_soon(self._chaos)
             self.uploads_done.set()
             self.phase = "end"
-            await self._wait_settled()
-            self.report.notes.append(
-                f"uploaded {self.uploaded}; everything ended at"
-                f" {time.monotonic() - self.started:.1f} s"
-            )
+            if await self._wait_settled():
+                self.report.notes.append(
+                    f"everything ended {time.monotonic() - self.started:.1f} s after the start"
+                )
             self.settled.set()
         for (name, phase, code), count in sorted(self.errors.items()):
             self.report.violations.append(f"{name} answered {code} {count} times (during {phase})")
@@ -499,8 +498,8 @@ class _Run:
                 f" {RECOVER_WITHIN:g} s after it"
             )
 
-    async def _wait_settled(self) -> None:
-        """Until every file has ended and nothing is ready or claimed (bounded)."""
+    async def _wait_settled(self) -> bool:
+        """Until every file has ended and nothing is ready or claimed (bounded): whether it did."""
         sql = (
             "SELECT (SELECT count(*) FROM files WHERE status NOT IN ('done', 'error')) AS open,"
             " (SELECT count(*) FROM file_queue WHERE status IN ('new', 'claimed')) AS queued"
@@ -509,7 +508,7 @@ class _Run:
             while True:
                 rows = await self.query(sql)
                 if rows is not None and rows[0]["open"] == 0 and rows[0]["queued"] == 0:
-                    return
+                    return True
                 await trio.sleep(PROBE_INTERVAL)
         rows = await self.query(
             "SELECT id, kind, filename, version, status, error FROM files"
@@ -521,6 +520,7 @@ class _Run:
                 f"{what}{row['filename']} (file {row['id']}): still {row['status']!r}"
                 f" {self.plan.end_within:g} s after the last event"
             )
+        return False
 
     # -- the checks ----------------------------------------------------------------------
 
