@@ -109,7 +109,9 @@ SHORT: Final = ChaosPlan(
     seed=1, files=40, kills=4, max_side=640, pace=3.0, gap=(1.0, 3.0), end_within=240.0
 )
 """The version ``make test`` runs: about a minute (the uploads spread over the schedule)."""
-LONG: Final = ChaosPlan(seed=1, files=300, kills=24, max_side=1600, pace=1.2, end_within=600.0)
+LONG: Final = ChaosPlan(
+    seed=1, files=300, kills=24, max_side=1600, pace=2.0, gap=(1.5, 4.0), end_within=600.0
+)
 """The version ``make soak`` runs: several minutes."""
 
 
