@@ -127,6 +127,8 @@ class Daemon:
             text = ""
             with trio.move_on_after(READY_WITHIN):
                 text = await _read_ready(ready, process)
+            with contextlib.suppress(OSError):  # release an abandoned reader, if any
+                os.close(os.open(ready, os.O_WRONLY | os.O_NONBLOCK))
         if not text.strip():
             await self.kill()
             raise DaemonError(

@@ -378,6 +378,7 @@ class _Run:
                 if self.settled.is_set():
                     return
                 if not fylr.running:
+                    await trio.sleep(PROBE_INTERVAL)  # it is being restarted
                     continue
                 url = f"{fylr.url}/api/v1/eas/{self.ids[name]}"
                 try:
@@ -393,8 +394,7 @@ class _Run:
     async def _chaos(self) -> None:
         last = time.monotonic()
         for number, event in enumerate(schedule(self.plan), 1):
-            with trio.move_on_after(max(0.0, last + event.gap - time.monotonic())):
-                await trio.sleep_forever()  # the schedule's gap: part of the workload
+            await trio.sleep(max(0.0, last + event.gap - time.monotonic()))  # the schedule's gap
             reached = await self._wait_progress(event.progress)
             at = await self.progress()
             if not reached:
