@@ -110,7 +110,7 @@ SHORT: Final = ChaosPlan(
 )
 """The version ``make test`` runs: about a minute (the uploads spread over the schedule)."""
 LONG: Final = ChaosPlan(
-    seed=1, files=300, kills=24, max_side=1600, pace=2.0, gap=(1.5, 4.0), end_within=600.0
+    seed=1, files=300, kills=24, max_side=1600, pace=2.6, gap=(1.5, 4.0), end_within=600.0
 )
 """The version ``make soak`` runs: several minutes."""
 
