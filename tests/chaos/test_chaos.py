@@ -1,0 +1,230 @@
+"""The chaos soak: the short seeded run (``make test``), the long one (``make soak``), and the
+harness's own decisions and checks.
+
+The runs start real processes (two fylrs on one PostgreSQL and one storage
+folder, three execservers, two behind a real HAProxy) and kill them; see
+:mod:`tests.chaos.run`. ``python -m tests.chaos`` runs the same outside pytest.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import os
+from pathlib import Path
+
+import attrs
+import pytest
+import trio
+from PIL import Image
+from trio_broker_daemons.fylr.config import FylrConfig
+
+from tests.chaos.checks import (
+    CONVERTER_ERROR,
+    FileRecord,
+    _expected_status,
+    _invalid,
+    _original_problems,
+    check_rows,
+)
+from tests.chaos.installation import EXAMPLES
+from tests.chaos.run import EXECSERVERS, FYLRS, LONG, SHORT, ChaosPlan, run_chaos, schedule
+from tests.chaos.samples import Sample, make_workload
+
+RUN_WITHIN = 1200.0
+
+
+def _config() -> FylrConfig:
+    return FylrConfig.from_yaml(EXAMPLES / "fylr.yml")
+
+
+# -- the harness decides by its seed ------------------------------------------------------------
+
+
+def test_the_schedule_follows_the_seed() -> None:
+    """Same plan, same events; another seed, other events; every kind of event is there."""
+    plan = ChaosPlan(seed=5, files=40, kills=6)
+    events = schedule(plan)
+    assert events == schedule(plan)
+    assert events != schedule(attrs.evolve(plan, seed=6))
+    kills = [e.target for e in events if e.action == "kill"]
+    assert len(kills) == 6
+    assert set(FYLRS) <= set(kills)
+    assert set(kills) & set(EXECSERVERS)
+    assert [e.action for e in events].count("database") == 2
+    drains = [e for e in events if e.action == "drain"]
+    assert len(drains) == 1
+    assert drains[0].target in EXECSERVERS
+    thresholds = [e.progress for e in events]
+    assert thresholds == sorted(thresholds)
+    assert all(0.05 <= t <= 0.85 for t in thresholds)
+    assert all(e.gap >= plan.gap[0] and plan.down[0] <= e.down <= plan.down[1] for e in events)
+
+
+def test_the_workload_follows_the_seed() -> None:
+    """The same bytes for the same seed; corrupt images that do not decode; one duplicate."""
+    samples = make_workload(3, 30, max_side=300)
+    again = make_workload(3, 30, max_side=300)
+    assert [(s.name, s.data, s.priority) for s in samples] == [
+        (s.name, s.data, s.priority) for s in again
+    ]
+    assert len(samples) == 30
+    assert len({s.name for s in samples}) == 30
+    assert {s.priority for s in samples} <= set(range(-2, 4))
+    corrupt = [s for s in samples if s.kind == "corrupt"]
+    assert len(corrupt) >= 3
+    for sample in corrupt:
+        with pytest.raises(Exception):  # noqa: B017, PT011 - Pillow raises several kinds
+            Image.open(io.BytesIO(sample.data)).load()
+    [duplicate] = [s for s in samples if s.duplicate_of is not None]
+    [original] = [s for s in samples if s.name == duplicate.duplicate_of]
+    assert duplicate.data == original.data
+    assert samples.index(original) < samples.index(duplicate)
+    for sample in samples:
+        if sample.kind == "image":
+            image = Image.open(io.BytesIO(sample.data))
+            assert image.size == sample.size
+            turned = image.getexif().get(0x0112) in (5, 6, 7, 8)
+            assert sample.shown == (image.size[::-1] if turned else image.size)
+
+
+# -- the checks find what is wrong ---------------------------------------------------------------
+
+
+def _record(**changes: object) -> FileRecord:
+    fields: dict[str, object] = {
+        "id": 1, "kind": "original", "parent_id": None, "version": None, "source": None,
+        "filename": "0000-image.png", "file_class": "image", "status": "done",
+        "storage_key": None, "size": None, "sha256": None, "metadata": {}, "error": None,
+    }  # fmt: skip
+    fields.update(changes)
+    return FileRecord(**fields)  # type: ignore[arg-type]
+
+
+def _png(width: int, height: int) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), "teal").save(out, "PNG")
+    return out.getvalue()
+
+
+def _sample(width: int, height: int, kind: str = "image") -> Sample:
+    return Sample(
+        name="0000-image.png",
+        kind=kind,  # type: ignore[arg-type]
+        data=_png(width, height),
+        priority=0,
+        size=(width, height),
+        shown=(width, height),
+    )
+
+
+def test_the_rows_show_lost_uploads_strangers_and_shared_files() -> None:
+    sample = _sample(10, 10)
+    assert check_rows([_record()], [sample]) == []
+    assert check_rows([], [sample]) == ["0000-image.png: never stored (no original row)"]
+    stranger = _record(id=2, filename="nobody.png")
+    assert check_rows([_record(), stranger], [sample]) == [
+        "file 2: an original named 'nobody.png', which was never uploaded"
+    ]
+    key = "versions/ab/ab" + "0" * 30
+    versions = [
+        _record(id=3, kind="version", parent_id=1, version="a", storage_key=key),
+        _record(id=4, kind="version", parent_id=1, version="b", storage_key=key),
+    ]
+    assert check_rows([_record(), *versions], [sample]) == [
+        f"versions 3 and 4 share the stored file {key}"
+    ]
+
+
+def test_an_original_must_end_done_with_its_metadata_or_the_converters_error() -> None:
+    sample = _sample(40, 30)
+    assert _original_problems(sample, _record(metadata={"width": 40, "height": 30})) == []
+    assert _original_problems(sample, _record(status="error", error="boom")) == [
+        "0000-image.png (file 1): ended 'error' (boom), expected 'done'",
+        "0000-image.png (file 1): error 'boom' on a valid file",
+    ]
+    assert _original_problems(sample, _record(metadata={"width": 30, "height": 40})) == [
+        "0000-image.png (file 1): metadata says (30, 40), the image is (40, 30)"
+    ]
+    corrupt = attrs.evolve(sample, kind="corrupt")
+    refused = _record(error=f"metadata: {CONVERTER_ERROR}: broken PNG data")
+    assert _original_problems(corrupt, refused) == []
+    assert _original_problems(corrupt, _record()) == [
+        "0000-image.png (file 1): metadata error None, expected the converter's"
+    ]
+
+
+def test_a_corrupt_image_fails_its_pictures_and_keeps_its_checksum() -> None:
+    versions = _config().classes["image"].versions
+    corrupt = attrs.evolve(_sample(10, 10), kind="corrupt")
+    assert {name: _expected_status(corrupt, name, versions) for name in versions} == {
+        "thumbnail": "failed",
+        "preview": "failed",
+        "preview_small": "failed",
+        "sha256": "done",
+    }
+    assert {_expected_status(_sample(10, 10), name, versions) for name in versions} == {"done"}
+
+
+def test_renditions_are_checked_against_their_recipe_and_source() -> None:
+    config = _config()
+    image = config.classes["image"].versions
+    text = config.classes["text"].versions
+    sample = _sample(400, 200)
+    source = sample.data
+
+    def webp(width: int, height: int, fmt: str = "WEBP") -> bytes:
+        out = io.BytesIO()
+        Image.new("RGB", (width, height), "red").save(out, fmt)
+        return out.getvalue()
+
+    thumbnail = image["thumbnail"]  # fits 128x128, WebP
+    assert _invalid(thumbnail, webp(128, 64), source, sample) is None
+    assert _invalid(thumbnail, webp(128, 64, "PNG"), source, sample) == "PNG image, WEBP promised"
+    assert _invalid(thumbnail, webp(200, 100), source, sample) == (
+        "200x100 does not fit in 128x128"
+    )
+    assert "does not keep the aspect" in str(_invalid(thumbnail, webp(128, 90), source, sample))
+    assert "fills neither side" in str(_invalid(thumbnail, webp(100, 50), source, sample))
+    assert "does not decode" in str(_invalid(thumbnail, b"garbage", source, sample))
+    small = _sample(60, 30)  # never enlarged
+    assert _invalid(thumbnail, webp(60, 30), small.data, small) is None
+    assert "larger than" in str(_invalid(thumbnail, webp(120, 60), small.data, small))
+
+    line = hashlib.sha256(source).hexdigest().encode() + b"  -\n"
+    assert _invalid(image["sha256"], line, source, sample) is None
+    assert "checksum line" in str(_invalid(image["sha256"], line[::-1], source, sample))
+    assert _invalid(text["gz"], gzip.compress(b"abc"), b"abc", sample) is None
+    assert _invalid(text["gz"], gzip.compress(b"abd"), b"abc", sample) == (
+        "does not decompress to its source"
+    )
+    assert "not gzip data" in str(_invalid(text["gz"], b"abc", b"abc", sample))
+
+
+# -- the runs ------------------------------------------------------------------------------------
+
+
+async def _run(plan: ChaosPlan, tmp_path: Path) -> None:
+    with trio.fail_after(RUN_WITHIN):
+        report = await run_chaos(plan, tmp_path / "chaos")
+    print(report.summary())
+    assert len(report.kills) == plan.kills
+    assert report.database_restarts == plan.database_restarts
+    assert report.drains == plan.drains
+    if report.violations:
+        pytest.fail(report.summary(), pytrace=False)
+
+
+async def test_chaos_short(tmp_path: Path) -> None:
+    """About a minute: ~40 uploads, four kills (both fylrs among them), two database
+    restarts, a drain; every file ends as promised and nothing is left behind."""
+    await _run(SHORT, tmp_path)
+
+
+@pytest.mark.soak
+async def test_chaos_long(tmp_path: Path) -> None:
+    """Several minutes: a few hundred uploads and a kill every few seconds (make soak).
+    ``TRIO_BROKER_CHAOS_SEED`` picks the seed."""
+    seed = int(os.environ.get("TRIO_BROKER_CHAOS_SEED", LONG.seed))
+    await _run(attrs.evolve(LONG, seed=seed), tmp_path)
