@@ -52,6 +52,7 @@ import tempfile
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Literal
 
 import trio
 from psycopg.conninfo import make_conninfo
@@ -292,12 +293,30 @@ class PgCluster:
                 self._own_socket_dir = None
             self._socket_dir = None
 
-    def restart(self) -> None:
-        """Stop, then start again on the same port (tests: a database restart)."""
-        port = self.port
-        self.stop()
-        self._port = port
-        self.start()
+    def restart(self, *, mode: Literal["fast", "immediate"] = "fast") -> None:
+        """Stop, then start again on the same port (tests: a database restart).
+
+        Args:
+            mode: ``"fast"`` stops cleanly (sessions are disconnected) and starts
+                anew; ``"immediate"`` is ``pg_ctl restart -m immediate``: the server
+                stops without a checkpoint, as after a crash, and recovers from its
+                write-ahead log on the way up.
+
+        Raises:
+            PgClusterError: the server is not running, or did not come back.
+        """
+        if mode == "fast":
+            port = self.port
+            self.stop()
+            self._port = port
+            self.start()
+            return
+        if self._bin_dir is None or not self.running:
+            raise PgClusterError("restart(mode='immediate') needs a running server")
+        args = ["restart", "-m", "immediate", "-w", "-t", str(STOP_TIMEOUT)]
+        result = self._pg_ctl([*args, "-l", str(self.log_file)])
+        if result.returncode != 0:
+            raise PgClusterError(f"pg_ctl restart failed: {result.stderr.strip()}")
 
     def ensure_database(self, dbname: str) -> str:
         """Create ``dbname`` unless it exists; return its connection string."""

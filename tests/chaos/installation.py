@@ -254,8 +254,7 @@ class ChaosInstallation:
 
 async def restart_database(cluster: PgCluster) -> None:
     """``pg_ctl restart -m immediate``: every session is cut, the server recovers and serves."""
-    args = ["restart", "-m", "immediate", "-w", "-t", "60", "-l", str(cluster.log_file)]
-    await trio.to_thread.run_sync(lambda: cluster._pg_ctl(args, check=True))
+    await trio.to_thread.run_sync(lambda: cluster.restart(mode="immediate"))
 
 
 def job_processes(token: str) -> list[psutil.Process]:

@@ -92,6 +92,16 @@ def test_fresh_cluster_reuse_adopt_restart(folder: Path) -> None:
         assert cluster.port == port
         with psycopg.connect(cluster.dsn) as conn:
             assert conn.execute("SELECT x FROM kept").fetchone() == (42,)
+        with psycopg.connect(cluster.dsn, autocommit=True) as conn:
+            conn.execute("INSERT INTO kept VALUES (43)")
+            cluster.restart(mode="immediate")  # as after a crash: the session is cut
+            with pytest.raises(psycopg.OperationalError):
+                conn.execute("SELECT 1")
+        assert cluster.port == port
+        with psycopg.connect(cluster.dsn) as conn:  # recovered from its log
+            assert conn.execute("SELECT sum(x) FROM kept").fetchone() == (85,)
+    with pytest.raises(PgClusterError, match="running"):
+        cluster.restart(mode="immediate")
     assert not cluster.running
     cluster.stop()  # idempotent
     with PgCluster(deep) as again:  # reuses the data directory: no second initdb
