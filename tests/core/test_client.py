@@ -151,9 +151,11 @@ def test_no_execserver_fails_at_once() -> None:
     ]
 
 
-def test_wants_are_parked_again_after_reconnect() -> None:
+def test_losing_every_execserver_fails_waiting_jobs_at_once_and_new_ones_run_after() -> None:
+    """The only connection breaks: the running job is lost, the waiting one fails at once
+    with no_execserver (not after connect_timeout); after the redial new jobs run."""
     a = broker("a")
-    net = Net(config("A", reconnect_min=0.5), {"A": [a]})
+    net = Net(config("A", reconnect_min=0.5, connect_timeout=300.0), {"A": [a]})
     net.dial_all()
     net.flush()
     net.submit("hold")
@@ -167,15 +169,54 @@ def test_wants_are_parked_again_after_reconnect() -> None:
             job_id="hold",
             reason="lost",
             detail="the connection to A closed while the job held its slot",
-        )
+        ),
+        Failed(job_id="waiting", reason="no_execserver", detail="every execserver disappeared"),
     ]
+    assert net.now == 0.0
+    assert net.client.waiting_count() == 0
     net.at(0.5)
     net.dial_all()
     net.flush()
     assert [start.job_id for _, start in net.started] == ["hold"]
     net.end(0)  # the execserver stopped the orphaned run: its slot frees
+    net.submit("next")
     net.flush()
-    assert [start.job_id for _, start in net.started] == ["waiting"]
+    assert [start.job_id for _, start in net.started] == ["next"]
+
+
+def test_a_waiting_job_survives_losing_one_of_two_execservers() -> None:
+    """With another execserver still connected, a waiting job keeps waiting."""
+    a, b = broker("a"), broker("b")
+    net = Net(config("A", "B", pool_max=1), {"A": [a], "B": [b]})
+    net.dial_all()
+    net.flush()
+    for job_id in ("x", "y", "z"):
+        net.submit(job_id)
+        net.flush()
+    conn_a = next(c for c, link in net.links.items() if net.brokers[link.server] is a)
+    net.cut(conn_a)
+    assert [f.reason for f in net.of(Failed)] == ["lost"]
+    assert net.client.waiting_count() == 1
+    net.end(0)
+    net.flush()
+    assert not net.of(Finished) or net.client.waiting_count() == 0
+
+
+def test_all_draining_fails_waiting_jobs_at_once() -> None:
+    a = broker("a")
+    net = Net(config("A"), {"A": [a]})
+    net.dial_all()
+    net.flush()
+    net.submit("running")
+    net.flush()
+    net.submit("waiting")
+    net.flush()
+    a.drain(now=net.now)
+    net.route()
+    net.flush()
+    assert Failed(
+        job_id="waiting", reason="no_execserver", detail="every execserver disappeared"
+    ) in net.of(Failed)
 
 
 def test_pool_grows_through_the_balancer_until_it_meets_a_known_replica() -> None:

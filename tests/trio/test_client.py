@@ -309,12 +309,14 @@ async def test_killed_execserver_loses_its_running_job_and_moves_the_waiting() -
         nursery.cancel_scope.cancel()
 
 
-async def test_reconnects_and_reparks_after_an_execserver_restart() -> None:
-    """A job waiting when its only execserver stopped runs once one listens on that port again."""
+async def test_a_waiting_job_fails_at_once_when_its_only_execserver_stops() -> None:
+    """A job waiting when its only execserver stopped raises NoExecserver at once (long
+    before connect_timeout), so its caller can requeue it; once an execserver listens on
+    that port again, the client reconnects and new jobs run there."""
     async with trio.open_nursery() as nursery:
         first = await start_execserver(nursery, slots=1)
         port = first.port
-        async with client_for(first, connect_timeout=WAIT) as client, trio.open_nursery() as bg:
+        async with client_for(first, connect_timeout=3600) as client, trio.open_nursery() as bg:
             hold: list[str] = []
 
             async def holder() -> None:
@@ -323,18 +325,28 @@ async def test_reconnects_and_reparks_after_an_execserver_restart() -> None:
 
             bg.start_soon(holder)
             await first.wait_until(lambda: totals(first)[2] == 1)
-            result: list[p.Receipt] = []
+            result: list[BaseException] = []
 
             async def waiter() -> None:
-                result.append(await client.run("noop", {}))
+                try:
+                    await client.run("noop", {})
+                except NoExecserver as exc:
+                    result.append(exc)
 
             bg.start_soon(waiter)
             await first.wait_until(lambda: totals(first)[0] == 1)
             first.stop()
+            await client.wait_until(lambda: bool(result), timeout=WAIT)
+            assert "every execserver disappeared" in str(result[0])
             await first.wait_closed()
             second = await start_execserver(nursery, slots=1, listen=f"127.0.0.1:{port}")
-            await client.wait_until(lambda: bool(result), timeout=WAIT)
-            assert result[0].instance_id == second.broker.config.instance_id
+            second_id = second.broker.config.instance_id
+            await client.wait_until(
+                lambda: any(link.hello.instance_id == second_id for link in client.links()),
+                timeout=WAIT,
+            )
+            receipt = await client.run("noop", {})
+            assert receipt.instance_id == second.broker.config.instance_id
             assert hold == ["stopped"]  # a stopping execserver still sends the receipt
             bg.cancel_scope.cancel()
         nursery.cancel_scope.cancel()

@@ -92,7 +92,8 @@ class AddressState:
         instances: the distinct execserver ``instance_id``\\ s reached through it.
         covered: the pool found a duplicate instance and stopped growing.
         balanced: the address fronts a fleet: an execserver's ``HELLO.addr``
-            differs from the dialled address.
+            differed from the address the socket was connected to (a balancer
+            or a forwarding in between; a host name alone is not one).
         names: the execservers' names, by instance id.
     """
 
@@ -175,11 +176,6 @@ def _split_address(address: str) -> tuple[str, int]:
 def _format_address(sockname: Any) -> str:
     host, port = sockname[0], sockname[1]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _bare(address: str) -> str:
-    """``host:port`` without the brackets of an IPv6 host, for comparisons."""
-    return address.replace("[", "").replace("]", "")
 
 
 class BrokerClient:
@@ -357,7 +353,7 @@ class BrokerClient:
     ) -> list[tuple[int, p.Position]]:
         """:meth:`position`, each answer with the connection it came on (see :meth:`links`)."""
         targets = len(self._core.parked_on(job_id))
-        if targets == 0 and any(j == job_id and s == "accepted" for j, s, _ in self._core.jobs()):
+        if targets == 0 and self.is_running(job_id):
             targets = 1
         if targets == 0 or job_id in self._positions:
             return []
@@ -391,11 +387,11 @@ class BrokerClient:
 
     def waiting(self) -> int:
         """How many of this client's jobs wait for a slot right now."""
-        return len(self._core.waiting())
+        return self._core.waiting_count()
 
     def is_running(self, job_id: str) -> bool:
         """Whether the job holds a slot (its ``JOB`` went out and it has not ended)."""
-        return any(j == job_id and s == "accepted" for j, s, _ in self._core.jobs())
+        return self._core.state_of(job_id) == "accepted"
 
     def offers(self, service: str) -> bool:
         """Whether some connected, non-draining execserver announced ``service``."""
@@ -418,15 +414,14 @@ class BrokerClient:
                     connections=len(conns),
                     instances=tuple(sorted({h.instance_id for h in hellos})),
                     covered=core.covered(address),
-                    balanced=any(_bare(h.addr) != _bare(address) for h in hellos),
+                    balanced=core.balanced(address),
                     names={h.instance_id: h.name for h in hellos},
                 )
             )
-        states = [state for _, state, _ in core.jobs()]
         return ClientStatistics(
             addresses=tuple(addresses),
-            waiting=states.count("waiting"),
-            running=states.count("accepted"),
+            waiting=core.waiting_count(),
+            running=core.running_count(),
             finished=self._finished,
             failed=self._failed,
             surplus_offers=core.surplus_offers,
@@ -576,6 +571,7 @@ class BrokerClient:
                 stream: trio.SocketStream | trio.SSLStream[trio.SocketStream]
                 tcp = await trio.open_tcp_stream(host, port, local_address=self._local_host)
                 local_addr = _format_address(tcp.socket.getsockname())
+                peer_addr = _format_address(tcp.socket.getpeername())
                 stream = tcp
                 if self._ssl is not None:
                     stream = trio.SSLStream(tcp, self._ssl, server_hostname=host)
@@ -612,7 +608,7 @@ class BrokerClient:
             with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
                 await transport.close(p.CLOSE_NORMAL, "client closing")
             return
-        core.connected(conn_id, local_addr=local_addr, now=trio.current_time())
+        core.connected(conn_id, local_addr=local_addr, peer_addr=peer_addr, now=trio.current_time())
         await self._driver.serve(conn_id, transport)
 
 
