@@ -362,7 +362,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         self._queue: deque[tuple[float, int, _Job]] = deque()
         self._probing: dict[str, _Job] = {}  # waiting for growth to find their service
         self._fleet_changed = False  # a connection came, went or changed: settle jobs
-        self._grow_timer_at: float | None = None
+        self._grow_timer: tuple[float, int] | None = None  # (when, handle) while armed
         self.surplus_offers = 0
         """Offers declined because the job already had a slot (or was withdrawn)."""
         self._watching = False
@@ -1015,7 +1015,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
             if not address.conns:
                 self._dial(address)  # a duplicate of another address: look again
         elif kind == "grow":
-            self._grow_timer_at = None
+            self._grow_timer = None
         elif kind == "ping" or kind == "dead":
             conn = self._conns.get(key)
             if conn is not None and self._liveness_timer(kind, conn, now):
@@ -1030,6 +1030,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         now = self._now
         oldest = self._oldest_wait()
         if oldest is None:
+            self._arm_growth(None)
             return
         # A job no connection offers its service to cannot get an offer: no need
         # to wait a retry tick before growing.
@@ -1047,9 +1048,16 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
                     continue
                 address.last_grow = now
                 self._dial(address)
-        if wake is not None and (self._grow_timer_at is None or wake < self._grow_timer_at):
-            self._grow_timer_at = wake
-            self._push_timer(wake, "grow", None)
+        self._arm_growth(wake)
+
+    def _arm_growth(self, wake: float | None) -> None:
+        """Keep exactly one growth timer, at ``wake`` (None: none)."""
+        armed = self._grow_timer
+        if armed is not None and armed[0] == wake:
+            return
+        if armed is not None:
+            self._cancel_timer(armed[1])
+        self._grow_timer = None if wake is None else (wake, self._push_timer(wake, "grow", None))
 
     def _oldest_wait(self) -> float | None:
         """When the longest-waiting job started waiting. Amortised O(1): stale
