@@ -26,6 +26,7 @@ from trio_broker.core import protocol as p
 from trio_broker.core.client import ClientConfig
 from trio_broker.core.errors import ClientClosed, JobLost, NoExecserver, NoSlot, UnknownService
 from trio_broker.trio.client import BrokerClient, open_broker_client
+from trio_broker.trio.driver import OUTBOX_FRAMES
 from trio_broker.trio.execserver import ExecserverHandle
 from trio_broker.trio.runner import JobControl, JobRequest
 
@@ -655,3 +656,25 @@ async def test_a_client_whose_execserver_does_not_read_closes_the_connection(
                 await client.wait_until(lambda: client.statistics().addresses[0].instances != ())
         nursery.cancel_scope.cancel()
     assert any("does not read its frames" in r.getMessage() for r in caplog.records)
+
+
+async def test_more_waiting_jobs_than_the_outbox_holds_keep_the_connection() -> None:
+    """More run() calls at once than an outbox holds frames: their WANT frames are the
+    client's own, so the connection is kept, every want is parked, and cancelling them
+    all withdraws every want on the same connection."""
+    count = OUTBOX_FRAMES + 500
+    async with trio.open_nursery() as nursery:
+        handle = await start_execserver(nursery, slots=1)
+        async with client_for(handle, connect_timeout=3600) as client:
+            async with trio.open_nursery() as bg:
+                bg.start_soon(client.run, "hold", {"params": {"seconds": 3600}})
+                await handle.wait_until(lambda: totals(handle)[2] == 1)
+                (conn,) = [link.conn for link in client.links()]
+                for _ in range(count):
+                    bg.start_soon(client.run, "noop", {})
+                await handle.wait_until(lambda: totals(handle)[0] == count)
+                assert client.waiting() == count
+                bg.cancel_scope.cancel()
+            await handle.wait_until(lambda: totals(handle)[:2] == (0, 0))
+            assert [link.conn for link in client.links()] == [conn]
+        nursery.cancel_scope.cancel()

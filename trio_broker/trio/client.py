@@ -12,8 +12,9 @@ what only a client does:
   stream, upgrades to the websocket at ``/broker``, reports
   :meth:`~ClientCore.connected` with the socket's local address, then hands the
   connection to the driver until it ends (one reader, one writer, an outbox of
-  :data:`~trio_broker.trio.driver.OUTBOX_FRAMES` frames: a peer that does not
-  read is closed with 1008);
+  :data:`~trio_broker.trio.driver.OUTBOX_FRAMES` frames besides the ``WANT``,
+  ``UNWANT``, ``CANCEL`` and ``QUERY`` frames of its own callers, which may all be
+  queued at once: a peer that does not read is closed with 1008);
 - :meth:`BrokerClient.run` submits a job and waits for its effect
   (``Finished``/``Failed``); a cancelled caller withdraws the want or ``CANCEL``\\ s
   the running job.
@@ -210,6 +211,7 @@ class BrokerClient:
             self._apply,
             closed=self._core.connection_closed,
             max_frame_bytes=max_frame_bytes,
+            own_frames=("WANT", "UNWANT", "CANCEL", "QUERY"),
             default_close=(p.CLOSE_NORMAL, "client closing"),
         )
         self._waiters: dict[str, _Waiter] = {}
