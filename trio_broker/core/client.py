@@ -21,22 +21,41 @@ core sends ``JOB`` on that connection, ``UNWANT`` on every other connection wher
 the job is parked, and ``DECLINE`` for any offer that arrives later (offers and
 ``UNWANT`` cross on the wire by design). ``DONE`` finishes the job. A want whose
 offer expired (``ERROR offer_expired``) or whose ``JOB`` was refused
-(``unknown_token``, ``token_mismatch``, ``draining``) is parked again. A job
-parked nowhere yet (no connection offers the service) waits too: growing the
-pool may find an execserver that offers it.
+(``unknown_token``, ``token_mismatch``, ``draining``) is parked again.
+
+Balancers and mixed fleets. An address is *balanced* (it fronts a fleet) once a
+connection's ``HELLO.addr`` differed from the socket's peer address given to
+:meth:`~ClientCore.connected` (a host name that leads straight to one execserver
+is not balanced). A job whose service no ready connection announced *probes*:
+while some balanced address is not covered and below ``pool_max``, it waits and
+makes the pool grow at once; the first connection that announces the service
+gets its ``WANT``. Once no such address is left (the pool circled back to known
+execservers, or is full), probing jobs fail with ``unknown_service``. Without a
+balanced address, :meth:`~ClientCore.submit` answers ``unknown_service`` at once.
 
 Give-ups. A job with no slot after ``connect_timeout`` is unwanted everywhere
 and fails with ``no_slot``. :meth:`~ClientCore.submit` fails at once with
-``no_execserver`` when no connection is ready. A job whose connection dropped
-after its ``JOB`` was sent fails with ``lost``: the execserver stopped it and its
-receipt will never come.
+``no_execserver`` when no connection is ready (or all drain), and every waiting
+job fails so at once when the last ready, non-draining connection goes: its
+caller can requeue it rather than wait out ``connect_timeout``. A job whose
+connection dropped after its ``JOB`` was sent fails with ``lost``: the execserver
+stopped it and its receipt will never come.
 
 Pool growth (replicas behind one address). When a job has waited a whole
-``retry_tick`` without an offer anywhere, each address that is not *covered*
-opens one more connection, at most one every ``pool_grow_interval``, at most
-``pool_max`` in all. A new connection whose ``HELLO.instance_id`` is already in
-that address's pool is closed at once and marks the address covered, which
-stops growth until a re-probe ``pool_reprobe_interval`` later clears the mark.
+``retry_tick`` without an offer anywhere (or at once while a job probes), each
+address that is not *covered* opens one more connection, at most one every
+``pool_grow_interval``, at most ``pool_max`` in all. A new connection whose
+``HELLO.instance_id`` a ready connection already reaches, through this address
+or another, is closed at once and marks its address covered, which stops growth
+until a re-probe ``pool_reprobe_interval`` later clears the mark (and dials an
+address left with no connection). So one execserver configured under two
+addresses counts this client once.
+
+Cost. Every input is O(1) or O(log n) in the jobs in flight, apart from the
+work it does for the jobs it concerns (a new connection gets the ``WANT`` of
+each waiting job of its services): waiting jobs are indexed by service, queued
+in the order they started waiting (the oldest one times growth) and counted;
+each job's ``connect_timeout`` timer is cancelled when it gets a slot.
 
 Liveness. Like the execserver, the core sends ``PING`` after sending nothing
 for ``ping_interval`` and closes a connection that sent nothing for
