@@ -8,9 +8,10 @@ service. For each backlog N, a client in a process of its own keeps N
 :meth:`~trio_broker.trio.client.BrokerClient.run` calls going at once (each caller
 submits its next job as soon as its last one ended), so about N jobs always wait
 for the few slots. Once every caller has had a job done, the client process
-measures for ``--seconds``: jobs done per second, and its own CPU time
-(``time.process_time``) per job. The execserver runs in its own process: its CPU
-is not counted.
+measures for ``--seconds``: jobs done per second, its own CPU time
+(``time.process_time``) per job, and, beside it, the execserver process's CPU
+time per job over the same window (``/proc``), which bounds jobs/s when the
+client does not.
 
 ``--compare CHECKOUT`` runs the same client measurement with another checkout of
 this repository (its ``trio_broker`` first on ``PYTHONPATH``), for example a
@@ -50,7 +51,15 @@ EXECSERVER = (
 # -- the client process -----------------------------------------------------------------
 
 
-async def measure(address: str, backlog: int, seconds: float, warmup: float) -> dict[str, float]:
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user and system) another process has used so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(
+    address: str, backlog: int, seconds: float, warmup: float, exec_pid: int
+) -> dict[str, float]:
     """In the client process: jobs/s and CPU seconds per job with ``backlog`` callers."""
     from trio_broker.core.client import ClientConfig
     from trio_broker.trio.client import open_broker_client
@@ -84,24 +93,33 @@ async def measure(address: str, backlog: int, seconds: float, warmup: float) -> 
                 await everyone.wait()  # warm: every caller has had a job done
             if not everyone.is_set():  # the client never got its backlog going
                 nursery.cancel_scope.cancel()
-                return {"jobs_s": math.nan, "cpu_ms": math.nan, "waiting": math.nan}
+                nan = math.nan
+                return {"jobs_s": nan, "cpu_ms": nan, "exec_cpu_ms": nan, "waiting": nan}
             jobs, cpu, wall = done[0], time.process_time(), time.perf_counter()
+            exec_cpu = process_cpu(exec_pid)
             await trio.sleep(seconds)
             jobs = done[0] - jobs
             cpu = time.process_time() - cpu
+            exec_cpu = process_cpu(exec_pid) - exec_cpu
             wall = time.perf_counter() - wall
             waiting = client.statistics().waiting
             nursery.cancel_scope.cancel()
-    return {"jobs_s": jobs / wall, "cpu_ms": 1000 * cpu / max(jobs, 1), "waiting": waiting}
+    return {
+        "jobs_s": jobs / wall,
+        "cpu_ms": 1000 * cpu / max(jobs, 1),
+        "exec_cpu_ms": 1000 * exec_cpu / max(jobs, 1),
+        "waiting": waiting,
+    }
 
 
 def run_client(
-    address: str, backlog: int, seconds: float, warmup: float, checkout: str | None
+    address: str, exec_pid: int, backlog: int, seconds: float, warmup: float, checkout: str | None
 ) -> dict[str, float]:
     """One measurement in a fresh process (this tree, or ``checkout``'s client)."""
     tree = Path(checkout).resolve() if checkout else ROOT
     env = dict(os.environ, PYTHONPATH=f"{tree}:{tree / 'daemons'}")
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", address]
+    argv += ["--exec-pid", str(exec_pid)]
     argv += ["--backlogs", str(backlog), "--seconds", str(seconds), "--warmup", str(warmup)]
     out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True, cwd=tree)
     result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -127,24 +145,27 @@ async def main(
     results: dict[tuple[str, int], list[dict[str, float]]] = {}
     async with open_execserver_process(EXECSERVER.format(slots=slots)) as daemon:
         address = f"{daemon.host}:{daemon.port}"
+        pid = daemon.process.pid
         for round_ in range(rounds):
             order = trees if round_ % 2 == 0 else trees[::-1]
             for backlog in backlogs:
                 for label, checkout in order:
                     result = await trio.to_thread.run_sync(
-                        run_client, address, backlog, seconds, warmup, checkout
+                        run_client, address, pid, backlog, seconds, warmup, checkout
                     )
                     results.setdefault((label, backlog), []).append(result)
                     print(
                         f"round {round_ + 1} {label:>4} backlog {backlog:>6}: "
-                        f"{result['jobs_s']:8,.0f} jobs/s  {result['cpu_ms']:6.3f} ms CPU/job",
+                        f"{result['jobs_s']:8,.0f} jobs/s  {result['cpu_ms']:6.3f} ms CPU/job"
+                        f"  (execserver {result['exec_cpu_ms']:6.3f} ms CPU/job)",
                         flush=True,
                     )
     print()
     print(f"one execserver process, {slots} slots, no-op jobs; medians of {rounds} round(s)")
     print(f"(nan: the client did not get every caller's first job done within {warmup:g}s)")
     header = f"{'backlog':>8} " + " ".join(
-        f"{label + ' jobs/s':>12} {label + ' CPU ms/job':>16}" for label, _ in trees
+        f"{label + ' jobs/s':>12} {label + ' CPU ms/job':>16} {'execserver':>10}"
+        for label, _ in trees
     )
     print(header)
     for backlog in backlogs:
@@ -153,7 +174,8 @@ async def main(
             runs = results[(label, backlog)]
             rate = statistics.median(r["jobs_s"] for r in runs)
             cpu = statistics.median(r["cpu_ms"] for r in runs)
-            cells.append(f"{rate:12,.0f} {cpu:16.3f}")
+            exec_cpu = statistics.median(r["exec_cpu_ms"] for r in runs)
+            cells.append(f"{rate:12,.0f} {cpu:16.3f} {exec_cpu:10.3f}")
         print(f"{backlog:>8} " + " ".join(cells))
     for label, _ in trees:
         if 100 in backlogs and 10000 in backlogs:
@@ -180,6 +202,7 @@ def parse() -> argparse.Namespace:
         help="also measure the client of another checkout (e.g. a git worktree)",
     )
     parser.add_argument("--worker", metavar="ADDRESS", help=argparse.SUPPRESS)
+    parser.add_argument("--exec-pid", type=int, default=0, help=argparse.SUPPRESS)
     return parser.parse_args()
 
 
@@ -187,6 +210,9 @@ if __name__ == "__main__":
     args = parse()
     backlogs = [int(n) for n in args.backlogs.split(",")]
     if args.worker:
-        print(json.dumps(trio.run(measure, args.worker, backlogs[0], args.seconds, args.warmup)))
+        result = trio.run(
+            measure, args.worker, backlogs[0], args.seconds, args.warmup, args.exec_pid
+        )
+        print(json.dumps(result))
     else:
         trio.run(main, backlogs, args.seconds, args.warmup, args.rounds, args.slots, args.compare)
