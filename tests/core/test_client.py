@@ -40,8 +40,13 @@ def broker(name: str, size: int = 1, services: tuple[str, ...] = ("s",)) -> Brok
 class Net(Network):
     """The shared held network, plus a few shorthands for these tests."""
 
-    def __init__(self, client_config: ClientConfig, fleets: dict[str, list[Broker]]) -> None:
-        super().__init__(ClientCore(client_config, now=0.0), fleets)
+    def __init__(
+        self,
+        client_config: ClientConfig,
+        fleets: dict[str, list[Broker]],
+        balancers: set[str] | None = None,
+    ) -> None:
+        super().__init__(ClientCore(client_config, now=0.0), fleets, balancers=balancers)
 
     @property
     def started(self) -> list[tuple[int, StartJob]]:
@@ -151,9 +156,11 @@ def test_no_execserver_fails_at_once() -> None:
     ]
 
 
-def test_wants_are_parked_again_after_reconnect() -> None:
+def test_losing_every_execserver_fails_waiting_jobs_at_once_and_new_ones_run_after() -> None:
+    """The only connection breaks: the running job is lost, the waiting one fails at once
+    with no_execserver (not after connect_timeout); after the redial new jobs run."""
     a = broker("a")
-    net = Net(config("A", reconnect_min=0.5), {"A": [a]})
+    net = Net(config("A", reconnect_min=0.5, connect_timeout=300.0), {"A": [a]})
     net.dial_all()
     net.flush()
     net.submit("hold")
@@ -167,15 +174,54 @@ def test_wants_are_parked_again_after_reconnect() -> None:
             job_id="hold",
             reason="lost",
             detail="the connection to A closed while the job held its slot",
-        )
+        ),
+        Failed(job_id="waiting", reason="no_execserver", detail="every execserver disappeared"),
     ]
+    assert net.now == 0.0
+    assert net.client.waiting_count() == 0
     net.at(0.5)
     net.dial_all()
     net.flush()
     assert [start.job_id for _, start in net.started] == ["hold"]
     net.end(0)  # the execserver stopped the orphaned run: its slot frees
+    net.submit("next")
     net.flush()
-    assert [start.job_id for _, start in net.started] == ["waiting"]
+    assert [start.job_id for _, start in net.started] == ["next"]
+
+
+def test_a_waiting_job_survives_losing_one_of_two_execservers() -> None:
+    """With another execserver still connected, a waiting job keeps waiting."""
+    a, b = broker("a"), broker("b")
+    net = Net(config("A", "B", pool_max=1), {"A": [a], "B": [b]})
+    net.dial_all()
+    net.flush()
+    for job_id in ("x", "y", "z"):
+        net.submit(job_id)
+        net.flush()
+    conn_a = next(c for c, link in net.links.items() if net.brokers[link.server] is a)
+    net.cut(conn_a)
+    assert [f.reason for f in net.of(Failed)] == ["lost"]
+    assert net.client.waiting_count() == 1
+    net.end(0)
+    net.flush()
+    assert not net.of(Finished) or net.client.waiting_count() == 0
+
+
+def test_all_draining_fails_waiting_jobs_at_once() -> None:
+    a = broker("a")
+    net = Net(config("A"), {"A": [a]})
+    net.dial_all()
+    net.flush()
+    net.submit("running")
+    net.flush()
+    net.submit("waiting")
+    net.flush()
+    a.drain(now=net.now)
+    net.route()
+    net.flush()
+    assert Failed(
+        job_id="waiting", reason="no_execserver", detail="every execserver disappeared"
+    ) in net.of(Failed)
 
 
 def test_pool_grows_through_the_balancer_until_it_meets_a_known_replica() -> None:
@@ -341,3 +387,207 @@ def test_reconnect_back_off_doubles_with_jitter_and_resets_on_hello() -> None:
     deadline = core.next_deadline()
     assert deadline is not None
     assert 0.5 <= deadline - now <= 1.0
+
+
+# -- a mixed fleet behind one balancer -----------------------------------------------------
+
+
+def test_a_mixed_fleet_behind_one_balancer_routes_every_service() -> None:
+    """The balancer's first replica offers only metadata: a job of another service waits
+    (no unknown_service), the pool grows at once and the second replica runs it; a job of a
+    service nobody offers fails only once growth circled back to a known replica."""
+    meta = broker("meta", services=("metadata",))
+    full = broker("full", services=("metadata", "s"))
+    net = Net(config("LB", pool_grow_interval=2.0, connect_timeout=300.0), {"LB": [meta, full]})
+    net.dial_all()
+    net.flush()
+    assert net.client.balanced("LB")
+    net.submit("convert", service="s")
+    assert not net.of(Failed)
+    assert len(net.dials) == 1  # grown at once: no offer can come while nobody offers "s"
+    net.dial_all()
+    net.flush()
+    assert [(server, start.job_id) for server, start in net.started] == [(1, "convert")]
+    net.submit("meta-job", service="metadata")
+    net.flush()
+    assert len(net.started) == 2
+    net.submit("nobody", service="nothing")
+    net.at(1.9)
+    assert not net.dials
+    assert not net.of(Failed)
+    net.at(2.0)
+    assert len(net.dials) == 1
+    net.dial_all()  # round robin: back on the metadata replica, a duplicate
+    net.flush()
+    assert net.client.covered("LB")
+    assert len(net.client.pool("LB")) == 2
+    assert [(f.job_id, f.reason) for f in net.of(Failed)] == [("nobody", "unknown_service")]
+    net.submit("again", service="nothing")  # covered: today's immediate answer
+    assert [(f.job_id, f.reason) for f in net.of(Failed)][-1] == ("again", "unknown_service")
+    net.at(10.0)
+    assert not net.dials  # covered: the pool stops growing
+
+
+def test_a_single_pod_behind_a_balancer_answers_unknown_service_after_one_probe() -> None:
+    """Behind a balancer with one pod, a job of a service it lacks waits for one more
+    connection, which lands on the same pod; then unknown_service."""
+    net = Net(config("LB"), {"LB": [broker("a")]}, balancers={"LB"})
+    net.dial_all()
+    net.flush()
+    net.submit("j", service="nothing")
+    assert not net.of(Failed)
+    net.dial_all()
+    net.flush()
+    assert [(f.job_id, f.reason) for f in net.of(Failed)] == [("j", "unknown_service")]
+    assert net.now == 0.0
+
+
+def test_a_literal_address_answers_unknown_service_at_once() -> None:
+    """A connection whose HELLO.addr is the socket's peer address is direct: no waiting."""
+    net = Net(config("A"), {"A": [broker("a")]})
+    net.dial_all()
+    net.flush()
+    assert not net.client.balanced("A")
+    net.submit("j", service="nothing")
+    assert [(f.job_id, f.reason) for f in net.of(Failed)] == [("j", "unknown_service")]
+    assert not net.dials
+
+
+def test_growth_for_an_unoffered_service_stops_at_pool_max() -> None:
+    """Replicas that all lack the service: the pool grows to pool_max, then unknown_service."""
+    replicas = [broker(f"r{i}") for i in range(4)]
+    net = Net(config("LB", pool_max=3, pool_grow_interval=1.0), {"LB": replicas})
+    net.dial_all()
+    net.flush()
+    net.submit("j", service="nothing")
+    for second in range(5):
+        net.at(float(second))
+        net.dial_all()
+        net.flush()
+        if net.of(Failed):
+            break
+    assert len(net.client.pool("LB")) == 3
+    assert [(f.job_id, f.reason) for f in net.of(Failed)] == [("j", "unknown_service")]
+    assert net.now == 1.0  # grown at 0 (on submit) and at 1; the third connection settles it
+
+
+def test_a_probing_job_still_fails_after_connect_timeout() -> None:
+    net = Net(
+        config("LB", connect_timeout=5.0, pool_grow_interval=10.0, pool_max=4),
+        {"LB": [broker(f"r{i}") for i in range(4)]},
+    )
+    net.dial_all()
+    net.flush()
+    net.submit("j", service="nothing")
+    net.dial_all()
+    net.flush()
+    net.at(5.0)
+    assert [(f.job_id, f.reason) for f in net.of(Failed)] == [("j", "no_slot")]
+
+
+# -- balancers and duplicates -------------------------------------------------------------
+
+
+def test_balanced_comes_from_the_peer_address_not_the_configured_text() -> None:
+    """A host name in front of one execserver is direct when the socket's peer is the
+    execserver's own address; without a peer address the configured text is compared."""
+    net = Net(config("localhost:7000"), {"localhost:7000": [broker("a")]})
+    net.dial_all()
+    net.flush()
+    assert not net.client.balanced("localhost:7000")
+    core = ClientCore(config("localhost:7000"), now=0.0)
+    (dial,) = core.effects()
+    assert isinstance(dial, Dial)
+    core.connected(dial.conn, now=0.0)
+    hello = p.Hello(protocol=1, instance_id="i", name="n", services={}, processes=1,
+                    idle=0, clients=1, draining=False, addr="127.0.0.1:7000")  # fmt: skip
+    core.receive(dial.conn, hello, now=0.0)
+    assert core.balanced("localhost:7000")
+
+
+def test_one_execserver_under_two_addresses_is_one_connection() -> None:
+    """The second address's connection to the same instance is closed: the execserver
+    counts the client once. Losing the first connection dials the second address again."""
+    a = broker("a")
+    net = Net(config("A", "B", reconnect_min=1.0), {"A": [a], "B": [a]})
+    net.dial_all()
+    net.flush()
+    assert len(net.links) == 1
+    assert len(a.statistics().connections) == 1
+    assert net.client.pool("B") == []
+    assert (net.client.pool("A"), net.client.covered("B")) == ([1], True)
+    net.submit("j")
+    net.flush()
+    assert len(net.started) == 1
+    net.end()
+    net.flush()
+    (conn,) = net.links
+    net.cut(conn)
+    net.at(1.0)  # both addresses are dialled again after their back-off
+    assert sorted(net.dials.values()) == ["A", "B"]
+    net.dial_all()
+    net.flush()
+    assert len(net.links) == 1  # again one of the two is closed as a duplicate
+
+
+def test_a_duplicate_address_is_probed_again_after_the_reprobe_interval() -> None:
+    a = broker("a")
+    net = Net(config("A", "B", pool_reprobe_interval=60.0), {"A": [a], "B": [a]})
+    net.dial_all()
+    net.flush()
+    net.at(59.0)
+    assert not net.dials
+    net.at(60.0)
+    assert list(net.dials.values()) == ["B"]
+    net.dial_all()
+    net.flush()
+    assert net.client.pool("B") == []
+    assert len(a.statistics().connections) == 1
+
+
+# -- connect_timeout, timers, growth clock ----------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [0, 0.0, None])
+def test_connect_timeout_unset_or_zero_means_sixty_seconds(value: float | None) -> None:
+    assert config("A", connect_timeout=value).connect_timeout == 60.0
+
+
+def test_negative_connect_timeout_is_refused() -> None:
+    with pytest.raises(ValueError, match="connect_timeout"):
+        config("A", connect_timeout=-1)
+
+
+def test_deadlines_of_jobs_that_got_a_slot_are_never_due() -> None:
+    """A finished job's connect_timeout timer is dropped: the next deadline is a live one."""
+    a = broker("a", size=1)
+    net = Net(config("A", connect_timeout=100.0), {"A": [a]})
+    net.dial_all()
+    net.flush()
+    for i in range(200):
+        net.at(float(i))
+        net.submit(f"j{i}")
+        net.flush()
+        net.end()
+        net.flush()
+    assert len(net.of(Finished)) == 200
+    assert net.client.next_deadline() == QUIET  # only the liveness timer: nothing waits
+    assert len(net.client._timers) < 150  # cancelled entries were compacted away
+
+
+def test_growth_is_timed_by_the_oldest_job_still_waiting() -> None:
+    """A job that got its slot no longer counts: growth waits a retry tick from the
+    submission of the oldest job that still waits."""
+    replicas = [broker("r1"), broker("r2")]
+    net = Net(config("LB", retry_tick=1.0, pool_grow_interval=0.1), {"LB": replicas})
+    net.dial_all()
+    net.flush()
+    net.submit("first")  # gets the slot at once
+    net.flush()
+    net.at(0.5)
+    net.submit("second")  # waits from 0.5
+    net.flush()
+    net.at(1.4)
+    assert not net.dials
+    net.at(1.5)
+    assert len(net.dials) == 1

@@ -26,6 +26,7 @@ from trio_broker.core import protocol as p
 from trio_broker.core.client import ClientConfig
 from trio_broker.core.errors import ClientClosed, JobLost, NoExecserver, NoSlot, UnknownService
 from trio_broker.trio.client import BrokerClient, open_broker_client
+from trio_broker.trio.driver import OUTBOX_FRAMES
 from trio_broker.trio.execserver import ExecserverHandle
 from trio_broker.trio.runner import JobControl, JobRequest
 
@@ -309,12 +310,14 @@ async def test_killed_execserver_loses_its_running_job_and_moves_the_waiting() -
         nursery.cancel_scope.cancel()
 
 
-async def test_reconnects_and_reparks_after_an_execserver_restart() -> None:
-    """A job waiting when its only execserver stopped runs once one listens on that port again."""
+async def test_a_waiting_job_fails_at_once_when_its_only_execserver_stops() -> None:
+    """A job waiting when its only execserver stopped raises NoExecserver at once (long
+    before connect_timeout), so its caller can requeue it; once an execserver listens on
+    that port again, the client reconnects and new jobs run there."""
     async with trio.open_nursery() as nursery:
         first = await start_execserver(nursery, slots=1)
         port = first.port
-        async with client_for(first, connect_timeout=WAIT) as client, trio.open_nursery() as bg:
+        async with client_for(first, connect_timeout=3600) as client, trio.open_nursery() as bg:
             hold: list[str] = []
 
             async def holder() -> None:
@@ -323,18 +326,28 @@ async def test_reconnects_and_reparks_after_an_execserver_restart() -> None:
 
             bg.start_soon(holder)
             await first.wait_until(lambda: totals(first)[2] == 1)
-            result: list[p.Receipt] = []
+            result: list[BaseException] = []
 
             async def waiter() -> None:
-                result.append(await client.run("noop", {}))
+                try:
+                    await client.run("noop", {})
+                except NoExecserver as exc:
+                    result.append(exc)
 
             bg.start_soon(waiter)
             await first.wait_until(lambda: totals(first)[0] == 1)
             first.stop()
+            await client.wait_until(lambda: bool(result), timeout=WAIT)
+            assert "every execserver disappeared" in str(result[0])
             await first.wait_closed()
             second = await start_execserver(nursery, slots=1, listen=f"127.0.0.1:{port}")
-            await client.wait_until(lambda: bool(result), timeout=WAIT)
-            assert result[0].instance_id == second.broker.config.instance_id
+            second_id = second.broker.config.instance_id
+            await client.wait_until(
+                lambda: any(link.hello.instance_id == second_id for link in client.links()),
+                timeout=WAIT,
+            )
+            receipt = await client.run("noop", {})
+            assert receipt.instance_id == second.broker.config.instance_id
             assert hold == ["stopped"]  # a stopping execserver still sends the receipt
             bg.cancel_scope.cancel()
         nursery.cancel_scope.cancel()
@@ -643,3 +656,25 @@ async def test_a_client_whose_execserver_does_not_read_closes_the_connection(
                 await client.wait_until(lambda: client.statistics().addresses[0].instances != ())
         nursery.cancel_scope.cancel()
     assert any("does not read its frames" in r.getMessage() for r in caplog.records)
+
+
+async def test_more_waiting_jobs_than_the_outbox_holds_keep_the_connection() -> None:
+    """More run() calls at once than an outbox holds frames: their WANT frames are the
+    client's own, so the connection is kept, every want is parked, and cancelling them
+    all withdraws every want on the same connection."""
+    count = OUTBOX_FRAMES + 500
+    async with trio.open_nursery() as nursery:
+        handle = await start_execserver(nursery, slots=1)
+        async with client_for(handle, connect_timeout=3600) as client:
+            async with trio.open_nursery() as bg:
+                bg.start_soon(client.run, "hold", {"params": {"seconds": 3600}})
+                await handle.wait_until(lambda: totals(handle)[2] == 1)
+                (conn,) = [link.conn for link in client.links()]
+                for _ in range(count):
+                    bg.start_soon(client.run, "noop", {})
+                await handle.wait_until(lambda: totals(handle)[0] == count)
+                assert client.waiting() == count
+                bg.cancel_scope.cancel()
+            await handle.wait_until(lambda: totals(handle)[:2] == (0, 0))
+            assert [link.conn for link in client.links()] == [conn]
+        nursery.cancel_scope.cancel()

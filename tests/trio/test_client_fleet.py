@@ -6,13 +6,14 @@ from collections import Counter
 from contextlib import AsyncExitStack
 from typing import Any
 
+import pytest
 import trio
 from trio_broker_daemons.haproxy import open_haproxy
 from trio_broker_daemons.processes import open_execserver_process
 
 from tests.support.wire import WAIT, start_execserver
 from tests.trio.test_client import client_for
-from trio_broker.core.errors import JobLost
+from trio_broker.core.errors import JobLost, UnknownService
 from trio_broker.trio.client import BrokerClient
 from trio_broker.trio.execserver import ExecserverHandle
 
@@ -130,6 +131,78 @@ async def test_killing_a_replica_redials_onto_a_live_one_and_loses_nothing() -> 
         with trio.fail_after(WAIT):
             await client.wait_until(lambda: client.statistics().addresses[0].connections >= 1)
         assert (await client.run("noop", {})).status == "ok"
+
+
+METADATA_ONLY = {"metadata": {"builtin": "noop"}}
+EVERYTHING = {**METADATA_ONLY, "noop": {"builtin": "noop"}, "hold": {"builtin": "sleep"}}
+
+
+async def test_a_mixed_fleet_behind_one_balancer_needs_no_configuration() -> None:
+    """The first replica in rotation offers only metadata, the second everything. A client
+    that knows only the balancer gets jobs of every service done: a job its first
+    connection cannot serve waits while the pool grows to the second replica. A service
+    nobody offers raises UnknownService once the pool circled back, and the pool then
+    stops growing."""
+    async with trio.open_nursery() as nursery:
+        meta = await start_execserver(nursery, services=METADATA_ONLY)
+        full = await start_execserver(nursery, services=EVERYTHING)
+        async with (
+            open_haproxy([(meta.host, meta.port), (full.host, full.port)]) as proxy,
+            client_for(proxy.address, pool_reprobe_interval=3600, **GROWTH) as client,
+        ):
+            # the first connection landed on the metadata-only replica
+            assert reached(client) == {meta.broker.config.instance_id}
+            assert client.statistics().addresses[0].balanced
+            noop = await client.run("noop", {})
+            assert noop.instance_id == full.broker.config.instance_id
+            async with trio.open_nursery() as jobs:
+                for _ in range(6):
+                    jobs.start_soon(client.run, "metadata", {})
+                    jobs.start_soon(client.run, "noop", {})
+            assert client.statistics().finished == 13
+            with pytest.raises(UnknownService):
+                await client.run("nothing", {})
+            (address,) = client.statistics().addresses
+            assert address.covered
+            assert address.connections == 2
+            assert (await client.run("metadata", {})).status == "ok"
+            assert client.statistics().addresses[0].connections == 2
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_host_name_in_front_of_one_execserver_is_no_balancer() -> None:
+    """``localhost:port`` reaches the execserver directly: its HELLO.addr is the socket's
+    peer address, so the address is not balanced and an unknown service fails at once."""
+    async with trio.open_nursery() as nursery:
+        handle = await start_execserver(nursery)
+        async with client_for(f"localhost:{handle.port}", **GROWTH) as client:
+            (address,) = client.statistics().addresses
+            assert address.instances == (handle.broker.config.instance_id,)
+            assert not address.balanced
+            with pytest.raises(UnknownService):
+                await client.run("nothing", {})
+            assert client.statistics().addresses[0].connections == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_one_execserver_under_two_addresses_counts_the_client_once() -> None:
+    """The same execserver configured as ``127.0.0.1:port`` and ``localhost:port``: the
+    second connection is closed as a duplicate, so the execserver counts one client."""
+    async with trio.open_nursery() as nursery:
+        handle = await start_execserver(nursery)
+        async with client_for(
+            f"127.0.0.1:{handle.port}", f"localhost:{handle.port}", **GROWTH
+        ) as client:
+            await client.wait_until(
+                lambda: sum(a.connections for a in client.statistics().addresses) == 1,
+                timeout=WAIT,
+            )
+            await handle.wait_until(lambda: len(handle.broker.statistics().connections) == 1)
+            assert (await client.run("noop", {})).status == "ok"
+            (link,) = client.links()
+            await client.wait_until(lambda: client.links()[0].hello.clients == 1, timeout=WAIT)
+            assert link.hello.instance_id == handle.broker.config.instance_id
+        nursery.cancel_scope.cancel()
 
 
 def _running(handle: ExecserverHandle) -> int:

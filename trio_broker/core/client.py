@@ -21,22 +21,41 @@ core sends ``JOB`` on that connection, ``UNWANT`` on every other connection wher
 the job is parked, and ``DECLINE`` for any offer that arrives later (offers and
 ``UNWANT`` cross on the wire by design). ``DONE`` finishes the job. A want whose
 offer expired (``ERROR offer_expired``) or whose ``JOB`` was refused
-(``unknown_token``, ``token_mismatch``, ``draining``) is parked again. A job
-parked nowhere yet (no connection offers the service) waits too: growing the
-pool may find an execserver that offers it.
+(``unknown_token``, ``token_mismatch``, ``draining``) is parked again.
+
+Balancers and mixed fleets. An address is *balanced* (it fronts a fleet) once a
+connection's ``HELLO.addr`` differed from the socket's peer address given to
+:meth:`~ClientCore.connected` (a host name that leads straight to one execserver
+is not balanced). A job whose service no ready connection announced *probes*:
+while some balanced address is not covered and below ``pool_max``, it waits and
+makes the pool grow at once; the first connection that announces the service
+gets its ``WANT``. Once no such address is left (the pool circled back to known
+execservers, or is full), probing jobs fail with ``unknown_service``. Without a
+balanced address, :meth:`~ClientCore.submit` answers ``unknown_service`` at once.
 
 Give-ups. A job with no slot after ``connect_timeout`` is unwanted everywhere
 and fails with ``no_slot``. :meth:`~ClientCore.submit` fails at once with
-``no_execserver`` when no connection is ready. A job whose connection dropped
-after its ``JOB`` was sent fails with ``lost``: the execserver stopped it and its
-receipt will never come.
+``no_execserver`` when no connection is ready (or all drain), and every waiting
+job fails so at once when the last ready, non-draining connection goes: its
+caller can requeue it rather than wait out ``connect_timeout``. A job whose
+connection dropped after its ``JOB`` was sent fails with ``lost``: the execserver
+stopped it and its receipt will never come.
 
 Pool growth (replicas behind one address). When a job has waited a whole
-``retry_tick`` without an offer anywhere, each address that is not *covered*
-opens one more connection, at most one every ``pool_grow_interval``, at most
-``pool_max`` in all. A new connection whose ``HELLO.instance_id`` is already in
-that address's pool is closed at once and marks the address covered, which
-stops growth until a re-probe ``pool_reprobe_interval`` later clears the mark.
+``retry_tick`` without an offer anywhere (or at once while a job probes), each
+address that is not *covered* opens one more connection, at most one every
+``pool_grow_interval``, at most ``pool_max`` in all. A new connection whose
+``HELLO.instance_id`` a ready connection already reaches, through this address
+or another, is closed at once and marks its address covered, which stops growth
+until a re-probe ``pool_reprobe_interval`` later clears the mark (and dials an
+address left with no connection). So one execserver configured under two
+addresses counts this client once.
+
+Cost. Every input is O(1) or O(log n) in the jobs in flight, apart from the
+work it does for the jobs it concerns (a new connection gets the ``WANT`` of
+each waiting job of its services): waiting jobs are indexed by service, queued
+in the order they started waiting (the oldest one times growth) and counted;
+each job's ``connect_timeout`` timer is cancelled when it gets a slot.
 
 Liveness. Like the execserver, the core sends ``PING`` after sending nothing
 for ``ping_interval`` and closes a connection that sent nothing for
@@ -63,12 +82,14 @@ job's end by design.
 from __future__ import annotations
 
 import random as _random
+from collections import deque
 from collections.abc import Iterator
 from typing import Any, Literal, TypeAlias
 
 import attrs
 
 from trio_broker.core import protocol as p
+from trio_broker.core._client_records import ConnId, _Address, _bare, _Conn, _Job
 from trio_broker.core.errors import ClientUsageError
 from trio_broker.core.job import with_pipe_urls
 from trio_broker.core.liveness import Liveness
@@ -88,8 +109,19 @@ __all__ = [
     "PositionReport",
 ]
 
-ConnId: TypeAlias = int
 FailReason: TypeAlias = Literal["no_slot", "no_execserver", "unknown_service", "lost", "cancelled"]
+
+
+DEFAULT_CONNECT_TIMEOUT = 60.0
+
+
+def _connect_timeout(value: float | None) -> float:
+    """``connect_timeout`` unset (None) or 0 means the default."""
+    if value is None or value == 0:
+        return DEFAULT_CONNECT_TIMEOUT
+    if value < 0:
+        raise ValueError(f"connect_timeout must not be negative, got {value}")
+    return float(value)
 
 
 @attrs.frozen(kw_only=True)
@@ -105,7 +137,8 @@ class ClientConfig:
             address the execserver reached us from, never a shared hostname.
         callback_port: the port of the client's own HTTP listener (pipes, /whoami).
         addresses: every execserver (or balancer) address to keep connections to.
-        connect_timeout: how long a job waits for a slot before it fails.
+        connect_timeout: how long a job waits for a slot before it fails
+            (0 or None: the default, 60 s).
         retry_tick: how long a job waits without any offer before the pool grows.
         pool_grow_interval: at most one new connection per address this often.
         pool_max: at most this many connections per address.
@@ -120,7 +153,7 @@ class ClientConfig:
     callback_url: str | None = None
     callback_port: int | None = None
     addresses: tuple[str, ...]
-    connect_timeout: float = 60.0
+    connect_timeout: float = attrs.field(default=60.0, converter=_connect_timeout)
     retry_tick: float = 1.0
     pool_grow_interval: float = 2.0
     pool_max: int = 16
@@ -202,97 +235,6 @@ class PeerError:
 ClientEffect: TypeAlias = Dial | Close | Accepted | Finished | Failed | PositionReport | PeerError
 
 
-# -- internal records ----------------------------------------------------------------
-
-
-class _Conn:
-    __slots__ = (
-        "accepted",
-        "address",
-        "hello",
-        "id",
-        "last_recv",
-        "last_sent",
-        "local_addr",
-        "parked",
-        "state",
-        "stats",
-        "watch",
-    )
-
-    def __init__(self, conn_id: ConnId, address: str, now: float) -> None:
-        self.id = conn_id
-        self.address = address
-        self.state: Literal["dialing", "open", "ready"] = "dialing"
-        self.hello: p.Hello | None = None
-        self.parked: set[str] = set()  # job ids with a WANT here, not withdrawn
-        self.accepted: set[str] = set()  # job ids whose JOB went out here
-        self.last_sent = now
-        self.last_recv = now
-        self.local_addr: str | None = None
-        # STATS: not asked for, asked for (SUBSCRIBE sent), or refused (unknown_type)
-        self.watch: Literal["no", "asked", "refused"] = "no"
-        self.stats: p.Stats | None = None
-
-    def offers(self, service: str) -> bool:
-        hello = self.hello
-        return (
-            self.state == "ready"
-            and hello is not None
-            and not hello.draining
-            and service in hello.services
-        )
-
-
-class _Address:
-    __slots__ = ("address", "backoff", "conns", "covered", "last_grow")
-
-    def __init__(self, address: str, backoff: float) -> None:
-        self.address = address
-        self.conns: set[ConnId] = set()
-        self.covered = False
-        self.last_grow = float("-inf")
-        self.backoff = backoff
-
-
-class _Job:
-    __slots__ = (
-        "conn",
-        "deadline",
-        "job",
-        "job_id",
-        "parked_on",
-        "pipes",
-        "priority",
-        "service",
-        "state",
-        "subject",
-        "waiting_since",
-    )
-
-    def __init__(
-        self,
-        job_id: str,
-        service: str,
-        priority: int,
-        subject: str | None,
-        job: dict[str, Any],
-        now: float,
-        deadline: float,
-    ) -> None:
-        self.job_id = job_id
-        self.service = service
-        self.priority = priority
-        self.subject = subject
-        self.job = job
-        self.state: Literal["waiting", "accepted"] = "waiting"
-        self.parked_on: set[ConnId] = set()
-        self.pipes: dict[str, str] | None = None
-        self.conn: ConnId | None = None
-        self.waiting_since = now
-        self.deadline = deadline
-
-
 _TimerKind: TypeAlias = Literal["deadline", "redial", "grow", "reprobe", "ping", "dead"]
 
 
@@ -321,7 +263,15 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         self._conns: dict[ConnId, _Conn] = {}
         self._addresses = {a: _Address(a, config.reconnect_min) for a in config.addresses}
         self._jobs: dict[str, _Job] = {}
-        self._grow_timer_at: float | None = None
+        # Every per-input step is O(1) or O(log n) in the waiting jobs: they are
+        # indexed by service (for parking on a new connection), queued in the
+        # order they started waiting (the oldest decides growth), and counted.
+        self._waiting: dict[str, dict[str, _Job]] = {}
+        self._waiting_count = 0
+        self._queue: deque[tuple[float, int, _Job]] = deque()
+        self._probing: dict[str, _Job] = {}  # waiting for growth to find their service
+        self._fleet_changed = False  # a connection came, went or changed: settle jobs
+        self._grow_timer: tuple[float, int] | None = None  # (when, handle) while armed
         self.surplus_offers = 0
         """Offers declined because the job already had a slot (or was withdrawn)."""
         self._watching = False
@@ -330,8 +280,19 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
 
     # -- transport inputs ---------------------------------------------------------------
 
-    def connected(self, conn_id: ConnId, *, local_addr: str | None = None, now: float) -> None:
+    def connected(
+        self,
+        conn_id: ConnId,
+        *,
+        local_addr: str | None = None,
+        peer_addr: str | None = None,
+        now: float,
+    ) -> None:
         """The dial of :class:`Dial` succeeded; sends ``REGISTER``.
+
+        ``peer_addr`` is the ``host:port`` the socket is connected to: an
+        execserver whose ``HELLO.addr`` names another address is reached through
+        a balancer. Without it the configured address is compared instead.
 
         Raises:
             ClientUsageError: the connection is not one being dialled (never
@@ -347,6 +308,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         self._enter(now)
         conn.state = "open"
         conn.local_addr = local_addr
+        conn.peer_addr = peer_addr
         conn.last_recv = now
         config = self.config
         self._send(
@@ -444,7 +406,8 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         the callback base of the connection whose offer wins, when ``JOB`` goes
         out. It fails at once with ``no_execserver`` when no connection is ready
         (or every ready one drains), and with ``unknown_service`` when no ready
-        execserver announced the service.
+        execserver announced the service and no balanced address can grow to
+        find one that does (see the module docstring).
 
         Raises:
             ClientUsageError: the job id is already in use by this client, or the
@@ -457,14 +420,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
                 "a job with pipes needs callback_url or callback_port in the ClientConfig"
             )
         self._enter(now)
-        ready = [c for c in self._conns.values() if c.state == "ready"]
-        refusal: tuple[FailReason, str] | None = None
-        if not ready:
-            refusal = ("no_execserver", "no execserver is connected")
-        elif all(c.hello is not None and c.hello.draining for c in ready):
-            refusal = ("no_execserver", "every connected execserver is draining")
-        elif not any(c.offers(service) for c in ready):
-            refusal = ("unknown_service", f"no connected execserver offers {service!r}")
+        refusal = self._refusal(service)
         if refusal is not None:
             self._effects.append(Failed(job_id=job_id, reason=refusal[0], detail=refusal[1]))
             self._leave()
@@ -474,9 +430,31 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         )
         record.pipes = pipes
         self._jobs[job_id] = record
-        self._push_timer(record.deadline, "deadline", job_id)
+        self._start_waiting(record)
         self._park_everywhere(record)
+        if not record.parked_on:
+            self._probing[job_id] = record
         self._leave()
+
+    def _refusal(self, service: str) -> tuple[FailReason, str] | None:
+        """Why a job of this service cannot wait now, or None. O(connections)."""
+        ready = [c for c in self._conns.values() if c.state == "ready"]
+        if not ready:
+            return ("no_execserver", "no execserver is connected")
+        if not any(c.live() for c in ready):
+            return ("no_execserver", "every connected execserver is draining")
+        if not any(c.offers(service) for c in ready) and not self._can_probe():
+            return ("unknown_service", f"no connected execserver offers {service!r}")
+        return None
+
+    def _can_probe(self) -> bool:
+        """Whether growth may still reach an execserver not seen yet (a balanced,
+        uncovered address below ``pool_max``)."""
+        pool_max = self.config.pool_max
+        return any(
+            a.balanced and not a.covered and len(a.conns) < pool_max
+            for a in self._addresses.values()
+        )
 
     def cancel(self, job_id: str, *, now: float) -> None:
         """The caller gave up: withdraw a waiting job, or CANCEL a running one.
@@ -490,7 +468,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         if job is not None:
             if job.state == "waiting":
                 self._unpark(job)
-                del self._jobs[job_id]
+                self._forget(job)
                 self._effects.append(
                     Failed(job_id=job_id, reason="cancelled", detail="cancelled by the caller")
                 )
@@ -595,9 +573,27 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
     def covered(self, address: str) -> bool:
         return self._addresses[address].covered
 
+    def balanced(self, address: str) -> bool:
+        """Whether the address fronts a fleet: a ``HELLO.addr`` through it differed
+        from the socket's peer address (it stays so once seen)."""
+        return self._addresses[address].balanced
+
     def waiting(self) -> list[str]:
-        """Job ids that wait for a slot."""
-        return [j.job_id for j in self._jobs.values() if j.state == "waiting"]
+        """Job ids that wait for a slot (O(jobs): use :meth:`waiting_count` to count)."""
+        return [j for jobs in self._waiting.values() for j in jobs]
+
+    def waiting_count(self) -> int:
+        """How many jobs wait for a slot. O(1)."""
+        return self._waiting_count
+
+    def running_count(self) -> int:
+        """How many jobs hold a slot (their ``JOB`` went out). O(1)."""
+        return len(self._jobs) - self._waiting_count
+
+    def state_of(self, job_id: str) -> Literal["waiting", "accepted"] | None:
+        """``waiting``, ``accepted`` (holds a slot) or None (unknown or ended). O(1)."""
+        job = self._jobs.get(job_id)
+        return None if job is None or job.state == "ended" else job.state
 
     def jobs(self) -> Iterator[tuple[str, str, ConnId | None]]:
         """(job_id, state, connection) for every job in flight."""
@@ -621,7 +617,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
             job = self._jobs.get(message.job_id)
             if job is not None and job.state == "accepted" and job.conn == conn.id:
                 conn.accepted.discard(job.job_id)
-                del self._jobs[job.job_id]
+                self._forget(job)
                 self._effects.append(Finished(job_id=job.job_id, receipt=message.receipt))
         elif isinstance(message, p.Error):
             self._on_error(conn, message)
@@ -634,39 +630,65 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         # QUEUED and PONG need nothing
 
     def _on_hello(self, conn: _Conn, hello: p.Hello) -> None:
-        first = conn.state != "ready"
+        before = conn.hello
         conn.hello = hello
-        if first:
-            address = self._addresses[conn.address]
-            for other_id in address.conns:
-                other = self._conns[other_id]
-                if (
-                    other_id != conn.id
-                    and other.hello is not None
-                    and other.hello.instance_id == hello.instance_id
-                ):
-                    # The balancer put this connection on a replica we already
-                    # reach: close it, and stop growing until the next re-probe.
-                    address.covered = True
-                    self._push_timer(
-                        self._now + self.config.pool_reprobe_interval, "reprobe", address.address
-                    )
-                    self._effects.append(
-                        Close(conn=conn.id, code=p.CLOSE_NORMAL, reason="duplicate instance")
-                    )
-                    self._lose(conn.id, redial=False)
-                    return
+        if conn.state != "ready":
+            if self._duplicate(conn, hello):
+                return
             conn.state = "ready"
+            address = self._addresses[conn.address]
             address.backoff = self.config.reconnect_min
+            address.shadowed_by = None
+            if _bare(hello.addr) != _bare(conn.peer_addr or conn.address):
+                address.balanced = True
             self._ask_stats(conn)
+        elif (
+            before is not None
+            and before.draining == hello.draining
+            and before.services.keys() == hello.services.keys()
+        ):
+            return  # only the figures changed: nothing to park or settle
+        self._fleet_changed = True
         if hello.draining:
             # The execserver emptied its book: nothing of ours is parked there.
             for job_id in conn.parked:
                 self._jobs[job_id].parked_on.discard(conn.id)
             conn.parked.clear()
-        for job in self._jobs.values():
-            if job.state == "waiting":
+            return
+        for service in hello.services:
+            for job in self._waiting.get(service, {}).values():
                 self._park(job, conn)
+                self._probing.pop(job.job_id, None)
+
+    def _duplicate(self, conn: _Conn, hello: p.Hello) -> bool:
+        """Close a new connection to an instance some ready connection already reaches.
+
+        Through the same address the balancer circled back to a known replica:
+        the address is covered (growth stops until the re-probe). Through another
+        address one execserver was configured twice: the duplicate is closed as
+        well, so the execserver counts this client once.
+        """
+        for other in self._conns.values():
+            if (
+                other is conn
+                or other.state != "ready"
+                or other.hello is None
+                or other.hello.instance_id != hello.instance_id
+            ):
+                continue
+            address = self._addresses[conn.address]
+            address.covered = True
+            self._push_timer(
+                self._now + self.config.pool_reprobe_interval, "reprobe", address.address
+            )
+            self._effects.append(
+                Close(conn=conn.id, code=p.CLOSE_NORMAL, reason="duplicate instance")
+            )
+            self._lose(conn.id, redial=False)
+            if not address.conns:
+                address.shadowed_by = other.id
+            return True
+        return False
 
     def _on_offer(self, conn: _Conn, offer: p.Offer) -> None:
         job = self._jobs.get(offer.job_id)
@@ -681,6 +703,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         conn.parked.discard(job.job_id)
         job.parked_on.discard(conn.id)
         self._unpark(job)
+        self._stop_waiting(job)
         job.state = "accepted"
         job.conn = conn.id
         conn.accepted.add(job.job_id)
@@ -726,9 +749,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         ):
             # Our JOB was refused: the job holds no slot; wait again everywhere.
             conn.accepted.discard(job.job_id)
-            job.state = "waiting"
-            job.conn = None
-            job.waiting_since = self._now
+            self._start_waiting(job)
             self._park_everywhere(job)
             return
         if job.job_id in conn.parked and code in (
@@ -743,6 +764,61 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
                 self._park(job, conn)
 
     # -- wants -----------------------------------------------------------------------------
+
+    def _start_waiting(self, job: _Job) -> None:
+        """The job waits for a slot (submitted, or its ``JOB`` was refused)."""
+        now = self._now
+        job.state = "waiting"
+        job.conn = None
+        job.waiting_since = now
+        job.waits += 1
+        self._waiting.setdefault(job.service, {})[job.job_id] = job
+        self._waiting_count += 1
+        self._queue.append((now, job.waits, job))
+        job.timer = self._push_timer(job.deadline, "deadline", job.job_id)
+
+    def _stop_waiting(self, job: _Job) -> None:
+        """The job no longer waits (it got a slot, failed or was cancelled)."""
+        jobs = self._waiting[job.service]
+        del jobs[job.job_id]
+        if not jobs:
+            del self._waiting[job.service]
+        self._waiting_count -= 1
+        self._probing.pop(job.job_id, None)
+        if job.timer is not None:
+            self._cancel_timer(job.timer)
+            job.timer = None
+
+    def _forget(self, job: _Job) -> None:
+        del self._jobs[job.job_id]
+        if job.state == "waiting":
+            self._stop_waiting(job)
+        job.state = "ended"
+
+    def _fail_waiting(self, jobs: list[_Job], reason: FailReason, detail: str) -> None:
+        for job in jobs:
+            self._unpark(job)
+            self._forget(job)
+            self._effects.append(Failed(job_id=job.job_id, reason=reason, detail=detail))
+
+    def _settle(self) -> None:
+        """After a connection came, went or changed: fail the waiting jobs that can
+        no longer get a slot (every execserver gone, or growth reached no execserver
+        offering the service). O(connections) unless jobs fail."""
+        if not self._waiting_count:
+            return
+        if not any(c.live() for c in self._conns.values()):
+            jobs = [j for by_service in self._waiting.values() for j in by_service.values()]
+            self._fail_waiting(jobs, "no_execserver", "every execserver disappeared")
+            return
+        if self._probing and not self._can_probe():
+            for job in list(self._probing.values()):
+                self._fail_waiting(
+                    [job],
+                    "unknown_service",
+                    f"no execserver reached offers {job.service!r} (the pool circled back "
+                    "to known execservers)",
+                )
 
     def _park(self, job: _Job, conn: _Conn) -> None:
         if (
@@ -792,12 +868,13 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         conn = self._conns.pop(conn_id, None)
         if conn is None:
             return
+        self._fleet_changed = True
         address = self._addresses[conn.address]
         address.conns.discard(conn_id)
         for job_id in conn.parked:
             self._jobs[job_id].parked_on.discard(conn_id)
         for job_id in sorted(conn.accepted):
-            del self._jobs[job_id]
+            self._forget(self._jobs[job_id])
             self._effects.append(
                 Failed(
                     job_id=job_id,
@@ -806,11 +883,19 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
                 )
             )
         if redial:
-            # Jitter (half to all of the back-off) keeps many clients that lost
-            # one execserver from dialling it again in lockstep.
-            delay = address.backoff * (0.5 + 0.5 * self._random.random())
-            self._push_timer(self._now + delay, "redial", address.address)
-            address.backoff = min(address.backoff * 2, self.config.reconnect_max)
+            self._redial_later(address)
+        for other in self._addresses.values():
+            if other.shadowed_by == conn_id:
+                # the connection that made it a duplicate is gone: dial it again
+                other.shadowed_by = None
+                self._redial_later(other)
+
+    def _redial_later(self, address: _Address) -> None:
+        # Jitter (half to all of the back-off) keeps many clients that lost
+        # one execserver from dialling it again in lockstep.
+        delay = address.backoff * (0.5 + 0.5 * self._random.random())
+        self._push_timer(self._now + delay, "redial", address.address)
+        address.backoff = min(address.backoff * 2, self.config.reconnect_max)
 
     # -- timers ------------------------------------------------------------------------------
 
@@ -819,8 +904,9 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         if kind == "deadline":
             job = self._jobs.get(key)
             if job is not None and job.state == "waiting" and job.deadline <= now:
+                job.timer = None  # it fired
                 self._unpark(job)
-                del self._jobs[key]
+                self._forget(job)
                 self._effects.append(
                     Failed(
                         job_id=key,
@@ -833,9 +919,12 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
             if not address.conns or len(address.conns) < config.pool_max:
                 self._dial(address)
         elif kind == "reprobe":
-            self._addresses[key].covered = False
+            address = self._addresses[key]
+            address.covered = False
+            if not address.conns:
+                self._dial(address)  # a duplicate of another address: look again
         elif kind == "grow":
-            self._grow_timer_at = None
+            self._grow_timer = None
         elif kind == "ping" or kind == "dead":
             conn = self._conns.get(key)
             if conn is not None and self._liveness_timer(kind, conn, now):
@@ -848,10 +937,13 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         """Open one more connection per address while jobs see no offer at all."""
         config = self.config
         now = self._now
-        waiting = [j.waiting_since for j in self._jobs.values() if j.state == "waiting"]
-        if not waiting:
+        oldest = self._oldest_wait()
+        if oldest is None:
+            self._arm_growth(None)
             return
-        due = min(waiting) + config.retry_tick
+        # A job no connection offers its service to cannot get an offer: no need
+        # to wait a retry tick before growing.
+        due = now if self._probing else oldest + config.retry_tick
         wake: float | None = due if due > now else None
         if due <= now:
             for address in self._addresses.values():
@@ -865,13 +957,34 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
                     continue
                 address.last_grow = now
                 self._dial(address)
-        if wake is not None and (self._grow_timer_at is None or wake < self._grow_timer_at):
-            self._grow_timer_at = wake
-            self._push_timer(wake, "grow", None)
+        self._arm_growth(wake)
+
+    def _arm_growth(self, wake: float | None) -> None:
+        """Keep exactly one growth timer, at ``wake`` (None: none)."""
+        armed = self._grow_timer
+        if armed is not None and armed[0] == wake:
+            return
+        if armed is not None:
+            self._cancel_timer(armed[1])
+        self._grow_timer = None if wake is None else (wake, self._push_timer(wake, "grow", None))
+
+    def _oldest_wait(self) -> float | None:
+        """When the longest-waiting job started waiting. Amortised O(1): stale
+        queue entries (the job got a slot, ended, or waits again) are dropped."""
+        queue = self._queue
+        while queue:
+            since, waits, job = queue[0]
+            if job.state == "waiting" and job.waits == waits:
+                return since
+            queue.popleft()
+        return None
 
     # -- plumbing ------------------------------------------------------------------------------
 
     def _leave(self) -> None:
+        if self._fleet_changed:
+            self._fleet_changed = False
+            self._settle()
         self._consider_growth()
 
     def check_invariants(self) -> None:
@@ -893,3 +1006,11 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
                 assert job.job_id in self._conns[conn_id].parked
         for address in self._addresses.values():
             assert len(address.conns) <= self.config.pool_max
+        waiting = [j for j in self._jobs.values() if j.state == "waiting"]
+        assert self._waiting_count == len(waiting) == sum(map(len, self._waiting.values()))
+        for job in waiting:
+            assert self._waiting[job.service][job.job_id] is job
+            assert job.timer is not None
+        for job in self._probing.values():
+            assert job.state == "waiting"
+            assert self._jobs[job.job_id] is job

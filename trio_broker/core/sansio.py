@@ -4,9 +4,14 @@
 :class:`~trio_broker.core.client.ClientCore` (the client side) are driven the
 same way: inputs carry ``now``, which never goes backwards; frames and effects
 pile up while an input is handled and are drained afterwards; timers sit in a
-lazy heap whose earliest entry is :meth:`SansIOCore.next_deadline`, and ``tick``
-fires the due ones. A timer whose reason went away stays in the heap and does
-nothing when it fires, so pushing is the only bookkeeping.
+heap whose earliest live entry is :meth:`SansIOCore.next_deadline`, and ``tick``
+fires the due ones. A side may cancel a timer whose reason went away
+(:meth:`SansIOCore._cancel_timer` with the handle :meth:`SansIOCore._push_timer`
+returned): it is never reported as a deadline, so the code that sleeps until the
+next deadline wakes only for live timers. Cancelled entries leave the heap when
+they reach its top, or all at once when they outnumber the live ones, so the
+heap never holds more than about twice the live timers. A timer that is not
+cancelled and whose reason went away does nothing when it fires.
 
 Both sides also follow the same liveness rule (:class:`~trio_broker.core.liveness.Liveness`)
 per connection; :meth:`SansIOCore._liveness_timer` applies it at the ``"ping"``
@@ -55,6 +60,7 @@ class SansIOCore(ABC, Generic[E, K]):
         self._effects: list[E] = []
         self._timers: list[tuple[float, int, K, Any]] = []
         self._timer_seq = itertools.count()
+        self._cancelled: set[int] = set()  # handles of cancelled timers still in the heap
 
     # -- outputs ---------------------------------------------------------------------
 
@@ -69,7 +75,8 @@ class SansIOCore(ABC, Generic[E, K]):
         return effects
 
     def next_deadline(self) -> float | None:
-        """When :meth:`tick` is due next; None when no timer is pending."""
+        """When :meth:`tick` is due next; None when no live timer is pending."""
+        self._drop_cancelled()
         return self._timers[0][0] if self._timers else None
 
     # -- the timer input -----------------------------------------------------------------
@@ -104,11 +111,33 @@ class SansIOCore(ABC, Generic[E, K]):
         conn.last_sent = self._now
         self._frames.append((conn.id, message))
 
-    def _push_timer(self, when: float, kind: K, key: Any) -> None:
-        heapq.heappush(self._timers, (when, next(self._timer_seq), kind, key))
+    def _push_timer(self, when: float, kind: K, key: Any) -> int:
+        """Arm a timer; returns its handle for :meth:`_cancel_timer`. O(log timers)."""
+        handle = next(self._timer_seq)
+        heapq.heappush(self._timers, (when, handle, kind, key))
+        return handle
+
+    def _cancel_timer(self, handle: int) -> None:
+        """Disarm a timer that has not fired yet (a fired or unknown handle: no-op).
+
+        Amortised O(log timers): the entry stays in the heap until it reaches the
+        top or the cancelled entries outnumber the live ones (then one rebuild).
+        """
+        cancelled = self._cancelled
+        cancelled.add(handle)
+        if len(cancelled) > 64 and 2 * len(cancelled) > len(self._timers):
+            self._timers = [t for t in self._timers if t[1] not in cancelled]
+            heapq.heapify(self._timers)
+            cancelled.clear()
+
+    def _drop_cancelled(self) -> None:
+        timers, cancelled = self._timers, self._cancelled
+        while timers and cancelled and timers[0][1] in cancelled:
+            cancelled.discard(heapq.heappop(timers)[1])
 
     def _pop_due(self, now: float) -> tuple[K, Any] | None:
-        """The earliest timer due at ``now`` (removed), or None."""
+        """The earliest live timer due at ``now`` (removed), or None."""
+        self._drop_cancelled()
         timers = self._timers
         if timers and timers[0][0] <= now:
             _, _, kind, key = heapq.heappop(timers)

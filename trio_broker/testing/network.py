@@ -6,13 +6,16 @@ the test releases it, so a test (or a state machine) decides the interleaving:
 which queue delivers next, when a dial completes or fails, when a connection
 breaks, when a run ends, when time passes. Each address maps to a *fleet* of
 brokers: a dial to it lands on the next one in turn, as a round-robin balancer
-would. Nothing here imports trio.
+would. The client learns the socket's peer address of each connection: the
+execserver's own for a direct address, the balancer's (``balancer_addr``) for an
+address in ``balancers`` (by default, every fleet of more than one broker).
+Nothing here imports trio.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from trio_broker.core import protocol as p
@@ -58,6 +61,8 @@ class Network:
         now: float = 0.0,
         server_addr: str = "10.0.0.1:7000",
         client_addr: str = "10.0.0.2:40000",
+        balancer_addr: str = "10.0.0.3:80",
+        balancers: Collection[str] | None = None,
     ) -> None:
         self.now = now
         self.client = client
@@ -73,6 +78,12 @@ class Network:
         self._turn = dict.fromkeys(fleets, 0)
         self._server_addr = server_addr
         self._client_addr = client_addr
+        self._balancer_addr = balancer_addr
+        self._balancers = (
+            frozenset(balancers)
+            if balancers is not None
+            else frozenset(a for a, fleet in fleets.items() if len(fleet) > 1)
+        )
         self.dials: dict[int, str] = {}
         self.links: dict[int, Link] = {}
         self._by_server: dict[tuple[int, int], Link] = {}
@@ -144,7 +155,8 @@ class Network:
             link = Link(conn, server, server_conn)
             self.links[conn] = link
             self._by_server[(server, server_conn)] = link
-            self.client.connected(conn, local_addr=self._client_addr, now=self.now)
+            peer = self._balancer_addr if address in self._balancers else self._server_addr
+            self.client.connected(conn, local_addr=self._client_addr, peer_addr=peer, now=self.now)
         self.route()
 
     def dial_all(self) -> None:

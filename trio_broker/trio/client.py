@@ -12,8 +12,9 @@ what only a client does:
   stream, upgrades to the websocket at ``/broker``, reports
   :meth:`~ClientCore.connected` with the socket's local address, then hands the
   connection to the driver until it ends (one reader, one writer, an outbox of
-  :data:`~trio_broker.trio.driver.OUTBOX_FRAMES` frames: a peer that does not
-  read is closed with 1008);
+  :data:`~trio_broker.trio.driver.OUTBOX_FRAMES` frames besides the ``WANT``,
+  ``UNWANT``, ``CANCEL`` and ``QUERY`` frames of its own callers, which may all be
+  queued at once: a peer that does not read is closed with 1008);
 - :meth:`BrokerClient.run` submits a job and waits for its effect
   (``Finished``/``Failed``); a cancelled caller withdraws the want or ``CANCEL``\\ s
   the running job.
@@ -92,7 +93,8 @@ class AddressState:
         instances: the distinct execserver ``instance_id``\\ s reached through it.
         covered: the pool found a duplicate instance and stopped growing.
         balanced: the address fronts a fleet: an execserver's ``HELLO.addr``
-            differs from the dialled address.
+            differed from the address the socket was connected to (a balancer
+            or a forwarding in between; a host name alone is not one).
         names: the execservers' names, by instance id.
     """
 
@@ -177,11 +179,6 @@ def _format_address(sockname: Any) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _bare(address: str) -> str:
-    """``host:port`` without the brackets of an IPv6 host, for comparisons."""
-    return address.replace("[", "").replace("]", "")
-
-
 class BrokerClient:
     """Runs jobs on the best free slot of a fleet of execservers.
 
@@ -214,6 +211,7 @@ class BrokerClient:
             self._apply,
             closed=self._core.connection_closed,
             max_frame_bytes=max_frame_bytes,
+            own_frames=("WANT", "UNWANT", "CANCEL", "QUERY"),
             default_close=(p.CLOSE_NORMAL, "client closing"),
         )
         self._waiters: dict[str, _Waiter] = {}
@@ -357,7 +355,7 @@ class BrokerClient:
     ) -> list[tuple[int, p.Position]]:
         """:meth:`position`, each answer with the connection it came on (see :meth:`links`)."""
         targets = len(self._core.parked_on(job_id))
-        if targets == 0 and any(j == job_id and s == "accepted" for j, s, _ in self._core.jobs()):
+        if targets == 0 and self.is_running(job_id):
             targets = 1
         if targets == 0 or job_id in self._positions:
             return []
@@ -391,11 +389,11 @@ class BrokerClient:
 
     def waiting(self) -> int:
         """How many of this client's jobs wait for a slot right now."""
-        return len(self._core.waiting())
+        return self._core.waiting_count()
 
     def is_running(self, job_id: str) -> bool:
         """Whether the job holds a slot (its ``JOB`` went out and it has not ended)."""
-        return any(j == job_id and s == "accepted" for j, s, _ in self._core.jobs())
+        return self._core.state_of(job_id) == "accepted"
 
     def offers(self, service: str) -> bool:
         """Whether some connected, non-draining execserver announced ``service``."""
@@ -418,15 +416,14 @@ class BrokerClient:
                     connections=len(conns),
                     instances=tuple(sorted({h.instance_id for h in hellos})),
                     covered=core.covered(address),
-                    balanced=any(_bare(h.addr) != _bare(address) for h in hellos),
+                    balanced=core.balanced(address),
                     names={h.instance_id: h.name for h in hellos},
                 )
             )
-        states = [state for _, state, _ in core.jobs()]
         return ClientStatistics(
             addresses=tuple(addresses),
-            waiting=states.count("waiting"),
-            running=states.count("accepted"),
+            waiting=core.waiting_count(),
+            running=core.running_count(),
             finished=self._finished,
             failed=self._failed,
             surplus_offers=core.surplus_offers,
@@ -576,6 +573,7 @@ class BrokerClient:
                 stream: trio.SocketStream | trio.SSLStream[trio.SocketStream]
                 tcp = await trio.open_tcp_stream(host, port, local_address=self._local_host)
                 local_addr = _format_address(tcp.socket.getsockname())
+                peer_addr = _format_address(tcp.socket.getpeername())
                 stream = tcp
                 if self._ssl is not None:
                     stream = trio.SSLStream(tcp, self._ssl, server_hostname=host)
@@ -612,7 +610,7 @@ class BrokerClient:
             with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
                 await transport.close(p.CLOSE_NORMAL, "client closing")
             return
-        core.connected(conn_id, local_addr=local_addr, now=trio.current_time())
+        core.connected(conn_id, local_addr=local_addr, peer_addr=peer_addr, now=trio.current_time())
         await self._driver.serve(conn_id, transport)
 
 

@@ -38,7 +38,11 @@ One reader and one writer per connection
 A bounded outbox
     Each connection's outbox holds :data:`OUTBOX_FRAMES` frames. A peer that does not
     read fills it, and the frame that finds it full closes that connection with 1008
-    instead of letting memory grow without end.
+    instead of letting memory grow without end. Frames of the side's ``own_frames``
+    types do not count: they come from the side's own callers, at most a few per job
+    (the client's ``WANT``, ``UNWANT``, ``CANCEL`` and ``QUERY``), so a peer cannot make
+    them pile up, while ten thousand callers may well queue ten thousand ``WANT``
+    frames before the writer's turn.
 
 One timer task
     :meth:`CoreDriver.run_timers` sleeps until the core's ``next_deadline()`` and then
@@ -56,7 +60,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Final, Generic, NoReturn, Protocol, TypeVar
 
 import trio
@@ -134,7 +138,7 @@ class _Link:
     frame is queued (or the outbox closed) while the writer sleeps.
     """
 
-    __slots__ = ("close_with", "closed", "outbox", "scope", "wake")
+    __slots__ = ("close_with", "closed", "counted", "outbox", "scope", "wake")
 
     def __init__(self) -> None:
         self.outbox: list[str] = []
@@ -142,15 +146,17 @@ class _Link:
         self.wake: trio.Event | None = None  # the writer sleeps on it
         self.scope = trio.CancelScope()
         self.close_with: tuple[int, str] | None = None
+        self.counted = 0  # frames in the outbox that count against OUTBOX_FRAMES
 
-    def put(self, text: str) -> bool:
-        """Queue one frame; False when the outbox is full."""
+    def put(self, text: str, *, counted: bool = True) -> bool:
+        """Queue one frame; False when the outbox is full (of counted frames)."""
         if self.closed:
             return True  # closing: nothing more goes out
-        outbox = self.outbox
-        if len(outbox) >= OUTBOX_FRAMES:
-            return False
-        outbox.append(text)
+        if counted:
+            if self.counted >= OUTBOX_FRAMES:
+                return False
+            self.counted += 1
+        self.outbox.append(text)
         wake = self.wake
         if wake is not None:
             self.wake = None
@@ -176,6 +182,8 @@ class CoreDriver(Generic[E]):
         closed: the core's input for a connection that ended
             (``Broker.close_connection``, ``ClientCore.connection_closed``).
         max_frame_bytes: a larger incoming frame closes its connection (1009).
+        own_frames: frame types that do not count against :data:`OUTBOX_FRAMES`
+            (the side's callers bound them; see the module docstring).
         default_close: the close code and reason of a connection that ends
             without one asked for (its task was cancelled, or the peer is gone);
             None leaves such a transport to its server.
@@ -188,6 +196,7 @@ class CoreDriver(Generic[E]):
         *,
         closed: ConnectionInput,
         max_frame_bytes: int = MAX_FRAME_BYTES,
+        own_frames: Collection[str] = (),
         default_close: tuple[int, str] | None = None,
     ) -> None:
         self.core = core
@@ -195,6 +204,7 @@ class CoreDriver(Generic[E]):
         self._closed = closed
         self._max_frame_bytes = max_frame_bytes
         self._default_close = default_close
+        self._own_frames = frozenset(own_frames)
         self._links: dict[int, _Link] = {}
         self._wake = trio.Event()
         self._armed = math.inf  # the deadline the timer task sleeps until
@@ -207,11 +217,12 @@ class CoreDriver(Generic[E]):
         core = self.core
         links = self._links
         encode = p.encode
+        own = self._own_frames
         for conn_id, message in core.frames_to_send():
             link = links.get(conn_id)
             if link is None:
                 continue  # the connection already ended
-            if not link.put(encode(message)):
+            if not link.put(encode(message), counted=message.TYPE not in own):
                 self._overflowed(conn_id, link)
         apply = self._apply
         for effect in core.effects():
@@ -353,6 +364,7 @@ class CoreDriver(Generic[E]):
                     await wake.wait()
                     continue
                 link.outbox = []
+                link.counted = 0
                 await transport.send_texts(batch)
         except trio.BrokenResourceError:
             pass  # the peer is gone
