@@ -201,9 +201,7 @@ def test_admission_refuses_negative_waiting() -> None:
 
 
 observations = st.lists(
-    st.tuples(
-        st.floats(0, 3), loads_strategy, st.integers(0, 40), st.booleans()
-    ),
+    st.tuples(st.floats(0, 3), loads_strategy, st.integers(0, 40), st.booleans()),
     max_size=30,
 )
 
@@ -219,9 +217,12 @@ def test_admission_bounds(
     for elapsed, loads, waiting, deep in steps:
         now += elapsed
         got = adm.update(now, loads, waiting=waiting, queue_deep=deep)
-        assert got.limit >= 0 and got.reserve >= 0 and adm.rise >= 0
+        assert got.limit >= 0
+        assert got.reserve >= 0
+        assert adm.rise >= 0
         if fair_share(loads) == 0:
-            assert got == type(got)() and adm.rise == 0
+            assert got == type(got)()
+            assert adm.rise == 0
             continue
         assert got.limit + got.reserve <= got.cap == max_in_flight(got.base, config)
         assert got.base + adm.rise <= max(got.cap, got.base)
@@ -353,7 +354,8 @@ def test_plan_when_even_items_fill_the_local_slots() -> None:
         local_even_in_flight=2,
     )
     assert plan == ClaimPlan(local=0, local_odd_only=1)
-    assert plan.local_total == 1 and plan.total == 1
+    assert plan.local_total == 1
+    assert plan.total == 1
     with pytest.raises(ValueError, match="local_even_in_flight"):
         plan_claims(
             exec_limit=0,
