@@ -89,19 +89,17 @@ def test_idle_slots_raise_the_limit_only_when_deep_and_nothing_waits() -> None:
     assert exec_limit(loads, waiting=0, queue_deep=True, config=no_idle) == base
 
 
-def test_waiting_jobs_beyond_the_cpus_lower_the_limit_down_to_zero() -> None:
-    """Waiting jobs within the CPU count are its pipelining and leave the limit; each one
-    beyond it lowers the limit by one, never below zero."""
+def test_waiting_jobs_do_not_lower_the_base() -> None:
+    """A single observation of waiting jobs only stops the rise: the base stays."""
     assert exec_limit([load(8, 1)], waiting=2, queue_deep=False, config=CONFIG) == 10
-    assert exec_limit([load(8, 1)], waiting=3, queue_deep=False, config=CONFIG) == 9
-    assert exec_limit([load(8, 1)], waiting=50, queue_deep=False, config=CONFIG) == 0
+    assert exec_limit([load(8, 1, idle=2)], waiting=50, queue_deep=True, config=CONFIG) == 10
 
 
 def test_caps_include_the_odd_reserve() -> None:
     """max_in_flight caps the limit plus the odd reserve; 0 means 4 × base, at least 32, at
     most 2 × the db pool."""
     fixed = AdmissionConfig(max_in_flight=5)
-    got = limits([load(40, 1)], waiting=0, rise=0, config=fixed)
+    got = limits([load(40, 1)], rise=0, config=fixed)
     assert (got.limit, got.reserve, got.cap) == (3, 2, 5)
     assert exec_limit([load(40, 1)], waiting=0, queue_deep=False, config=fixed) == 3
     assert auto_max_in_flight(1, db_pool=100) == 32
@@ -150,21 +148,26 @@ def test_rise_needs_a_deep_queue_and_no_waiting_job() -> None:
     assert off.update(0.0, loads, waiting=0, queue_deep=True).limit == 6
 
 
-def test_waiting_jobs_lower_the_rise_and_then_the_limit() -> None:
-    """Each interval, waiting jobs take their number off the rise; beyond the CPU count they
-    lower the limit at once, below the base if need be."""
+def test_jobs_queued_through_an_interval_lower_the_rise_step_by_step() -> None:
+    """Waiting jobs within the CPU count are pipelining and lower nothing; when more than
+    that stayed queued through an interval (the fewest seen in it), the rise drops by one
+    per interval, down to 0 (the base stays)."""
     adm = Admission(CONFIG)
     loads = [load(4, 1, idle=3)]
     for second in range(3):
         adm.update(float(second), loads, waiting=0, queue_deep=True)
     assert adm.rise == 9
-    got = adm.update(3.0, loads, waiting=2, queue_deep=True)
-    assert (adm.rise, got.limit) == (7, 6 + 7)
-    got = adm.update(3.2, loads, waiting=4, queue_deep=True)  # same interval: rise kept
-    assert (adm.rise, got.limit) == (7, 6 + 7 - 2)
-    adm.update(4.0, loads, waiting=10, queue_deep=True)
-    assert adm.rise == 0
-    assert adm.update(5.0, loads, waiting=7, queue_deep=True).limit == 6 - 5
+    adm.update(3.0, loads, waiting=2, queue_deep=True)  # pipelining: kept
+    assert adm.rise == 9
+    adm.update(3.5, loads, waiting=9, queue_deep=True)
+    adm.update(4.0, loads, waiting=9, queue_deep=True)  # fewest in 3.0..4.0 was 2: kept
+    assert adm.rise == 9
+    adm.update(4.5, loads, waiting=5, queue_deep=True)
+    got = adm.update(5.0, loads, waiting=4, queue_deep=True)  # 4 or more through 4.0..5.0
+    assert (adm.rise, got.limit) == (8, 6 + 8)
+    for second in range(6, 30):
+        got = adm.update(float(second), loads, waiting=10, queue_deep=True)
+    assert (adm.rise, got.limit) == (0, 6)
 
 
 def test_rise_is_bounded_by_the_cap_and_kept_within_it() -> None:

@@ -455,7 +455,7 @@ def test_fixed_max_in_flight() -> None:
     config = FylrConfig.from_mapping({**MINIMAL, "max_in_flight": 3})
     admission = dispatcher_config(config, backend_id="b").admission
     fleet = [InstanceLoad(instance_id="x", processes=1000, clients=1, idle=0)]
-    got = limits(fleet, waiting=0, rise=0, config=admission)
+    got = limits(fleet, rise=0, config=admission)
     assert (got.limit, got.reserve) == (2, 1)
     assert exec_limit(fleet, waiting=0, queue_deep=True, config=admission) == 2
 

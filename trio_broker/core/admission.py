@@ -26,12 +26,18 @@ to what the execservers absorb. The rules:
    it, ``ceil(idle / clients)`` per instance. The rise *accumulates*: it is
    kept in :class:`Admission` and grows second by second for as long as slots
    idle, up to the cap.
-3. **Falling.** Once per ``adapt_interval``, jobs of this client that wait at
-   the execservers for a slot lower the accumulated rise by their number (not
-   below 0). Beyond that, waiting jobs in excess of ``cpus`` (the pipelining the
-   base allows for: wants parked ahead of the next freed slot) lower the limit at
-   once, below the base if need be (the client is ahead of what the
-   execservers take from it).
+3. **Falling.** Jobs of this client that wait at the execservers for a slot
+   mean it claims more than they take. Waiting jobs up to ``cpus`` are the
+   pipelining the base is for (wants parked ahead of the next freed slot) and
+   lower nothing. Once per ``adapt_interval``, when the fewest jobs seen waiting
+   since the last adjustment (the ones that stayed queued through it, the mirror
+   of ``idle``) exceed ``cpus``, the accumulated rise drops by one, down to 0:
+   the admission falls step by step for as long as jobs stay queued. A claimed
+   item reaches its slot only after its input is fetched, so the jobs that
+   queue now were admitted seconds ago and arrive in bursts; dropping the rise
+   by every waiting job at once throws it away on one burst, and the admission
+   swings between the base and an overshoot, leaving the slots idle half the
+   time (``benchmarks/admission.py`` shows it).
 4. **Cap.** ``max_in_flight`` bounds everything in flight, the odd reserve
    included; 0 means automatic: ``4 × base``, at least 32, at most twice the
    database pool (every item in flight may need a database connection now and
@@ -234,16 +240,13 @@ class Limits:
     rise: int = 0
 
 
-def limits(
-    loads: Iterable[InstanceLoad], *, waiting: int, rise: int, config: AdmissionConfig
-) -> Limits:
-    """The limit and odd reserve for a rise above the base (rules 1, 3 and 4).
+def limits(loads: Iterable[InstanceLoad], *, rise: int, config: AdmissionConfig) -> Limits:
+    """The limit and odd reserve for a rise above the base (rules 1 and 4).
 
     Args:
         loads: one per connected, non-draining execserver instance.
-        waiting: this client's jobs now waiting at the execservers for a slot.
-        rise: how far above the base the admission stands (rule 2), clipped to
-            the cap.
+        rise: how far above the base the admission stands (rules 2 and 3),
+            clipped to what the cap leaves.
         config: ``cpus``, the odd reserve and the cap.
     """
     loads = tuple(loads)
@@ -254,7 +257,7 @@ def limits(
     base = share + cpus
     cap = max_in_flight(base, config)
     rise = max(0, min(rise, cap - base))
-    raw = max(0, base + rise - max(0, waiting - cpus))
+    raw = base + rise
     reserve = odd_reserve(min(raw, cap), config.odd_reserve)
     return Limits(base=base, limit=min(raw, cap - reserve), reserve=reserve, cap=cap, rise=rise)
 
@@ -269,7 +272,8 @@ def exec_limit(
     """The limit of a single observation, without an accumulated rise.
 
     The rise is this one second's idle share (when the queue is deep and no job
-    waits); :class:`Admission` is the form that remembers it across seconds.
+    waits); :class:`Admission` is the form that remembers it across seconds, and
+    that lowers it while jobs stay queued.
 
     Returns:
         Exec-bound items of any priority allowed in flight; 0 when no instance
@@ -277,7 +281,7 @@ def exec_limit(
     """
     loads = tuple(loads)
     rise = idle_share(loads) if config.use_idle and queue_deep and waiting == 0 else 0
-    return limits(loads, waiting=waiting, rise=rise, config=config).limit
+    return limits(loads, rise=rise, config=config).limit
 
 
 class Admission:
@@ -294,6 +298,7 @@ class Admission:
         self.config = config
         self._rise = 0
         self._adjusted: float | None = None
+        self._least_waiting: int | None = None
         self.current = Limits()
 
     @property
@@ -311,6 +316,9 @@ class Admission:
     ) -> Limits:
         """Observe the execservers' figures and this client's jobs at ``now``.
 
+        Every observation counts towards the fewest waiting jobs of the interval;
+        the rise is adjusted at the first observation of each new interval.
+
         Args:
             now: the time, in seconds of any monotonic clock.
             loads: one per connected, non-draining execserver instance.
@@ -327,15 +335,18 @@ class Admission:
             raise ValueError(f"waiting must be at least 0, got {waiting}")
         loads = tuple(loads)
         config = self.config
+        least = waiting if self._least_waiting is None else min(self._least_waiting, waiting)
+        self._least_waiting = least
         if fair_share(loads) == 0:
             self._rise = 0
         elif self._adjusted is None or now - self._adjusted >= config.adapt_interval:
             self._adjusted = now
-            if waiting:
-                self._rise = max(0, self._rise - waiting)
-            elif config.use_idle and queue_deep:
+            self._least_waiting = waiting  # the next interval starts here
+            if least > config.cpu_count:
+                self._rise = max(0, self._rise - 1)
+            elif waiting == 0 and config.use_idle and queue_deep:
                 self._rise += idle_share(loads)
-        self.current = limits(loads, waiting=waiting, rise=self._rise, config=config)
+        self.current = limits(loads, rise=self._rise, config=config)
         # never keep more rise than the cap can use
         self._rise = self.current.rise
         return self.current
