@@ -20,7 +20,8 @@ Other members are ignored, so new ones can be added without breaking older
 execservers (an older execserver ignores ``timeout`` and ``stall_timeout``).
 :meth:`JobSpec.from_wire` checks a received object and raises
 :class:`JobSpecError`, whose text is the receipt's error: a bad job object ends
-with status ``error``, never an ``ERROR`` frame. :meth:`JobSpec.to_wire` writes the object a client sends.
+with status ``error``, never an ``ERROR`` frame. :meth:`JobSpec.to_wire` writes
+the object a client sends.
 
 Receipts are built here too, so that the rules of ``PROTOCOL.md`` (*Receipt*)
 hold for every ending: every member present, ``error`` null exactly when the
