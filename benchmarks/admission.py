@@ -89,9 +89,7 @@ async def dispatcher_worker(
 
         async def step(item: QueueItem) -> None:
             await trio.sleep(outside / 2)  # fetching the input
-            receipt = await client.run(
-                "hold", {"params": {"seconds": slot}}, subject=item.file_ref
-            )
+            receipt = await client.run("hold", {"params": {"seconds": slot}}, subject=item.file_ref)
             if receipt.status != "ok":
                 raise RuntimeError(receipt.error)
             print(f"job {receipt.started_at:.6f} {receipt.duration_s:.6f}", flush=True)

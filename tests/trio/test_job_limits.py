@@ -64,9 +64,7 @@ async def test_a_job_stall_timeout_over_the_services(tmp_path: Path) -> None:
 
 async def test_a_bad_job_duration_is_an_error_receipt(tmp_path: Path) -> None:
     """An invalid duration runs nothing and names the member."""
-    receipt = await run_job(
-        runner(tmp_path), {"params": {"seconds": 1}, "timeout": "soon"}
-    )
+    receipt = await run_job(runner(tmp_path), {"params": {"seconds": 1}, "timeout": "soon"})
     assert receipt.status == "error"
     assert receipt.error is not None
     assert receipt.error.startswith("timeout must be a duration")

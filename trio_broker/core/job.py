@@ -128,8 +128,8 @@ def parse_job_duration(name: str, value: object) -> float | None:
         if seconds > 0:
             return seconds
     raise JobSpecError(
-        f"{name} must be a duration such as \"30m\", \"1h30m\" or \"1.5s\", "
-        f"or \"0\" for none; got {value!r}"
+        f'{name} must be a duration such as "30m", "1h30m" or "1.5s", '
+        f'or "0" for none; got {value!r}'
     )
 
 
