@@ -42,10 +42,20 @@ Top-level keys (:class:`FylrConfig`):
     twice this.
 ``execservers`` (required; may be empty)
     Addresses (``host:port``, ``[v6]:port``) of the execservers or of balancers in
-    front of them; each is dialled at ``ws://host:port/broker``. No duplicates. An
-    empty list runs local work only; exec-bound work waits.
-``broker_token`` (null)
-    Sent as ``Authorization: Bearer <token>`` when dialling ``/broker``.
+    front of them; each is dialled at ``ws://host:port/broker``. Written
+    ``wss://host:port``, it is dialled over TLS (the certificate is checked
+    against ``broker_ca_file``, else the system's trust store, and must name the
+    host); ``ws://host:port`` is the plain form spelled out. Either every address
+    is ``wss://`` or none is. No duplicates. An empty list runs local work only;
+    exec-bound work waits.
+``broker_token`` (null), or ``broker_token_file``
+    Sent as ``Authorization: Bearer <token>`` when dialling ``/broker``;
+    ``broker_token_file`` reads it from a file (a mounted secret), not both.
+``broker_ca_file`` (null)
+    A PEM file of the certificate authorities that sign the execservers' TLS
+    certificates (``wss://`` addresses only); null = the system's trust store.
+    Checked at load. A wrong token or an untrusted certificate is logged as one
+    error line per address when the fylr starts.
 ``callback_own_url`` (null)
     The callback base put into jobs verbatim (``http://host:port``, no query or
     fragment), overriding the address seen on each broker connection (NAT).
@@ -115,6 +125,7 @@ import os
 import re
 import secrets
 import socket
+import ssl
 import urllib.parse
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -145,6 +156,7 @@ from trio_broker_daemons.config import (
     parse_duration,
     structure_config,
 )
+from trio_broker_daemons.sources import secret_file
 
 __all__ = [
     "DEFAULT_FYLR_LISTEN",
@@ -157,6 +169,7 @@ __all__ = [
     "ParamValue",
     "VersionConfig",
     "new_backend_id",
+    "split_broker_address",
 ]
 
 DEFAULT_FYLR_LISTEN: Final = "127.0.0.1:7100"
@@ -251,13 +264,46 @@ def _address(value: object) -> str:
     return value
 
 
+BROKER_SCHEMES: Final = ("ws", "wss")
+
+
+def _broker_address(value: object) -> str:
+    """``host:port``, or ``ws://host:port`` / ``wss://host:port``."""
+    if isinstance(value, str) and "://" in value:
+        scheme, _, rest = value.partition("://")
+        if scheme not in BROKER_SCHEMES:
+            raise ConfigError(
+                f'expected "host:port", "ws://host:port" or "wss://host:port", got {_show(value)}'
+            )
+        _address(rest)
+        return value
+    return _address(value)
+
+
+def split_broker_address(address: str) -> tuple[bool, str]:
+    """(whether it is ``wss://``, ``host:port``) of a configured execserver address."""
+    scheme, sep, rest = address.partition("://")
+    return (scheme == "wss", rest) if sep else (False, address)
+
+
+def _broker_ca_file(value: object) -> Path | None:
+    if value is None:
+        return None
+    path = _path(value)
+    try:
+        ssl.create_default_context(cafile=str(path))
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cannot load CA certificates from '{path}': {exc}") from None
+    return path
+
+
 def _addresses(value: object) -> tuple[str, ...]:
     if not isinstance(value, list | tuple):
         raise ConfigError(f'expected a list of addresses ("host:port"), got {_show(value)}')
     seen: set[str] = set()
     for index, element in enumerate(value):
         try:
-            _address(element)
+            _broker_address(element)
         except ConfigError as exc:
             raise ConfigError(exc.reason, keys=(index,)) from None
         if element in seen:
@@ -396,6 +442,7 @@ _BackendId = Annotated[str | None, _Rule(_backend_id)]
 _PathValue = Annotated[Path, _Rule(_path)]
 _Dsn = Annotated[str | None, _Rule(_dsn)]
 _Addresses = Annotated[tuple[str, ...], _Rule(_addresses)]
+_CaFile = Annotated[Path | None, _Rule(_broker_ca_file)]
 _Token = Annotated[str | None, _Rule(_optional_token)]
 _CallbackUrl = Annotated[str | None, _Rule(_callback_url)]
 _Positive = Annotated[float, _Rule(_positive_duration)]
@@ -524,7 +571,8 @@ class FylrConfig:
     database: _Dsn = None
     database_pool: _AtLeastOne = 20
     execservers: _Addresses
-    broker_token: _Token = None
+    broker_token: _Token = attrs.field(default=None, metadata=secret_file())
+    broker_ca_file: _CaFile = None
     callback_own_url: _CallbackUrl = None
     connect_timeout: _Positive = 60.0
     ping_interval: _Positive = 5.0
@@ -562,6 +610,7 @@ class FylrConfig:
                 f"expected null or the name of a class ({known}), got {_show(self.default_class)}",
                 keys=("default_class",),
             )
+        self._check_broker_tls()
         owner: dict[str, str] = {}
         for class_name, file_class in self.classes.items():
             if not file_class.extensions and class_name != self.default_class:
@@ -576,6 +625,29 @@ class FylrConfig:
                         keys=("classes", class_name, "extensions", index),
                     )
                 owner[extension] = class_name
+
+    def _check_broker_tls(self) -> None:
+        schemes = {split_broker_address(a)[0] for a in self.execservers}
+        if len(schemes) > 1:
+            raise ConfigError(
+                "expected every address wss:// or none (one TLS setting serves them all)",
+                keys=("execservers",),
+            )
+        if self.broker_ca_file is not None and not self.broker_tls:
+            raise ConfigError(
+                "expected null: a CA file needs wss:// execserver addresses",
+                keys=("broker_ca_file",),
+            )
+
+    @property
+    def broker_tls(self) -> bool:
+        """Whether the execservers are dialled over TLS (``wss://`` addresses)."""
+        return any(split_broker_address(a)[0] for a in self.execservers)
+
+    @property
+    def execserver_addresses(self) -> tuple[str, ...]:
+        """The execserver addresses as ``host:port`` (the scheme left out)."""
+        return tuple(split_broker_address(a)[1] for a in self.execservers)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> "FylrConfig":
