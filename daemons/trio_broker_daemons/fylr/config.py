@@ -99,7 +99,7 @@ File class keys (:class:`FileClass`):
     with no extensions must be the ``default_class``.
 ``metadata`` (null)
     The metadata step: ``{service: NAME, params: {...}}`` run on the original after
-    upload; null = none.
+    upload; null = none. It takes ``timeout`` and ``stall_timeout`` as a version does.
 ``versions`` ({})
     Version name → :class:`VersionConfig`. Names are 1 to 200 characters of
     ``A-Z a-z 0-9 _ . -`` (they appear in download URLs), not ``original``.
@@ -118,6 +118,10 @@ Version keys (:class:`VersionConfig`):
     The MIME type the stored rendition is labelled with (``image/webp``); null =
     taken from the produce metadata or ``application/octet-stream``. Not part of
     the produce hash: changing it does not produce the version again.
+``timeout`` (null), ``stall_timeout`` (null)
+    This recipe's own wall-clock ceiling and stall window for its job (durations,
+    ``"0"`` = none), sent in the job object, where they take precedence over the
+    execserver service's; null = the service's. Not part of the produce hash.
 """
 
 import math
@@ -135,6 +139,7 @@ import attrs
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
+from trio_broker.core.job import format_job_duration
 from trio_broker.trio.host import cpu_count
 from trio_broker_daemons.config import (
     MAX_SERVICE_NAME_CHARS,
@@ -168,6 +173,7 @@ __all__ = [
     "MetadataConfig",
     "ParamValue",
     "VersionConfig",
+    "job_limits",
     "new_backend_id",
     "split_broker_address",
 ]
@@ -432,6 +438,17 @@ def _metadata(value: object) -> "MetadataConfig | None":
     return config
 
 
+def _job_limit(value: object) -> float | None:
+    """A recipe's job limit: null = the service's, zero = none for this job."""
+    return None if value is None else parse_duration(value)
+
+
+def job_limits(recipe: "VersionConfig | MetadataConfig") -> dict[str, str]:
+    """The job object members for a recipe's own limits (none when it sets none)."""
+    limits = {"timeout": recipe.timeout, "stall_timeout": recipe.stall_timeout}
+    return {name: format_job_duration(v) for name, v in limits.items() if v is not None}
+
+
 def _mimetype(value: object) -> str | None:
     return None if value is None else _nonempty_string(value)
 
@@ -456,6 +473,7 @@ _ServiceName = Annotated[str, _Rule(_service_name)]
 _Params = Annotated[Mapping[str, ParamValue], _Rule(_params)]
 _Extensions = Annotated[tuple[str, ...], _Rule(_extensions)]
 _MimeType = Annotated[str | None, _Rule(_mimetype)]
+_JobLimit = Annotated[float | None, _Rule(_job_limit)]
 
 
 # -- the classes ---------------------------------------------------------------
@@ -467,6 +485,8 @@ class MetadataConfig:
 
     service: _ServiceName
     params: _Params = attrs.field(factory=dict)
+    timeout: _JobLimit = None
+    stall_timeout: _JobLimit = None
 
 
 @attrs.frozen(kw_only=True)
@@ -479,12 +499,16 @@ class VersionConfig:
         source: ``None`` to produce it from the original, or the name of another
             version of the same class to produce it from.
         mimetype: the MIME type the rendition is labelled with, if configured.
+        timeout, stall_timeout: the job's own limits in seconds (0 = none), or
+            ``None`` for the execserver service's.
     """
 
     service: _ServiceName
     params: _Params = attrs.field(factory=dict)
     source: _OptionalName = None
     mimetype: _MimeType = None
+    timeout: _JobLimit = None
+    stall_timeout: _JobLimit = None
 
 
 _Versions = Annotated[Mapping[str, VersionConfig], _Rule(_versions)]
