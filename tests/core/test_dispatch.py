@@ -16,6 +16,7 @@ from trio_broker.core.dispatch import (
     DispatchConfig,
     DispatchCore,
     Verdict,
+    answer_caller,
     judge,
 )
 from trio_broker.core.errors import (
@@ -372,3 +373,27 @@ def test_sweep_reclaim_outcomes_in_one_batch_race() -> None:
     c.written({5})
     stats = c.statistics()
     assert (stats.completed, stats.fenced, stats.unwritten) == (1, 1, 0)
+
+
+# -- waiting callers -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("exc", "outcome", "status", "retry_after"),
+    [
+        (NoSlot("no slot within 60s"), "no_slot", 503, None),
+        (NoExecserver("no execserver is connected"), "no_execserver", 503, None),
+        (JobLost("connection lost"), "lost", 503, None),
+        (RetryLater(30.0, "source busy"), "retry_later", 503, 30.0),
+        (ValueError("bad input"), "failed", 500, None),
+        (ExceptionGroup("g", [NoSlot("busy"), ValueError("bug")]), "failed", 500, None),
+    ],
+)
+def test_a_waiting_caller_gets_an_error_where_a_step_would_be_requeued(
+    exc: Exception, outcome: str, status: int, retry_after: float | None
+) -> None:
+    """What the table requeues a queued step on is 503 with its reason for a caller that
+    waits for its answer; a failure is 500; never a requeue."""
+    answer = answer_caller(exc)
+    assert (answer.outcome, answer.status, answer.retry_after) == (outcome, status, retry_after)
+    assert answer.error == judge(exc, retry_delay=60.0).error

@@ -15,10 +15,12 @@ from typing import Any
 
 import attrs
 import psycopg
+import pytest
 import trio
 from trio_broker_daemons.pgcluster import PgCluster
 
 from tests.support.wire import WAIT, start_execserver
+from trio_broker.core import protocol as p
 from trio_broker.core.admission import AdmissionConfig, InstanceLoad
 from trio_broker.core.client import ClientConfig
 from trio_broker.core.errors import (
@@ -36,7 +38,9 @@ from trio_broker.trio.dispatcher import (
     Dispatcher,
     DispatcherConfig,
     DispatcherStatistics,
+    OnDemandFailed,
     RetryLater,
+    run_on_demand,
 )
 from trio_broker.trio.execserver import ExecserverHandle
 from trio_broker.trio.store import NewItem, QueueItem, Store, open_store
@@ -807,3 +811,35 @@ async def test_idle_cost(pg_dsn: str) -> None:
 
 async def _never(item: QueueItem) -> None:  # pragma: no cover - the queue stays empty
     raise AssertionError(f"nothing should run, got {item}")
+
+
+# -- waiting callers ------------------------------------------------------------------------
+
+
+async def test_a_waiting_caller_gets_503_not_a_requeue() -> None:
+    """Work a caller waits for, run with run_on_demand on a real broker client: with the
+    only execserver full, the job finds no slot within connect_timeout and the caller gets
+    503 with the reason at once (a queued step would have been requeued)."""
+    async with trio.open_nursery() as nursery:
+        handle = await start_execserver(nursery, slots=1)
+        config = client_config(address(handle), "caller", connect_timeout=0.5)
+        async with open_broker_client(config) as client:
+            holding = trio.Event()
+
+            async def hold() -> None:
+                holding.set()
+                await client.run("hold", {"params": {"seconds": 120}}, subject="busy")
+
+            nursery.start_soon(hold)
+            await holding.wait()
+            await client.wait_until(lambda: client.statistics().running == 1, timeout=WAIT)
+
+            async def render() -> p.Receipt:
+                return await client.run("noop", {}, subject="on demand")
+
+            with trio.fail_after(WAIT), pytest.raises(OnDemandFailed) as failed:
+                await run_on_demand(render)
+            assert failed.value.answer.status == 503
+            assert failed.value.answer.outcome == "no_slot"
+            assert isinstance(failed.value.__cause__, NoSlot)
+            nursery.cancel_scope.cancel()

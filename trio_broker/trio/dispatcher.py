@@ -45,6 +45,15 @@ rise above the base accumulates there, not here); local-bound items are bounded
 by ``local_workers`` plus a reserve for odd priorities. An item is in flight
 from its claim until its handler ends.
 
+Queued steps and waiting callers. The dispatcher runs *queued* steps: an
+action's handler that could not run now (no slot in time, no execserver…) is
+requeued and tried again later, since nobody waits for it. Work a caller waits
+for (an on-demand request) does not go through the dispatcher and must never be
+requeued: run it under :func:`run_on_demand`, which turns what the outcome table
+would requeue into :class:`OnDemandFailed` with status 503 and the reason (500
+for a failure), for the caller to answer at once
+(:func:`~trio_broker.core.dispatch.answer_caller`).
+
 Failures. A database call that fails (:class:`~trio_broker.core.errors.StoreUnavailable`)
 is retried after a back-off that doubles from ``retry_min`` to ``retry_max``.
 Outcomes are fenced to their claim, so a retried outcome never touches a row
@@ -64,13 +73,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import attrs
 import trio
 
 from trio_broker.core.admission import AdmissionConfig, ClaimPlan, InstanceLoad
-from trio_broker.core.dispatch import Backoff, Decision, DispatchConfig, DispatchCore
+from trio_broker.core.dispatch import (
+    Backoff,
+    CallerAnswer,
+    Decision,
+    DispatchConfig,
+    DispatchCore,
+    answer_caller,
+)
 from trio_broker.core.errors import RetryLater, StoreUnavailable
 from trio_broker.trio.host import cpu_count
 from trio_broker.trio.store import ClaimRequest, Outcome, QueueItem, Store
@@ -81,7 +97,9 @@ __all__ = [
     "DispatcherConfig",
     "DispatcherStatistics",
     "ExecClient",
+    "OnDemandFailed",
     "RetryLater",
+    "run_on_demand",
     "serve_dispatcher",
 ]
 
@@ -579,3 +597,38 @@ async def serve_dispatcher(
     ``dispatcher = await nursery.start(serve_dispatcher, store, actions, config)``.
     """
     await Dispatcher(store, actions, config, exec_client=exec_client).serve(task_status=task_status)
+
+
+T = TypeVar("T")
+
+
+class OnDemandFailed(Exception):
+    """Work a caller waits for did not succeed; answer the caller with this, at once.
+
+    Attributes:
+        answer: the status (503 unavailable, 500 failed), reason and retry hint.
+    """
+
+    def __init__(self, answer: CallerAnswer) -> None:
+        super().__init__(answer.error)
+        self.answer = answer
+
+
+async def run_on_demand(work: Callable[[], Awaitable[T]]) -> T:
+    """Run work a caller waits for; what a queued step would requeue on is an error.
+
+    ``NoSlot``, ``NoExecserver``, ``JobLost`` and the other requeue outcomes of
+    :mod:`trio_broker.core.dispatch` raise :class:`OnDemandFailed` with status 503
+    and their reason; anything else with 500. Cancellation passes through.
+
+    Returns:
+        What ``work`` returned.
+
+    Raises:
+        OnDemandFailed: ``work`` raised an exception (chained as its cause).
+    """
+    try:
+        return await work()
+    except* Exception as group:
+        failure = group.exceptions[0] if len(group.exceptions) == 1 else group
+        raise OnDemandFailed(answer_caller(failure)) from failure
