@@ -36,8 +36,9 @@ to what the execservers absorb. The rules:
    item reaches its slot only after its input is fetched, so the jobs that
    queue now were admitted seconds ago and arrive in bursts; dropping the rise
    by every waiting job at once throws it away on one burst, and the admission
-   swings between the base and an overshoot, leaving the slots idle half the
-   time (``benchmarks/admission.py`` shows it).
+   swings between the base and an overshoot (measured with
+   ``benchmarks/admission.py``: the execservers about 55 % busy that way, over
+   90 % stepping down by one).
 4. **Cap.** ``max_in_flight`` bounds everything in flight, the odd reserve
    included; 0 means automatic: ``4 × base``, at least 32, at most twice the
    database pool (every item in flight may need a database connection now and

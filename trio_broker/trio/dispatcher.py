@@ -162,8 +162,9 @@ class DispatcherConfig:
         heartbeat_interval: mark this backend alive (and sweep stale ones) this often.
         stale_after: a backend silent this long has its rows requeued (with the
             default heartbeat, a killed process's rows are back within a minute).
-        local_workers: local-bound items in flight at most; 0 = the CPUs this
-            process may use (affinity and cgroup quota).
+        local_workers: local-bound items of any priority in flight at most; 0 =
+            the CPUs this process may use (affinity and cgroup quota). Odd
+            priorities may take a quarter more (at least one) beyond it.
         admission: CPU count, odd reserve, ``max_in_flight`` (0 = automatic),
             whether idle slots count; its ``db_pool`` is replaced by the store's
             pool size, and a ``cpus`` of ``None`` by the CPUs this process may use.
