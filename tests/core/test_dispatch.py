@@ -10,13 +10,13 @@ import pytest
 
 from trio_broker.core import dispatch
 from trio_broker.core.admission import AdmissionConfig, ClaimPlan, InstanceLoad
+from trio_broker.core.callers import answer_caller
 from trio_broker.core.dispatch import (
     OUTCOMES,
     Backoff,
     DispatchConfig,
     DispatchCore,
     Verdict,
-    answer_caller,
     judge,
 )
 from trio_broker.core.errors import (

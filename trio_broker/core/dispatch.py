@@ -58,16 +58,10 @@ as that exception.
 Queued steps and waiting callers
 --------------------------------
 
-The table is for *queued* steps: nobody waits for them, so a step that could
-not run now goes back to the queue and is tried again. A caller that waits for
-its answer (an on-demand request: a download rendered at request time, a
-plugin callback) must not be requeued: it gets an error at once, with the
-reason. :func:`answer_caller` is the table for such a caller: every outcome a
-step would requeue on (``no_slot`` … ``retry_later``) is *unavailable* (HTTP
-503, with the :class:`~trio_broker.core.errors.RetryLater` delay as a
-``Retry-After`` hint when there is one), and ``failed`` stays a failure (HTTP
-500). The trio helper :func:`trio_broker.trio.dispatcher.run_on_demand` applies
-it around the caller's work.
+The table is for *queued* steps, which nobody waits for: a step that could not
+run now goes back to the queue. A caller that waits for its answer (an
+on-demand request) must get an error at once instead:
+:func:`trio_broker.core.callers.answer_caller` is the table for it.
 
 The bookkeeping
 ---------------
@@ -134,7 +128,6 @@ from trio_broker.core.errors import (
 __all__ = [
     "OUTCOMES",
     "Backoff",
-    "CallerAnswer",
     "ClaimedItem",
     "Decision",
     "DispatchConfig",
@@ -144,7 +137,6 @@ __all__ = [
     "OutcomeName",
     "Rule",
     "Verdict",
-    "answer_caller",
     "judge",
 ]
 
@@ -260,38 +252,6 @@ def judge(exc: BaseException | None, *, retry_delay: float) -> Verdict:
         parts.append(_verdict(_FAILED, rest, retry_delay))
     # a failure wins, else the longest delay; max() keeps the earliest row of a tie
     return max(parts, key=lambda v: (v.kind == "fail", v.delay))
-
-
-@attrs.frozen(kw_only=True)
-class CallerAnswer:
-    """What a caller waiting for its answer is told when its work did not succeed.
-
-    Attributes:
-        outcome: the deciding row of the outcome table.
-        status: 503 (unavailable: a queued step would have been requeued) or 500
-            (failed), as an HTTP status.
-        error: the reason, the exception's text.
-        retry_after: seconds after which trying again makes sense (a
-            :class:`~trio_broker.core.errors.RetryLater`'s delay), or ``None``.
-    """
-
-    outcome: OutcomeName
-    status: Literal[500, 503]
-    error: str
-    retry_after: float | None = None
-
-
-def answer_caller(exc: BaseException) -> CallerAnswer:
-    """Judge ``exc`` for a caller that waits for its answer: an error, never a requeue.
-
-    Exception groups are judged as :func:`judge` does.
-    """
-    verdict = judge(exc, retry_delay=0.0)
-    error = verdict.error if verdict.error is not None else describe(exc)
-    if verdict.kind == "fail":
-        return CallerAnswer(outcome=verdict.outcome, status=500, error=error)
-    retry_after = verdict.delay if verdict.outcome == "retry_later" else None
-    return CallerAnswer(outcome=verdict.outcome, status=503, error=error, retry_after=retry_after)
 
 
 def _verdict(rule: Rule, exc: BaseException, retry_delay: float) -> Verdict:

@@ -52,7 +52,7 @@ for (an on-demand request) does not go through the dispatcher and must never be
 requeued: run it under :func:`run_on_demand`, which turns what the outcome table
 would requeue into :class:`OnDemandFailed` with status 503 and the reason (500
 for a failure), for the caller to answer at once
-(:func:`~trio_broker.core.dispatch.answer_caller`).
+(:func:`~trio_broker.core.callers.answer_caller`).
 
 Failures. A database call that fails (:class:`~trio_broker.core.errors.StoreUnavailable`)
 is retried after a back-off that doubles from ``retry_min`` to ``retry_max``.
@@ -79,14 +79,8 @@ import attrs
 import trio
 
 from trio_broker.core.admission import AdmissionConfig, ClaimPlan, InstanceLoad
-from trio_broker.core.dispatch import (
-    Backoff,
-    CallerAnswer,
-    Decision,
-    DispatchConfig,
-    DispatchCore,
-    answer_caller,
-)
+from trio_broker.core.callers import CallerAnswer, answer_caller
+from trio_broker.core.dispatch import Backoff, Decision, DispatchConfig, DispatchCore
 from trio_broker.core.errors import RetryLater, StoreUnavailable
 from trio_broker.trio.host import cpu_count
 from trio_broker.trio.store import ClaimRequest, Outcome, QueueItem, Store
