@@ -148,6 +148,23 @@ def test_rise_needs_a_deep_queue_and_no_waiting_job() -> None:
     assert off.update(0.0, loads, waiting=0, queue_deep=True).limit == 6
 
 
+def test_an_interval_without_a_waiting_job_raises_by_one_without_idle_slots() -> None:
+    """Short jobs leave no slot idle through a whole second; while none of this client's
+    jobs was seen waiting through an interval, the rise still grows by one per interval."""
+    adm = Admission(CONFIG)
+    busy = [load(4, 1, idle=0)]
+    adm.update(0.0, busy, waiting=0, queue_deep=True)
+    adm.update(1.0, busy, waiting=0, queue_deep=True)
+    assert adm.rise == 2
+    adm.update(1.5, busy, waiting=1, queue_deep=True)  # a job waited in this interval
+    adm.update(2.0, busy, waiting=0, queue_deep=True)
+    assert adm.rise == 2
+    adm.update(3.0, busy, waiting=0, queue_deep=True)
+    assert adm.rise == 3
+    adm.update(4.0, busy, waiting=0, queue_deep=False)  # shallow queue: no rise
+    assert adm.rise == 3
+
+
 def test_jobs_queued_through_an_interval_lower_the_rise_step_by_step() -> None:
     """Waiting jobs within the CPU count are pipelining and lower nothing; when more than
     that stayed queued through an interval (the fewest seen in it), the rise drops by one

@@ -25,7 +25,10 @@ to what the execservers absorb. The rules:
    them. Every client sees the same ``idle`` figure, so each takes its share of
    it, ``ceil(idle / clients)`` per instance. The rise *accumulates*: it is
    kept in :class:`Admission` and grows second by second for as long as slots
-   idle, up to the cap.
+   idle, up to the cap. ``idle`` counts a slot only when it stayed free through
+   a whole second, which short jobs seldom leave one: so when no job of this
+   client was seen waiting through a whole interval either (nothing it sent
+   found the slots full), the rise grows by at least one.
 3. **Falling.** Jobs of this client that wait at the execservers for a slot
    mean it claims more than they take. Waiting jobs up to ``cpus`` are the
    pipelining the base is for (wants parked ahead of the next freed slot) and
@@ -300,6 +303,7 @@ class Admission:
         self._rise = 0
         self._adjusted: float | None = None
         self._least_waiting: int | None = None
+        self._most_waiting = 0
         self.current = Limits()
 
     @property
@@ -337,16 +341,18 @@ class Admission:
         loads = tuple(loads)
         config = self.config
         least = waiting if self._least_waiting is None else min(self._least_waiting, waiting)
-        self._least_waiting = least
+        most = max(self._most_waiting, waiting)
+        self._least_waiting, self._most_waiting = least, most
         if fair_share(loads) == 0:
             self._rise = 0
         elif self._adjusted is None or now - self._adjusted >= config.adapt_interval:
             self._adjusted = now
-            self._least_waiting = waiting  # the next interval starts here
+            # the next interval starts with this observation
+            self._least_waiting = self._most_waiting = waiting
             if least > config.cpu_count:
                 self._rise = max(0, self._rise - 1)
             elif waiting == 0 and config.use_idle and queue_deep:
-                self._rise += idle_share(loads)
+                self._rise += max(idle_share(loads), 1 if most == 0 else 0)
         self.current = limits(loads, rise=self._rise, config=config)
         # never keep more rise than the cap can use
         self._rise = self.current.rise
