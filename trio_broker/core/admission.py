@@ -345,6 +345,8 @@ class Admission:
         self._least_waiting, self._most_waiting = least, most
         if fair_share(loads) == 0:
             self._rise = 0
+            self._adjusted = None  # start over when execservers are back
+            self._least_waiting = self._most_waiting = waiting
         elif self._adjusted is None or now - self._adjusted >= config.adapt_interval:
             self._adjusted = now
             # the next interval starts with this observation
