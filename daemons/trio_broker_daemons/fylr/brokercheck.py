@@ -14,7 +14,10 @@ error line per address that refuses it:
   broker_token``
 
 An address that cannot be reached at all is a warning only (it may come up
-later; the client dials it again).
+later; the client dials it again). The check runs only when there is something
+to get wrong: ``wss://`` addresses or a broker token. Otherwise it would be one
+more connection to a balancer, whose round-robin then hands the fylr's broker
+connections to other replicas than it would have.
 """
 
 from __future__ import annotations
@@ -90,7 +93,12 @@ async def broker_problem(
 
 
 async def check_execservers(config: FylrConfig, context: ssl.SSLContext | None) -> None:
-    """Check every configured address at once; log one line per address refusing us."""
+    """Check every configured address at once; log one line per address refusing us.
+
+    Nothing is checked without ``wss://`` addresses or a broker token.
+    """
+    if not (config.broker_tls or config.broker_token):
+        return
 
     async def one(address: str) -> None:
         problem = await broker_problem(address, token=config.broker_token, context=context)
