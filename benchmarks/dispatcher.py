@@ -57,7 +57,8 @@ from trio_broker.trio.store import (
 )
 
 SLOTS = 16
-BATCH = SLOTS + 2  # the admission limit: the fair share plus the default headroom
+CPUS = 2
+BATCH = SLOTS + CPUS  # the admission limit: the fair share plus the CPU count
 POOL = 10
 
 
@@ -79,7 +80,9 @@ async def dispatcher_worker(dsn: str, backend_id: str, execserver: str | None) -
     stdin = trio.lowlevel.FdStream(os.dup(0))
     async with open_store(dsn, pool_size=POOL, migrate=False) as store:
         config = DispatcherConfig(
-            backend_id=backend_id, name=backend_id, admission=AdmissionConfig(use_idle=False)
+            backend_id=backend_id,
+            name=backend_id,
+            admission=AdmissionConfig(cpus=CPUS, use_idle=False),
         )
         async with trio.open_nursery() as nursery:
             if execserver is None:

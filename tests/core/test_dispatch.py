@@ -10,6 +10,7 @@ import pytest
 
 from trio_broker.core import dispatch
 from trio_broker.core.admission import AdmissionConfig, ClaimPlan, InstanceLoad
+from trio_broker.core.callers import answer_caller
 from trio_broker.core.dispatch import (
     OUTCOMES,
     Backoff,
@@ -162,7 +163,7 @@ def core(**overrides: Any) -> DispatchCore:
         "exec_actions": frozenset({"exec"}),
         "local_actions": frozenset({"sync"}),
         "local_limit": 2,
-        "admission": AdmissionConfig(headroom=2, odd_reserve=2, db_pool=10),
+        "admission": AdmissionConfig(cpus=2, odd_reserve=2, db_pool=10),
         "retry_delay": RETRY,
     }
     settings.update(overrides)
@@ -170,19 +171,51 @@ def core(**overrides: Any) -> DispatchCore:
 
 
 def test_a_plan_takes_the_limit_plus_the_odd_reserve() -> None:
-    """Four slots: limit 6 (share + headroom) for any priority, 2 more for odd ones only."""
+    """Four slots: limit 6 (share + CPUs) for any priority, 2 more for odd ones only."""
     c = core()
-    assert c.plan(LOADS) == ClaimPlan(general=6, odd_only=2, local=2)
+    assert c.plan(LOADS) == ClaimPlan(general=6, odd_only=2, local=2, local_odd_only=1)
     c.claimed([Item(i, "exec", priority=1) for i in range(8)])
     stats = c.statistics()
     assert (stats.exec_limit, stats.odd_reserve, stats.exec_in_flight) == (6, 2, 8)
-    assert c.plan(LOADS) == ClaimPlan(general=0, odd_only=0, local=2)
+    assert (stats.exec_base, stats.max_in_flight) == (6, 20)
+    assert c.plan(LOADS) == ClaimPlan(general=0, odd_only=0, local=2, local_odd_only=1)
 
 
 def test_no_exec_action_means_no_exec_claim() -> None:
     """A core without exec-bound actions plans nothing exec-bound, whatever the loads."""
     c = core(exec_actions=frozenset())
-    assert c.plan(LOADS) == ClaimPlan(general=0, odd_only=0, local=2)
+    assert c.plan(LOADS) == ClaimPlan(general=0, odd_only=0, local=2, local_odd_only=1)
+
+
+def test_local_slots_held_by_even_items_leave_the_reserve_to_odd_ones() -> None:
+    """With every local slot held by even items, the next plan still asks for an odd local
+    item, and refuses an even one in its place."""
+    c = core()
+    c.plan(LOADS)
+    c.claimed([Item(1, "sync", priority=0), Item(2, "sync", priority=2)])
+    plan = c.plan(LOADS)
+    assert (plan.local, plan.local_odd_only) == (0, 1)
+    with pytest.raises(DispatchUsageError, match="local"):
+        c.claimed([Item(3, "sync", priority=0)])
+    c.claimed([Item(3, "sync", priority=3)])
+    stats = c.statistics()
+    assert (stats.local_in_flight, stats.local_odd_in_flight, stats.local_reserve) == (3, 1, 1)
+    assert c.plan(LOADS).local_total == 0
+    c.check_invariants()
+
+
+def test_the_core_accumulates_the_rise_with_the_time_passed_in() -> None:
+    """Idle slots raise the limit once per second of the clock passed in, and it stays up."""
+    c = core()
+    idle = [InstanceLoad(instance_id="x", processes=4, clients=1, idle=2)]
+    assert c.plan(idle, now=0.0).general == 6
+    c.claimed([Item(i, "exec") for i in range(6)])  # got all it asked for: the queue is deep
+    assert c.plan(idle, now=0.5).general == 0  # same second: no new rise
+    c.claimed([])
+    assert c.plan(idle, now=1.0).general == 2
+    c.claimed([Item(i, "exec") for i in range(6, 8)])
+    assert c.plan(idle, now=2.0).general == 2
+    assert c.statistics().admission_rise == 4
 
 
 def test_finishing_frees_the_slot_and_queues_one_decision() -> None:
@@ -340,3 +373,27 @@ def test_sweep_reclaim_outcomes_in_one_batch_race() -> None:
     c.written({5})
     stats = c.statistics()
     assert (stats.completed, stats.fenced, stats.unwritten) == (1, 1, 0)
+
+
+# -- waiting callers -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("exc", "outcome", "status", "retry_after"),
+    [
+        (NoSlot("no slot within 60s"), "no_slot", 503, None),
+        (NoExecserver("no execserver is connected"), "no_execserver", 503, None),
+        (JobLost("connection lost"), "lost", 503, None),
+        (RetryLater(30.0, "source busy"), "retry_later", 503, 30.0),
+        (ValueError("bad input"), "failed", 500, None),
+        (ExceptionGroup("g", [NoSlot("busy"), ValueError("bug")]), "failed", 500, None),
+    ],
+)
+def test_a_waiting_caller_gets_an_error_where_a_step_would_be_requeued(
+    exc: Exception, outcome: str, status: int, retry_after: float | None
+) -> None:
+    """What the table requeues a queued step on is 503 with its reason for a caller that
+    waits for its answer; a failure is 500; never a requeue."""
+    answer = answer_caller(exc)
+    assert (answer.outcome, answer.status, answer.retry_after) == (outcome, status, retry_after)
+    assert answer.error == judge(exc, retry_delay=60.0).error

@@ -17,6 +17,8 @@ from trio_broker.core.job import (
     LastLine,
     ended_receipt,
     error_receipt,
+    format_job_duration,
+    parse_job_duration,
     stdout_prefix,
     with_pipe_urls,
 )
@@ -26,7 +28,10 @@ params = st.dictionaries(st.text(max_size=8), json_scalars, max_size=4)
 urls = st.sampled_from(
     [None, "http://127.0.0.1:8000/pipe/abc", "https://client.example/pipe/x", "http://[::1]:1/p"]
 )
-specs = st.builds(JobSpec, params=params, stdin_url=urls, stdout_url=urls)
+limits = st.none() | st.just(0.0) | st.integers(1, 10**8).map(lambda ms: ms / 1000)
+specs = st.builds(
+    JobSpec, params=params, stdin_url=urls, stdout_url=urls, timeout=limits, stall_timeout=limits
+)
 
 
 # -- the job object -----------------------------------------------------------------
@@ -45,15 +50,58 @@ def test_from_wire_reads_every_member_and_ignores_others() -> None:
         "params": {"size": "64x64", "n": 3},
         "stdin_url": "http://10.0.0.5:8080/pipe/in",
         "stdout_url": "https://fylr.example/pipe/out",
-        "timeout": "later",
+        "timeout": "1h30m",
+        "stall_timeout": "0",
+        "priority_hint": "later",
     }
     spec = JobSpec.from_wire(job)
     assert spec == JobSpec(
         params={"size": "64x64", "n": 3},
         stdin_url="http://10.0.0.5:8080/pipe/in",
         stdout_url="https://fylr.example/pipe/out",
+        timeout=5400.0,
+        stall_timeout=0.0,
     )
-    assert spec.to_wire() == {key: value for key, value in job.items() if key != "timeout"}
+    assert spec.to_wire() == {
+        **{key: value for key, value in job.items() if key != "priority_hint"},
+        "timeout": "5400s",
+    }
+
+
+def test_job_limits_take_precedence_over_the_services() -> None:
+    """Absent: the service's limit; "0": none; a duration: the job's own."""
+    assert JobSpec().effective_timeout(30.0) == 30.0
+    assert JobSpec(timeout=0.0).effective_timeout(30.0) is None
+    assert JobSpec(timeout=5.0).effective_timeout(30.0) == 5.0
+    assert JobSpec(timeout=5.0).effective_timeout(None) == 5.0
+    assert JobSpec(stall_timeout=0.0).effective_stall_timeout(600.0) is None
+    assert JobSpec(stall_timeout=60.0).effective_stall_timeout(600.0) == 60.0
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("30m", 1800.0), ("12h", 43200.0), ("1.5s", 1.5), ("250ms", 0.25), ("1h30m", 5400.0),
+     ("0", 0.0), (None, None)],
+)  # fmt: skip
+def test_parse_job_duration(text: str | None, seconds: float | None) -> None:
+    assert parse_job_duration("timeout", text) == seconds
+
+
+@pytest.mark.parametrize("bad", ["", "10", "0s", "-1s", "1 m", "soon", 10, 1.5, True, [], "0ms"])
+def test_bad_job_durations_name_the_member(bad: object) -> None:
+    """Numbers without a unit, zero written with one, and anything but a string are refused."""
+    with pytest.raises(JobSpecError, match=r"^stall_timeout must be a duration"):
+        parse_job_duration("stall_timeout", bad)
+    with pytest.raises(JobSpecError, match="stall_timeout"):
+        JobSpec.from_wire({"stall_timeout": bad})
+
+
+def test_format_job_duration() -> None:
+    assert [format_job_duration(x) for x in (0, 0.0001, 0.25, 1.0, 90.5, 3600)] == [
+        "0", "1ms", "250ms", "1s", "90500ms", "3600s"
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="finite"):
+        format_job_duration(-1)
 
 
 @given(specs)

@@ -21,7 +21,7 @@ from trio_broker_daemons.fylr.config import (
     new_backend_id,
 )
 
-from trio_broker.core.admission import InstanceLoad, auto_max_in_flight, exec_limit
+from trio_broker.core.admission import InstanceLoad, auto_max_in_flight, exec_limit, limits
 from trio_broker.trio.host import cpu_count
 
 MINIMAL: dict[str, Any] = {"execservers": []}
@@ -450,11 +450,14 @@ def test_automatic_max_in_flight(pool: int, base: int, expected: int) -> None:
 
 
 def test_fixed_max_in_flight() -> None:
-    """A configured max_in_flight caps the exec-bound limit as it is, however big the fleet."""
+    """A configured max_in_flight caps the exec-bound items in flight as it is, odd reserve
+    included, however big the fleet."""
     config = FylrConfig.from_mapping({**MINIMAL, "max_in_flight": 3})
     admission = dispatcher_config(config, backend_id="b").admission
     fleet = [InstanceLoad(instance_id="x", processes=1000, clients=1, idle=0)]
-    assert exec_limit(fleet, waiting=0, queue_deep=True, config=admission) == 3
+    got = limits(fleet, rise=0, config=admission)
+    assert (got.limit, got.reserve) == (2, 1)
+    assert exec_limit(fleet, waiting=0, queue_deep=True, config=admission) == 2
 
 
 # -- source graphs --------------------------------------------------------------------

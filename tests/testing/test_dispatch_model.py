@@ -13,14 +13,21 @@ TestSmallFleet = dispatch_machine().TestCase
 TestSmallFleet.settings = _STEPS
 
 TestNoOddReserve = dispatch_machine(
-    admission=AdmissionConfig(headroom=2, odd_reserve=0, db_pool=4), local_limit=1
+    admission=AdmissionConfig(cpus=2, odd_reserve=0, db_pool=4), local_limit=1
 ).TestCase
 TestNoOddReserve.settings = _STEPS
 
 TestFixedCapBigReserve = dispatch_machine(
-    admission=AdmissionConfig(headroom=0, odd_reserve=5, max_in_flight=3, use_idle=False),
+    admission=AdmissionConfig(cpus=0, odd_reserve=5, max_in_flight=3, use_idle=False),
     local_limit=3,
     retry_delay=0.0,
     priorities=(-1, 0, 1, 4),
 ).TestCase
 TestFixedCapBigReserve.settings = _STEPS
+
+TestAdaptiveRiseSmallCap = dispatch_machine(
+    admission=AdmissionConfig(cpus=1, odd_reserve=1, max_in_flight=6, adapt_interval=1.0),
+    local_limit=4,
+    priorities=(0, 1, 2),
+).TestCase
+TestAdaptiveRiseSmallCap.settings = _STEPS

@@ -15,10 +15,12 @@ from typing import Any
 
 import attrs
 import psycopg
+import pytest
 import trio
 from trio_broker_daemons.pgcluster import PgCluster
 
 from tests.support.wire import WAIT, start_execserver
+from trio_broker.core import protocol as p
 from trio_broker.core.admission import AdmissionConfig, InstanceLoad
 from trio_broker.core.client import ClientConfig
 from trio_broker.core.errors import (
@@ -36,7 +38,9 @@ from trio_broker.trio.dispatcher import (
     Dispatcher,
     DispatcherConfig,
     DispatcherStatistics,
+    OnDemandFailed,
     RetryLater,
+    run_on_demand,
 )
 from trio_broker.trio.execserver import ExecserverHandle
 from trio_broker.trio.store import NewItem, QueueItem, Store, open_store
@@ -70,6 +74,8 @@ def dconfig(backend_id: str = "d1", **overrides: Any) -> DispatcherConfig:
         "heartbeat_interval": 5.0,
         "stale_after": 60.0,
         "local_workers": 4,
+        # the CPU count in the base, fixed so the limits do not follow the machine
+        "admission": AdmissionConfig(cpus=2),
     }
     data.update(overrides)
     return DispatcherConfig(**data)
@@ -234,6 +240,37 @@ async def test_odd_priority_claimed_at_next_tick_behind_a_full_queue(pg_dsn: str
             assert stuck.status == "new"
             done = await store.item(urgent)
             assert done is None or done.status == "claimed"
+            release.set()
+
+
+async def test_odd_local_item_runs_while_even_ones_hold_every_local_slot(pg_dsn: str) -> None:
+    """With both local slots held by even-priority items (a large background run), an
+    odd-priority local item (an interactive sync) is still claimed and run to its end."""
+    release = trio.Event()
+    started: list[int] = []
+    dispatcher: Dispatcher | None = None
+
+    async def handler(item: QueueItem) -> None:
+        started.append(item.priority)
+        if item.priority % 2 == 0:
+            await release.wait()
+
+    async with open_store(pg_dsn, pool_size=4) as store:
+        await store.enqueue_many(
+            NewItem(file_ref=str(i), action="sync", priority=-2) for i in range(50)
+        )
+        config = dconfig(local_workers=2)
+        async with running(store, [Action("sync", False, handler)], config) as dispatcher:
+            await until(dispatcher, lambda s: s.local_in_flight == 2)
+            stats = dispatcher.statistics()
+            assert (stats.local_limit, stats.local_reserve) == (2, 1)
+            urgent = await store.enqueue("urgent", "sync", priority=3)
+            dispatcher.wake()
+            await until(dispatcher, lambda s: s.completed == 1)
+            assert await store.item(urgent) is None  # ran and completed
+            stats = dispatcher.statistics()
+            assert (stats.local_in_flight, stats.local_odd_in_flight) == (2, 0)
+            assert started.count(-2) == 2  # no third background item took the reserve
             release.set()
 
 
@@ -546,7 +583,7 @@ async def test_five_dispatchers_share_forty_slots(pg_dsn: str) -> None:
     """Five dispatchers on a 40-slot execserver hold at most ten items each; when one leaves,
     each of the others grows to twelve."""
     members = 5
-    admission = AdmissionConfig(use_idle=False)  # the fair share alone (idle has its own test)
+    admission = AdmissionConfig(cpus=2, use_idle=False)  # the base alone (idle has its own test)
     async with trio.open_nursery() as nursery, open_store(pg_dsn, pool_size=2) as store:
         handle = await start_execserver(nursery, slots=40)
         await store.enqueue_many(
@@ -598,8 +635,10 @@ async def test_five_dispatchers_share_forty_slots(pg_dsn: str) -> None:
 
 
 async def test_idle_slots_raise_admission(pg_dsn: str) -> None:
-    """A dispatcher sharing an execserver with an idle client takes the slots it leaves idle."""
-    async with trio.open_nursery() as nursery, open_store(pg_dsn, pool_size=4) as store:
+    """A dispatcher sharing an execserver with an idle client takes the slots it leaves idle.
+
+    (The pool of 8 makes the automatic cap 16: room for the rise beside the odd reserve.)"""
+    async with trio.open_nursery() as nursery, open_store(pg_dsn, pool_size=8) as store:
         handle = await start_execserver(nursery, slots=8)
         await store.enqueue_many(
             NewItem(file_ref=str(i), action="hold", priority=0) for i in range(30)
@@ -611,7 +650,7 @@ async def test_idle_slots_raise_admission(pg_dsn: str) -> None:
             await client.wait_until(partial(sees_clients, client, 2), timeout=WAIT)
             action = exec_action(client, "hold", {"seconds": 120})
             async with running(store, [action], dconfig(), client) as dispatcher:
-                await until(dispatcher, lambda s: s.exec_in_flight == 6)  # 8 / 2 + 2
+                await until(dispatcher, lambda s: s.exec_in_flight == s.exec_base)  # 8 / 2 + CPUs
                 await until(dispatcher, lambda s: s.peak_exec_in_flight >= 7)
         nursery.cancel_scope.cancel()
 
@@ -772,3 +811,35 @@ async def test_idle_cost(pg_dsn: str) -> None:
 
 async def _never(item: QueueItem) -> None:  # pragma: no cover - the queue stays empty
     raise AssertionError(f"nothing should run, got {item}")
+
+
+# -- waiting callers ------------------------------------------------------------------------
+
+
+async def test_a_waiting_caller_gets_503_not_a_requeue() -> None:
+    """Work a caller waits for, run with run_on_demand on a real broker client: with the
+    only execserver full, the job finds no slot within connect_timeout and the caller gets
+    503 with the reason at once (a queued step would have been requeued)."""
+    async with trio.open_nursery() as nursery:
+        handle = await start_execserver(nursery, slots=1)
+        config = client_config(address(handle), "caller", connect_timeout=0.5)
+        async with open_broker_client(config) as client:
+            holding = trio.Event()
+
+            async def hold() -> None:
+                holding.set()
+                await client.run("hold", {"params": {"seconds": 120}}, subject="busy")
+
+            nursery.start_soon(hold)
+            await holding.wait()
+            await client.wait_until(lambda: client.statistics().running == 1, timeout=WAIT)
+
+            async def render() -> p.Receipt:
+                return await client.run("noop", {}, subject="on demand")
+
+            with trio.fail_after(WAIT), pytest.raises(OnDemandFailed) as failed:
+                await run_on_demand(render)
+            assert failed.value.answer.status == 503
+            assert failed.value.answer.outcome == "no_slot"
+            assert isinstance(failed.value.__cause__, NoSlot)
+            nursery.cancel_scope.cancel()

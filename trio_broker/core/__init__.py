@@ -11,6 +11,7 @@ any module of this folder leaves trio unloaded.
 - :mod:`~trio_broker.core.client`: the client side (pools, first offer wins).
 - :mod:`~trio_broker.core.sansio`, :mod:`~trio_broker.core.liveness`: what both sides share.
 - :mod:`~trio_broker.core.admission`: how much work a dispatcher may have in flight.
+- :mod:`~trio_broker.core.callers`: errors, not requeues, for work a caller waits for.
 - :mod:`~trio_broker.core.supervision`: the verdicts of a running job's watchdog.
 - :mod:`~trio_broker.core.errors`: every exception the library raises, by blame.
 """

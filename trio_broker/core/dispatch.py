@@ -55,16 +55,27 @@ be retried forever), else the longest delay (the most patient reason is the
 safe one), ties going to the earlier row. A group of one exception is judged
 as that exception.
 
+Queued steps and waiting callers
+--------------------------------
+
+The table is for *queued* steps, which nobody waits for: a step that could not
+run now goes back to the queue. A caller that waits for its answer (an
+on-demand request) must get an error at once instead:
+:func:`trio_broker.core.callers.answer_caller` is the table for it.
+
 The bookkeeping
 ---------------
 
 :class:`DispatchCore` holds what the loop knows between statements:
 
 - the admission plan (:mod:`trio_broker.core.admission`): :meth:`~DispatchCore.plan`
-  asks how many items of each kind a claim may take, :meth:`~DispatchCore.claimed`
-  admits the rows the claim returned and refuses (before any change) more than
-  the plan allowed, so exec-bound items in flight never exceed the limit plus
-  the odd reserve, and even ones never exceed the limit;
+  feeds the adaptive :class:`~trio_broker.core.admission.Admission` the
+  execservers' figures and the time, and asks how many items of each kind a
+  claim may take; :meth:`~DispatchCore.claimed` admits the rows the claim
+  returned and refuses (before any change) more than the plan allowed, so
+  exec-bound items in flight never exceed the limit plus the odd reserve (never
+  more than ``max_in_flight``), even ones never exceed the limit, and local-bound
+  ones never exceed the local limit plus its odd reserve (even ones the limit);
 - the items in flight: exec-bound (all, and odd ones) and local-bound counts,
   the peak, from the claim until :meth:`~DispatchCore.finished` (a decision) or
   :meth:`~DispatchCore.abandoned` (cancelled at shutdown: no decision, the row
@@ -93,12 +104,12 @@ from typing import Any, Final, Literal, Protocol, TypeAlias
 import attrs
 
 from trio_broker.core.admission import (
+    Admission,
     AdmissionConfig,
     ClaimPlan,
     InstanceLoad,
-    exec_limit,
     is_odd,
-    odd_reserve,
+    local_reserve,
     plan_claims,
 )
 from trio_broker.core.errors import (
@@ -312,9 +323,10 @@ class DispatchConfig:
     Attributes:
         exec_actions: actions whose work holds an execserver slot.
         local_actions: actions run in this process, under ``local_limit``.
-        local_limit: local-bound items in flight at most (>= 1 when there are
-            local actions).
-        admission: headroom, odd reserve, ``max_in_flight`` and the database pool
+        local_limit: local-bound items of any priority in flight at most (>= 1
+            when there are local actions); odd priorities may take
+            :func:`~trio_broker.core.admission.local_reserve` more.
+        admission: CPU count, odd reserve, ``max_in_flight`` and the database pool
             the automatic cap follows (:mod:`trio_broker.core.admission`).
         retry_delay: the delay of the rows that requeue *later* (seconds).
     """
@@ -332,6 +344,11 @@ class DispatchConfig:
         if self.local_actions and self.local_limit < 1:
             raise ValueError("local_limit must be at least 1 when there are local actions")
 
+    @property
+    def local_reserve(self) -> int:
+        """Local slots beyond ``local_limit`` only odd priorities may take."""
+        return local_reserve(self.local_limit) if self.local_actions else 0
+
 
 @attrs.frozen(kw_only=True)
 class DispatchStatistics:
@@ -340,9 +357,14 @@ class DispatchStatistics:
     Attributes:
         exec_limit: exec-bound items allowed in flight at the last plan.
         odd_reserve: the slots beyond ``exec_limit`` only odd priorities may take.
+        exec_base: the base of the last plan (fair share plus CPU count).
+        admission_rise: the accumulated rise above the base (idle slots absorbed).
+        max_in_flight: the cap on ``exec_limit + odd_reserve`` at the last plan.
         exec_in_flight, odd_in_flight: exec-bound items in flight (all; odd ones).
         peak_exec_in_flight: the most exec-bound items ever in flight at once.
         local_limit, local_in_flight: the local-bound limit and its use.
+        local_reserve, local_odd_in_flight: local slots beyond the limit only odd
+            priorities may take; odd local items in flight.
         queue_deep: whether the last claim got all the exec-bound items it asked for.
         claims: claims planned that asked for something (each is one statement).
         claimed: items claimed.
@@ -356,11 +378,16 @@ class DispatchStatistics:
 
     exec_limit: int
     odd_reserve: int
+    exec_base: int
+    admission_rise: int
+    max_in_flight: int
     exec_in_flight: int
     odd_in_flight: int
     peak_exec_in_flight: int
     local_limit: int
     local_in_flight: int
+    local_reserve: int
+    local_odd_in_flight: int
     queue_deep: bool
     claims: int
     claimed: int
@@ -400,9 +427,9 @@ class DispatchCore:
         self._exec_in_flight = 0
         self._odd_in_flight = 0
         self._local_in_flight = 0
+        self._local_odd_in_flight = 0
         self._peak_exec = 0
-        self._limit = 0
-        self._reserve = 0
+        self._admission = Admission(config.admission)
         self._queue_deep = False
         self._plan: ClaimPlan | None = None
         self._reconcile = False
@@ -413,13 +440,17 @@ class DispatchCore:
 
     # -- claiming --------------------------------------------------------------------------
 
-    def plan(self, loads: Iterable[InstanceLoad] = (), *, waiting: int = 0) -> ClaimPlan:
+    def plan(
+        self, loads: Iterable[InstanceLoad] = (), *, waiting: int = 0, now: float = 0.0
+    ) -> ClaimPlan:
         """How many items of each kind the next claim may take.
 
         Args:
             loads: one per connected, non-draining execserver instance (ignored
                 when no action is exec-bound).
             waiting: this client's jobs now waiting at the execservers for a slot.
+            now: the time (any monotonic clock, in seconds): the admission's rise
+                adjusts at most once per ``adapt_interval``.
 
         Returns:
             The plan (all zeros once :meth:`close`\\ d). A plan that asks for
@@ -438,21 +469,20 @@ class DispatchCore:
             return ClaimPlan()
         if not self.config.exec_actions:
             loads, waiting = (), 0
-        admission = self.config.admission
-        limit = exec_limit(loads, waiting=waiting, queue_deep=self._queue_deep, config=admission)
-        # The odd reserve comes on top of the limit: even items keep the whole fair
-        # share and its pipelining headroom (on a small fleet a reserve taken out
-        # of the limit would leave no even want parked ahead of a freed slot), and
-        # odd ones may go ``reserve`` beyond it, waiting ahead of the even wants.
-        reserve = odd_reserve(limit, admission.odd_reserve)
-        self._limit, self._reserve = limit, reserve
+        # The odd reserve comes on top of the limit (within the cap): even items keep
+        # the whole base, and odd ones may go ``reserve`` beyond it, waiting ahead of
+        # the even wants.
+        limits = self._admission.update(now, loads, waiting=waiting, queue_deep=self._queue_deep)
+        local = self.config.local_actions
         plan = plan_claims(
-            exec_limit=limit + reserve,
-            reserve=reserve,
+            exec_limit=limits.limit + limits.reserve,
+            reserve=limits.reserve,
             exec_in_flight=self._exec_in_flight,
             even_in_flight=self._exec_in_flight - self._odd_in_flight,
-            local_limit=self.config.local_limit if self.config.local_actions else 0,
+            local_limit=self.config.local_limit if local else 0,
             local_in_flight=self._local_in_flight,
+            local_reserve=self.config.local_reserve,
+            local_even_in_flight=self._local_in_flight - self._local_odd_in_flight,
         )
         if plan.total:
             self._plan = plan
@@ -473,7 +503,7 @@ class DispatchCore:
         if plan is None:
             raise DispatchUsageError("claimed() without an outstanding plan()")
         exec_actions, local_actions = self.config.exec_actions, self.config.local_actions
-        exec_items = odd_items = local_items = 0
+        exec_items = odd_items = local_items = local_odd = 0
         keys: set[Key] = set()
         for item in items:
             key = (item.id, item.attempts)
@@ -485,12 +515,14 @@ class DispatchCore:
                 odd_items += is_odd(item.priority)
             elif item.action in local_actions:
                 local_items += 1
+                local_odd += is_odd(item.priority)
             else:
                 raise DispatchUsageError(f"item {item.id}: action {item.action!r} is unknown")
         if (
             exec_items - odd_items > plan.general
             or exec_items > plan.exec_total
-            or local_items > plan.local
+            or local_items - local_odd > plan.local
+            or local_items > plan.local_total
         ):
             raise DispatchUsageError(
                 f"the claim returned {exec_items} exec-bound ({odd_items} odd) and "
@@ -504,6 +536,7 @@ class DispatchCore:
         self._exec_in_flight += exec_items
         self._odd_in_flight += odd_items
         self._local_in_flight += local_items
+        self._local_odd_in_flight += local_odd
         self._peak_exec = max(self._peak_exec, self._exec_in_flight)
         self._counts["claimed"] += len(items)
         if plan.general:
@@ -584,6 +617,8 @@ class DispatchCore:
                 self._odd_in_flight -= 1
         else:
             self._local_in_flight -= 1
+            if is_odd(item.priority):
+                self._local_odd_in_flight -= 1
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -683,14 +718,20 @@ class DispatchCore:
     def statistics(self) -> DispatchStatistics:
         """A frozen snapshot of the plan, what is in flight and the outcome counts."""
         c = self._counts
+        limits = self._admission.current
         return DispatchStatistics(
-            exec_limit=self._limit,
-            odd_reserve=self._reserve,
+            exec_limit=limits.limit,
+            odd_reserve=limits.reserve,
+            exec_base=limits.base,
+            admission_rise=limits.rise,
+            max_in_flight=limits.cap,
             exec_in_flight=self._exec_in_flight,
             odd_in_flight=self._odd_in_flight,
             peak_exec_in_flight=self._peak_exec,
             local_limit=self.config.local_limit,
             local_in_flight=self._local_in_flight,
+            local_reserve=self.config.local_reserve,
+            local_odd_in_flight=self._local_odd_in_flight,
             queue_deep=self._queue_deep,
             claims=c["claims"],
             claimed=c["claimed"],
@@ -715,6 +756,8 @@ class DispatchCore:
         assert self._exec_in_flight == len(exec_running), "exec_in_flight"
         assert self._odd_in_flight == sum(is_odd(i.priority) for i in exec_running), "odd"
         assert self._local_in_flight == len(running) - len(exec_running), "local_in_flight"
+        local_odd = sum(is_odd(i.priority) for i in running if i.action not in exec_actions)
+        assert self._local_odd_in_flight == local_odd, "local_odd_in_flight"
         assert self._peak_exec >= self._exec_in_flight, "peak"
         decided = [d.key for d in (*self._writing, *self._pending)]
         assert len(decided) == len(set(decided)), "a claim decided twice"

@@ -10,12 +10,18 @@ runner it is a :class:`JobSpec`:
     One-time pipe endpoints served by the client (``PROTOCOL.md``, *Pipes*): an
     ``http`` or ``https`` URL with a host and a valid port, without spaces or
     control characters.
+``timeout``, ``stall_timeout`` (duration string, or null or absent for the service's)
+    This job's own wall-clock ceiling and stall window, which take precedence
+    over the service's: ``<number><unit>`` parts (``ms``, ``s``, ``m``, ``h``,
+    ``d``, e.g. ``"30m"``, ``"1h30m"``, ``"1.5s"``), or ``"0"``, which disables
+    that supervision for the job (:func:`parse_job_duration`).
 
-Other members are ignored, so new ones (a per-job ``timeout`` or ``stall_timeout``,
-say) can be added without breaking older execservers. :meth:`JobSpec.from_wire`
-checks a received object and raises :class:`JobSpecError`, whose text is the
-receipt's error: a bad job object ends with status ``error``, never an ``ERROR``
-frame. :meth:`JobSpec.to_wire` writes the object a client sends.
+Other members are ignored, so new ones can be added without breaking older
+execservers (an older execserver ignores ``timeout`` and ``stall_timeout``).
+:meth:`JobSpec.from_wire` checks a received object and raises
+:class:`JobSpecError`, whose text is the receipt's error: a bad job object ends
+with status ``error``, never an ``ERROR`` frame. :meth:`JobSpec.to_wire` writes
+the object a client sends.
 
 Receipts are built here too, so that the rules of ``PROTOCOL.md`` (*Receipt*)
 hold for every ending: every member present, ``error`` null exactly when the
@@ -48,6 +54,8 @@ __all__ = [
     "binary_output",
     "ended_receipt",
     "error_receipt",
+    "format_job_duration",
+    "parse_job_duration",
     "stdout_prefix",
     "with_pipe_urls",
 ]
@@ -87,6 +95,71 @@ def _check_url(spec: JobSpec, attribute: attrs.Attribute[Any], url: object) -> N
         raise JobSpecError(f"{attribute.name} must be an http or https URL")
 
 
+_DURATION_UNITS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION_PART: Final = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_DURATION: Final = re.compile(r"(?:\d+(?:\.\d+)?(?:ms|s|m|h|d))+")
+
+
+def parse_job_duration(name: str, value: object) -> float | None:
+    """Read a job's ``timeout`` or ``stall_timeout`` member.
+
+    Args:
+        name: the member, for the error.
+        value: a duration string (``"30m"``, ``"1h30m"``, ``"1.5s"``), ``"0"``,
+            or ``None`` (absent).
+
+    Returns:
+        ``None`` for absent (the service's limit applies), ``0.0`` for ``"0"``
+        (no limit for this job), else the seconds (> 0).
+
+    Raises:
+        JobSpecError: anything else, naming the member and the value.
+    """
+    if value is None:
+        return None
+    if value == "0":
+        return 0.0
+    if isinstance(value, str) and _DURATION.fullmatch(value):
+        # milliseconds are divided, not multiplied by 0.001, so "43ms" is 0.043 exactly
+        seconds = sum(
+            float(number) / 1000 if unit == "ms" else float(number) * _DURATION_UNITS[unit]
+            for number, unit in _DURATION_PART.findall(value)
+        )
+        if seconds > 0:
+            return seconds
+    raise JobSpecError(
+        f'{name} must be a duration such as "30m", "1h30m" or "1.5s", '
+        f'or "0" for none; got {value!r}'
+    )
+
+
+def format_job_duration(seconds: float) -> str:
+    """A duration string :func:`parse_job_duration` reads back (to the millisecond).
+
+    ``0`` gives ``"0"``; a positive duration below a millisecond gives ``"1ms"``.
+
+    Raises:
+        ValueError: ``seconds`` is negative or not finite.
+    """
+    if not (seconds >= 0 and seconds != float("inf")):
+        raise ValueError(f"expected a finite duration >= 0, got {seconds!r}")
+    if seconds == 0:
+        return "0"
+    millis = max(1, round(seconds * 1000))
+    if millis % 1000 == 0:
+        return f"{millis // 1000}s"
+    return f"{millis}ms"
+
+
+def _check_duration(spec: JobSpec, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (value >= 0 and value != float("inf"))
+    ):
+        raise JobSpecError(f"{attribute.name} must be a number of seconds >= 0 or None")
+
+
 def _copy_params(params: Mapping[str, Any]) -> Mapping[str, Any]:
     return dict(params) if isinstance(params, Mapping) else params
 
@@ -99,10 +172,14 @@ class JobSpec:
         params: the job's parameters (a copy is kept).
         stdin_url: where the job's stdin is read from, ``None`` for none.
         stdout_url: where the job's stdout is streamed to, ``None`` for none.
+        timeout: this job's wall-clock ceiling in seconds, over the service's;
+            ``0`` for none, ``None`` for the service's.
+        stall_timeout: this job's stall window in seconds, over the service's;
+            ``0`` for no stall supervision, ``None`` for the service's.
 
     Raises:
-        JobSpecError: ``params`` is not a mapping with string keys, or a URL is
-            not an http or https URL with a host.
+        JobSpecError: ``params`` is not a mapping with string keys, a URL is
+            not an http or https URL with a host, or a limit is negative.
     """
 
     params: Mapping[str, Any] = attrs.field(
@@ -110,6 +187,22 @@ class JobSpec:
     )
     stdin_url: str | None = attrs.field(default=None, validator=_check_url)
     stdout_url: str | None = attrs.field(default=None, validator=_check_url)
+    timeout: float | None = attrs.field(default=None, validator=_check_duration)
+    stall_timeout: float | None = attrs.field(default=None, validator=_check_duration)
+
+    @staticmethod
+    def _override(own: float | None, service: float | None) -> float | None:
+        if own is None:
+            return service
+        return own or None
+
+    def effective_timeout(self, service: float | None) -> float | None:
+        """The wall-clock ceiling that applies: this job's, else the service's (``None``: none)."""
+        return self._override(self.timeout, service)
+
+    def effective_stall_timeout(self, service: float | None) -> float | None:
+        """The stall window that applies: this job's, else the service's (``None``: none)."""
+        return self._override(self.stall_timeout, service)
 
     @classmethod
     def from_wire(cls, job: Mapping[str, Any]) -> JobSpec:
@@ -122,23 +215,32 @@ class JobSpec:
             The job object, checked.
 
         Raises:
-            JobSpecError: ``params`` is not an object, or a pipe URL is not an
-                http or https URL (absent and null mean no pipe). The first problem
-                in the order ``params``, ``stdin_url``, ``stdout_url`` is named.
+            JobSpecError: ``params`` is not an object, a pipe URL is not an
+                http or https URL (absent and null mean no pipe), or ``timeout`` or
+                ``stall_timeout`` is not a duration string. The first problem in
+                the order ``params``, ``stdin_url``, ``stdout_url``, ``timeout``,
+                ``stall_timeout`` is named.
         """
         return cls(
             params=job.get("params", {}),
             stdin_url=job.get("stdin_url"),
             stdout_url=job.get("stdout_url"),
+            timeout=parse_job_duration("timeout", job.get("timeout")),
+            stall_timeout=parse_job_duration("stall_timeout", job.get("stall_timeout")),
         )
 
     def to_wire(self) -> dict[str, Any]:
-        """The job object to send in ``JOB.job``; pipes without a URL are left out."""
+        """The job object to send in ``JOB.job``; pipes without a URL and limits left
+        to the service are left out."""
         wire: dict[str, Any] = {"params": dict(self.params)}
         if self.stdin_url is not None:
             wire["stdin_url"] = self.stdin_url
         if self.stdout_url is not None:
             wire["stdout_url"] = self.stdout_url
+        if self.timeout is not None:
+            wire["timeout"] = format_job_duration(self.timeout)
+        if self.stall_timeout is not None:
+            wire["stall_timeout"] = format_job_duration(self.stall_timeout)
         return wire
 
 

@@ -6,7 +6,7 @@ Use it against your own admission settings::
     from trio_broker.testing.dispatch import dispatch_machine
 
     TestMyDispatcher = dispatch_machine(
-        admission=AdmissionConfig(headroom=1, odd_reserve=3, db_pool=4), local_limit=2
+        admission=AdmissionConfig(cpus=1, odd_reserve=3, db_pool=4), local_limit=2
     ).TestCase
 
 :class:`DispatchMachine` drives a real :class:`~trio_broker.core.dispatch.DispatchCore`
@@ -24,15 +24,18 @@ plain models:
   records how each claim left the state *claimed by this backend*;
 - :class:`ReferenceDispatch`, an obviously correct re-statement of the core:
   counts kept from lists, the outcome table as a plain dictionary, the claim
-  plan as three lines of arithmetic (the admission limit itself comes from
-  :func:`~trio_broker.core.admission.exec_limit`, which has its own tests).
+  plan as a few lines of arithmetic (the admission limit itself comes from
+  its own :class:`~trio_broker.core.admission.Admission`, fed the same figures
+  and clock, which has its own tests).
 
 After every step the machine checks that:
 
 1. the plan, each verdict, each batch of decisions to write and every statistic
    of the core equal the reference's;
-2. what is in flight never exceeds the limit plus the odd reserve, and even
-   items never exceed the limit (checked at each claim);
+2. what is in flight never exceeds the limit plus the odd reserve, nor the cap
+   (``max_in_flight``), and even items never exceed the limit; local-bound items
+   never exceed the local limit plus its odd reserve, even ones the local limit
+   (checked at each claim);
 3. the rows to keep after a lost claim are exactly the claims not yet written;
 4. the core's own :meth:`~trio_broker.core.dispatch.DispatchCore.check_invariants`
    hold;
@@ -61,7 +64,13 @@ from hypothesis.stateful import (
     rule,
 )
 
-from trio_broker.core.admission import AdmissionConfig, ClaimPlan, InstanceLoad, exec_limit
+from trio_broker.core.admission import (
+    Admission,
+    AdmissionConfig,
+    ClaimPlan,
+    InstanceLoad,
+    local_reserve,
+)
 from trio_broker.core.dispatch import DispatchConfig, DispatchCore
 from trio_broker.core.errors import (
     ClientClosed,
@@ -238,7 +247,10 @@ class QueueModel:
             : plan.odd_only
         ]
         local = [r for r in new if r.action in LOCAL_ACTIONS][: plan.local]
-        taken = sorted(general + odd + local, key=lambda r: (-r.priority, r.id))
+        local_odd = [
+            r for r in new if r.action in LOCAL_ACTIONS and r.priority % 2 and r not in local
+        ][: plan.local_odd_only]
+        taken = sorted(general + odd + local + local_odd, key=lambda r: (-r.priority, r.id))
         for row in taken:
             row.status, row.ours = "claimed", True
             row.attempts += 1
@@ -298,8 +310,9 @@ class ReferenceDispatch:
         self.reconcile = False
         self.closed = False
         self.stopped = False
-        self.limit = self.reserve = self.peak = 0
+        self.limit = self.reserve = self.peak = self.cap = 0
         self.queue_deep = False
+        self.admission = Admission(config.admission)
         self.counts = dict.fromkeys(
             ("claims", "claimed", "completed", "requeued", "failed", "fenced", "returned"), 0
         )
@@ -314,23 +327,35 @@ class ReferenceDispatch:
         keys = {(i.id, i.attempts) for i in self.running} | set(self.abandoned)
         return keys | {d[0] for d in self.pending} | {d[0] for d in self.batch or ()}
 
-    def plan(self, loads: Sequence[InstanceLoad], waiting: int) -> ClaimPlan:
+    def local_running(self) -> list[ClaimedRow]:
+        return [i for i in self.running if i.action not in self.config.exec_actions]
+
+    def plan(self, loads: Sequence[InstanceLoad], waiting: int, now: float) -> ClaimPlan:
         if self.closed:
             return ClaimPlan()
         config = self.config
         if not config.exec_actions:
             loads, waiting = (), 0
-        admission = config.admission
-        limit = exec_limit(loads, waiting=waiting, queue_deep=self.queue_deep, config=admission)
-        reserve = max(0, min(admission.odd_reserve, limit // 2))
-        self.limit, self.reserve = limit, reserve
+        limits = self.admission.update(now, loads, waiting=waiting, queue_deep=self.queue_deep)
+        limit, reserve = limits.limit, limits.reserve
+        assert limit + reserve <= limits.cap or limits.cap == 0, "limit + reserve above the cap"
+        self.limit, self.reserve, self.cap = limit, reserve, limits.cap
         in_flight = len(self.exec_running())
         even = in_flight - len(self.odd_running())
         free = max(0, limit + reserve - in_flight)
         general = max(0, min(limit - even, free))
-        local_in_flight = len(self.running) - in_flight
-        local = max(0, config.local_limit - local_in_flight) if config.local_actions else 0
-        plan = ClaimPlan(general=general, odd_only=free - general, local=local)
+        local_limit = config.local_limit if config.local_actions else 0
+        local_extra = local_reserve(local_limit)
+        local_items = self.local_running()
+        local_even = sum(1 for i in local_items if i.priority % 2 == 0)
+        local_free = max(0, local_limit + local_extra - len(local_items))
+        local = max(0, min(local_limit - local_even, local_free))
+        plan = ClaimPlan(
+            general=general,
+            odd_only=free - general,
+            local=local,
+            local_odd_only=local_free - local,
+        )
         if plan.total:
             self.plan_out = plan
             self.counts["claims"] += 1
@@ -354,7 +379,7 @@ _loads = st.lists(
 class DispatchMachine(RuleBasedStateMachine):
     """The model check of the dispatch core; configure it via :func:`dispatch_machine`."""
 
-    admission: ClassVar[AdmissionConfig] = AdmissionConfig(headroom=1, odd_reserve=2, db_pool=4)
+    admission: ClassVar[AdmissionConfig] = AdmissionConfig(cpus=1, odd_reserve=2, db_pool=4)
     local_limit: ClassVar[int] = 2
     retry_delay: ClassVar[float] = 60.0
     priorities: ClassVar[tuple[int, ...]] = (-2, -1, 0, 1, 2, 3)
@@ -374,6 +399,7 @@ class DispatchMachine(RuleBasedStateMachine):
         self.ref = ReferenceDispatch(self.config)
         self.db = QueueModel()
         self.claimed_keys: set[Key] = set()
+        self.now = 0.0
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -403,11 +429,17 @@ class DispatchMachine(RuleBasedStateMachine):
         return not ref.stopped and ref.plan_out is None and not ref.reconcile
 
     @precondition(can_plan)
-    @rule(loads=_loads, waiting=st.integers(0, 4))
-    def plan(self, loads: list[InstanceLoad], waiting: int) -> None:
-        """The claimer asks how much to claim, over the execservers' latest figures."""
-        expected = self.ref.plan(loads, waiting)
-        got = self.core.plan(loads, waiting=waiting)
+    @rule(
+        loads=_loads,
+        waiting=st.integers(0, 4),
+        elapsed=st.sampled_from([0.0, 0.25, 1.0, 2.5]),
+    )
+    def plan(self, loads: list[InstanceLoad], waiting: int, elapsed: float) -> None:
+        """The claimer asks how much to claim, over the execservers' latest figures,
+        some time after the last plan (the admission adapts once per interval)."""
+        self.now += elapsed
+        expected = self.ref.plan(loads, waiting, self.now)
+        got = self.core.plan(loads, waiting=waiting, now=self.now)
         note(f"plan {got} (limit {self.ref.limit}, reserve {self.ref.reserve})")
         assert got == expected, f"plan {got} != reference {expected}"
 
@@ -433,8 +465,17 @@ class DispatchMachine(RuleBasedStateMachine):
         # must not add beyond it)
         if exec_items:
             assert in_flight <= ref.limit + ref.reserve, "above the limit plus the odd reserve"
+            assert in_flight <= ref.cap, "above max_in_flight"
         if any(i.priority % 2 == 0 for i in exec_items):
             assert in_flight - len(ref.odd_running()) <= ref.limit, "even items above the limit"
+        local_items = [i for i in items if i.action not in self.config.exec_actions]
+        local_running = ref.local_running()
+        local_limit = self.config.local_limit
+        if local_items:
+            assert len(local_running) <= local_limit + local_reserve(local_limit), "local"
+        if any(i.priority % 2 == 0 for i in local_items):
+            even_local = [i for i in local_running if i.priority % 2 == 0]
+            assert len(even_local) <= local_limit, "even local items above the local limit"
         self.claimed_keys |= {(i.id, i.attempts) for i in items}
         return multiple(*items)
 
@@ -607,6 +648,8 @@ class DispatchMachine(RuleBasedStateMachine):
             "peak_exec_in_flight": ref.peak,
             "exec_limit": ref.limit,
             "odd_reserve": ref.reserve,
+            "max_in_flight": ref.cap,
+            "local_odd_in_flight": sum(1 for i in ref.local_running() if i.priority % 2),
             "queue_deep": ref.queue_deep,
             "pending_outcomes": len(ref.pending) + len(ref.batch or ()),
             "unwritten": 0 if ref.stopped else len(ref.unwritten()),
@@ -635,7 +678,7 @@ def dispatch_machine(
     """A :class:`DispatchMachine` for these settings.
 
     Args:
-        admission: headroom, odd reserve, ``max_in_flight``, database pool, idle use.
+        admission: CPU count, odd reserve, ``max_in_flight``, database pool, idle use.
         local_limit: local-bound items in flight at most.
         retry_delay: the delay of the outcomes that requeue *later*.
         priorities: the priorities of the rows enqueued (odd ones are the reserve's).
@@ -644,7 +687,7 @@ def dispatch_machine(
         A state machine class; run it with ``.TestCase`` under pytest/unittest.
     """
     attributes: dict[str, Any] = {
-        "admission": admission or AdmissionConfig(headroom=1, odd_reserve=2, db_pool=4),
+        "admission": admission or AdmissionConfig(cpus=1, odd_reserve=2, db_pool=4),
         "local_limit": local_limit,
         "retry_delay": retry_delay,
         "priorities": priorities,

@@ -694,6 +694,12 @@ class CommandRunner:
             workdir = tempfile.mkdtemp(prefix="trio-broker-job-", dir=self._temp_dir)
         except OSError as exc:
             return start.error(f"cannot create a work directory: {exc}")
+        # the job's own limits take precedence over the service's ("0": none)
+        spec = attrs.evolve(
+            spec,
+            timeout=job.effective_timeout(spec.timeout),
+            stall_timeout=job.effective_stall_timeout(spec.stall_timeout),
+        )
         try:
             return await self._run_command(entry, spec, argv, workdir, control, start, urls)
         except BaseExceptionGroup as group:

@@ -18,7 +18,8 @@ Tasks, all in one nursery (:meth:`Dispatcher.serve`):
   nothing free it sends nothing; with an empty queue it sends one claim per
   tick. Claims never overlap: wakes that arrive during a claim cause one more.
 - **one task per claimed item** runs its handler; local-bound handlers also hold
-  a slot of a CPU-count :class:`trio.CapacityLimiter`.
+  a slot of a CPU-count :class:`trio.CapacityLimiter` (plus the odd-priority
+  reserve the claim plan keeps for interactive work).
 - **writer**: records outcomes, batched, in one statement each
   (:meth:`Store.finish`), retrying until the database takes them.
 - **heartbeat**: every ``heartbeat_interval`` it marks this backend alive and
@@ -37,10 +38,21 @@ The handler's end is caught with ``except*`` (so an exception group is judged
 by the table, and a cancellation inside one still cancels); a handler that was
 cancelled (shutdown) has no outcome, and its row goes back to the queue.
 
-Admission. The core plans each claim with :mod:`trio_broker.core.admission`
-over the client's :meth:`ExecClient.instance_loads` and :meth:`ExecClient.waiting`
-(the odd-priority reserve on top of the limit); local-bound items are bounded by
-``local_workers``. An item is in flight from its claim until its handler ends.
+Admission. The core plans each claim with the adaptive admission of
+:mod:`trio_broker.core.admission`, fed the client's
+:meth:`ExecClient.instance_loads`, :meth:`ExecClient.waiting` and the time (the
+rise above the base accumulates there, not here); local-bound items are bounded
+by ``local_workers`` plus a reserve for odd priorities. An item is in flight
+from its claim until its handler ends.
+
+Queued steps and waiting callers. The dispatcher runs *queued* steps: an
+action's handler that could not run now (no slot in time, no execserver…) is
+requeued and tried again later, since nobody waits for it. Work a caller waits
+for (an on-demand request) does not go through the dispatcher and must never be
+requeued: run it under :func:`run_on_demand`, which turns what the outcome table
+would requeue into :class:`OnDemandFailed` with status 503 and the reason (500
+for a failure), for the caller to answer at once
+(:func:`~trio_broker.core.callers.answer_caller`).
 
 Failures. A database call that fails (:class:`~trio_broker.core.errors.StoreUnavailable`)
 is retried after a back-off that doubles from ``retry_min`` to ``retry_max``.
@@ -61,12 +73,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import attrs
 import trio
 
 from trio_broker.core.admission import AdmissionConfig, ClaimPlan, InstanceLoad
+from trio_broker.core.callers import CallerAnswer, answer_caller
 from trio_broker.core.dispatch import Backoff, Decision, DispatchConfig, DispatchCore
 from trio_broker.core.errors import RetryLater, StoreUnavailable
 from trio_broker.trio.host import cpu_count
@@ -78,7 +91,9 @@ __all__ = [
     "DispatcherConfig",
     "DispatcherStatistics",
     "ExecClient",
+    "OnDemandFailed",
     "RetryLater",
+    "run_on_demand",
     "serve_dispatcher",
 ]
 
@@ -141,11 +156,12 @@ class DispatcherConfig:
         heartbeat_interval: mark this backend alive (and sweep stale ones) this often.
         stale_after: a backend silent this long has its rows requeued (with the
             default heartbeat, a killed process's rows are back within a minute).
-        local_workers: local-bound items in flight at most; 0 = the CPUs this
-            process may use (affinity and cgroup quota).
-        admission: headroom, odd reserve, ``max_in_flight`` (0 = automatic),
+        local_workers: local-bound items of any priority in flight at most; 0 =
+            the CPUs this process may use (affinity and cgroup quota). Odd
+            priorities may take a quarter more (at least one) beyond it.
+        admission: CPU count, odd reserve, ``max_in_flight`` (0 = automatic),
             whether idle slots count; its ``db_pool`` is replaced by the store's
-            pool size.
+            pool size, and a ``cpus`` of ``None`` by the CPUs this process may use.
         retry_delay: the requeue delay of the outcomes that try again *later*
             (``NoSlot``, ``JobStopped``, ``UnknownService``; see
             :mod:`trio_broker.core.dispatch`).
@@ -183,9 +199,14 @@ class DispatcherStatistics:
         backend_id: whose.
         exec_limit: exec-bound items allowed in flight at the last claim decision.
         odd_reserve: the slots beyond ``exec_limit`` only odd priorities may take.
+        exec_base: the fair share plus the CPU count, at the last claim decision.
+        admission_rise: the accumulated rise above the base (idle slots absorbed).
+        max_in_flight: the cap on ``exec_limit + odd_reserve``.
         exec_in_flight, odd_in_flight: exec-bound items in flight (all; odd ones).
         peak_exec_in_flight: the most exec-bound items ever in flight at once.
         local_limit, local_in_flight: the local-bound semaphore and its use.
+        local_reserve, local_odd_in_flight: the local slots only odd priorities
+            may take beyond ``local_limit``; odd local items in flight.
         queue_deep: whether the last claim got all the exec-bound items it asked for.
         ticks: claim decisions taken.
         claims: claim statements sent.
@@ -202,11 +223,16 @@ class DispatcherStatistics:
     backend_id: str
     exec_limit: int
     odd_reserve: int
+    exec_base: int
+    admission_rise: int
+    max_in_flight: int
     exec_in_flight: int
     odd_in_flight: int
     peak_exec_in_flight: int
     local_limit: int
     local_in_flight: int
+    local_reserve: int
+    local_odd_in_flight: int
     queue_deep: bool
     ticks: int
     claims: int
@@ -257,16 +283,19 @@ class Dispatcher:
             sorted(a.name for a in self._actions.values() if not a.exec_bound)
         )
         local_limit = config.local_workers or cpu_count()
-        self._core = DispatchCore(
-            DispatchConfig(
-                exec_actions=frozenset(self._exec_names),
-                local_actions=frozenset(self._local_names),
-                local_limit=local_limit,
-                admission=attrs.evolve(config.admission, db_pool=store.pool_size),
-                retry_delay=config.retry_delay,
-            )
+        admission = attrs.evolve(config.admission, db_pool=store.pool_size)
+        if admission.cpus is None:
+            admission = attrs.evolve(admission, cpus=cpu_count())
+        core_config = DispatchConfig(
+            exec_actions=frozenset(self._exec_names),
+            local_actions=frozenset(self._local_names),
+            local_limit=local_limit,
+            admission=admission,
+            retry_delay=config.retry_delay,
         )
-        self._local_slots = trio.CapacityLimiter(local_limit)
+        self._core = DispatchCore(core_config)
+        # the claim plan keeps even items within local_limit; odd ones may use the reserve
+        self._local_slots = trio.CapacityLimiter(local_limit + core_config.local_reserve)
         self._claim_wanted = trio.Event()
         self._outcome_ready = trio.Event()
         self._changed = trio.Event()
@@ -308,11 +337,16 @@ class Dispatcher:
             backend_id=self.config.backend_id,
             exec_limit=core.exec_limit,
             odd_reserve=core.odd_reserve,
+            exec_base=core.exec_base,
+            admission_rise=core.admission_rise,
+            max_in_flight=core.max_in_flight,
             exec_in_flight=core.exec_in_flight,
             odd_in_flight=core.odd_in_flight,
             peak_exec_in_flight=core.peak_exec_in_flight,
             local_limit=core.local_limit,
             local_in_flight=core.local_in_flight,
+            local_reserve=core.local_reserve,
+            local_odd_in_flight=core.local_odd_in_flight,
             queue_deep=core.queue_deep,
             ticks=c["ticks"],
             claims=core.claims,
@@ -360,15 +394,18 @@ class Dispatcher:
             self._notify()
 
     def _plan(self) -> ClaimPlan:
+        now = trio.current_time()
         if self._exec is not None and self._exec_names:
-            return self._core.plan(self._exec.instance_loads(), waiting=self._exec.waiting())
-        return self._core.plan()
+            loads, waiting = self._exec.instance_loads(), self._exec.waiting()
+            return self._core.plan(loads, waiting=waiting, now=now)
+        return self._core.plan(now=now)
 
     async def _claim(self, plan: ClaimPlan) -> list[QueueItem]:
         requests = [
             ClaimRequest(limit=plan.general, actions=self._exec_names),
             ClaimRequest(limit=plan.odd_only, actions=self._exec_names, odd_only=True),
             ClaimRequest(limit=plan.local, actions=self._local_names),
+            ClaimRequest(limit=plan.local_odd_only, actions=self._local_names, odd_only=True),
         ]
         try:
             return await self._store.claim_batch(self.config.backend_id, requests)
@@ -555,3 +592,38 @@ async def serve_dispatcher(
     ``dispatcher = await nursery.start(serve_dispatcher, store, actions, config)``.
     """
     await Dispatcher(store, actions, config, exec_client=exec_client).serve(task_status=task_status)
+
+
+T = TypeVar("T")
+
+
+class OnDemandFailed(Exception):
+    """Work a caller waits for did not succeed; answer the caller with this, at once.
+
+    Attributes:
+        answer: the status (503 unavailable, 500 failed), reason and retry hint.
+    """
+
+    def __init__(self, answer: CallerAnswer) -> None:
+        super().__init__(answer.error)
+        self.answer = answer
+
+
+async def run_on_demand(work: Callable[[], Awaitable[T]]) -> T:
+    """Run work a caller waits for; what a queued step would requeue on is an error.
+
+    ``NoSlot``, ``NoExecserver``, ``JobLost`` and the other requeue outcomes of
+    :mod:`trio_broker.core.dispatch` raise :class:`OnDemandFailed` with status 503
+    and their reason; anything else with 500. Cancellation passes through.
+
+    Returns:
+        What ``work`` returned.
+
+    Raises:
+        OnDemandFailed: ``work`` raised an exception (chained as its cause).
+    """
+    try:
+        return await work()
+    except* Exception as group:
+        failure = group.exceptions[0] if len(group.exceptions) == 1 else group
+        raise OnDemandFailed(answer_caller(failure)) from failure

@@ -50,6 +50,7 @@ from trio_broker.trio.dispatcher import Action, Dispatcher, DispatcherConfig, se
 from trio_broker.trio.listener import listener_config, serve_app
 from trio_broker.trio.store import Store, describe_dsn, open_store
 from trio_broker_daemons.fylr.api import build_app
+from trio_broker_daemons.fylr.brokercheck import broker_ssl_context, check_execservers
 from trio_broker_daemons.fylr.config import FylrConfig, new_backend_id
 from trio_broker_daemons.fylr.files import fylr_migrations
 from trio_broker_daemons.fylr.metrics import inspect_document
@@ -163,7 +164,7 @@ def client_config(config: FylrConfig, *, backend_id: str, callback_port: int) ->
         version=__version__,
         callback_url=config.callback_own_url,
         callback_port=callback_port,
-        addresses=tuple(config.execservers),
+        addresses=config.execserver_addresses,
         connect_timeout=config.connect_timeout,
         pool_grow_interval=config.pool_grow_interval,
         pool_max=config.pool_max,
@@ -210,14 +211,22 @@ async def _maybe_client(
     if not config.execservers:
         yield None
         return
-    async with open_broker_client(
-        client_config(config, backend_id=state.backend_id, callback_port=port),
-        broker_token=config.broker_token,
-        pipes=state.pipes,
-        max_frame_bytes=config.max_frame_bytes,
-        wait_connected=None,
-    ) as client:
+    context = broker_ssl_context(config)
+    async with (
+        trio.open_nursery() as nursery,
+        open_broker_client(
+            client_config(config, backend_id=state.backend_id, callback_port=port),
+            broker_token=config.broker_token,
+            ssl_context=context,
+            pipes=state.pipes,
+            max_frame_bytes=config.max_frame_bytes,
+            wait_connected=None,
+        ) as client,
+    ):
+        # a wrong token or an untrusted certificate is one clear log line, not a silence
+        nursery.start_soon(check_execservers, config, context)
         yield client
+        nursery.cancel_scope.cancel()
 
 
 async def serve_fylr(

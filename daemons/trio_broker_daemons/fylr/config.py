@@ -42,10 +42,20 @@ Top-level keys (:class:`FylrConfig`):
     twice this.
 ``execservers`` (required; may be empty)
     Addresses (``host:port``, ``[v6]:port``) of the execservers or of balancers in
-    front of them; each is dialled at ``ws://host:port/broker``. No duplicates. An
-    empty list runs local work only; exec-bound work waits.
-``broker_token`` (null)
-    Sent as ``Authorization: Bearer <token>`` when dialling ``/broker``.
+    front of them; each is dialled at ``ws://host:port/broker``. Written
+    ``wss://host:port``, it is dialled over TLS (the certificate is checked
+    against ``broker_ca_file``, else the system's trust store, and must name the
+    host); ``ws://host:port`` is the plain form spelled out. Either every address
+    is ``wss://`` or none is. No duplicates. An empty list runs local work only;
+    exec-bound work waits.
+``broker_token`` (null), or ``broker_token_file``
+    Sent as ``Authorization: Bearer <token>`` when dialling ``/broker``;
+    ``broker_token_file`` reads it from a file (a mounted secret), not both.
+``broker_ca_file`` (null)
+    A PEM file of the certificate authorities that sign the execservers' TLS
+    certificates (``wss://`` addresses only); null = the system's trust store.
+    Checked at load. A wrong token or an untrusted certificate is logged as one
+    error line per address when the fylr starts.
 ``callback_own_url`` (null)
     The callback base put into jobs verbatim (``http://host:port``, no query or
     fragment), overriding the address seen on each broker connection (NAT).
@@ -91,7 +101,7 @@ File class keys (:class:`FileClass`):
     with no extensions must be the ``default_class``.
 ``metadata`` (null)
     The metadata step: ``{service: NAME, params: {...}}`` run on the original after
-    upload; null = none.
+    upload; null = none. It takes ``timeout`` and ``stall_timeout`` as a version does.
 ``versions`` ({})
     Version name → :class:`VersionConfig`. Names are 1 to 200 characters of
     ``A-Z a-z 0-9 _ . -`` (they appear in download URLs), not ``original``.
@@ -110,6 +120,10 @@ Version keys (:class:`VersionConfig`):
     The MIME type the stored rendition is labelled with (``image/webp``); null =
     taken from the produce metadata or ``application/octet-stream``. Not part of
     the produce hash: changing it does not produce the version again.
+``timeout`` (null), ``stall_timeout`` (null)
+    This recipe's own wall-clock ceiling and stall window for its job (durations,
+    ``"0"`` = none), sent in the job object, where they take precedence over the
+    execserver service's; null = the service's. Not part of the produce hash.
 """
 
 import math
@@ -117,6 +131,7 @@ import os
 import re
 import secrets
 import socket
+import ssl
 import urllib.parse
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -126,6 +141,7 @@ import attrs
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
+from trio_broker.core.job import format_job_duration
 from trio_broker.trio.host import cpu_count
 from trio_broker_daemons.config import (
     MAX_SERVICE_NAME_CHARS,
@@ -147,6 +163,7 @@ from trio_broker_daemons.config import (
     parse_duration,
     structure_config,
 )
+from trio_broker_daemons.sources import secret_file
 
 __all__ = [
     "DEFAULT_FYLR_LISTEN",
@@ -158,7 +175,9 @@ __all__ = [
     "MetadataConfig",
     "ParamValue",
     "VersionConfig",
+    "job_limits",
     "new_backend_id",
+    "split_broker_address",
 ]
 
 DEFAULT_FYLR_LISTEN: Final = "127.0.0.1:7100"
@@ -253,13 +272,46 @@ def _address(value: object) -> str:
     return value
 
 
+BROKER_SCHEMES: Final = ("ws", "wss")
+
+
+def _broker_address(value: object) -> str:
+    """``host:port``, or ``ws://host:port`` / ``wss://host:port``."""
+    if isinstance(value, str) and "://" in value:
+        scheme, _, rest = value.partition("://")
+        if scheme not in BROKER_SCHEMES:
+            raise ConfigError(
+                f'expected "host:port", "ws://host:port" or "wss://host:port", got {_show(value)}'
+            )
+        _address(rest)
+        return value
+    return _address(value)
+
+
+def split_broker_address(address: str) -> tuple[bool, str]:
+    """(whether it is ``wss://``, ``host:port``) of a configured execserver address."""
+    scheme, sep, rest = address.partition("://")
+    return (scheme == "wss", rest) if sep else (False, address)
+
+
+def _broker_ca_file(value: object) -> Path | None:
+    if value is None:
+        return None
+    path = _path(value)
+    try:
+        ssl.create_default_context(cafile=str(path))
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cannot load CA certificates from '{path}': {exc}") from None
+    return path
+
+
 def _addresses(value: object) -> tuple[str, ...]:
     if not isinstance(value, list | tuple):
         raise ConfigError(f'expected a list of addresses ("host:port"), got {_show(value)}')
     seen: set[str] = set()
     for index, element in enumerate(value):
         try:
-            _address(element)
+            _broker_address(element)
         except ConfigError as exc:
             raise ConfigError(exc.reason, keys=(index,)) from None
         if element in seen:
@@ -388,6 +440,17 @@ def _metadata(value: object) -> "MetadataConfig | None":
     return config
 
 
+def _job_limit(value: object) -> float | None:
+    """A recipe's job limit: null = the service's, zero = none for this job."""
+    return None if value is None else parse_duration(value)
+
+
+def job_limits(recipe: "VersionConfig | MetadataConfig") -> dict[str, str]:
+    """The job object members for a recipe's own limits (none when it sets none)."""
+    limits = {"timeout": recipe.timeout, "stall_timeout": recipe.stall_timeout}
+    return {name: format_job_duration(v) for name, v in limits.items() if v is not None}
+
+
 def _mimetype(value: object) -> str | None:
     return None if value is None else _nonempty_string(value)
 
@@ -398,6 +461,7 @@ _BackendId = Annotated[str | None, _Rule(_backend_id)]
 _PathValue = Annotated[Path, _Rule(_path)]
 _Dsn = Annotated[str | None, _Rule(_dsn)]
 _Addresses = Annotated[tuple[str, ...], _Rule(_addresses)]
+_CaFile = Annotated[Path | None, _Rule(_broker_ca_file)]
 _Token = Annotated[str | None, _Rule(_optional_token)]
 _CallbackUrl = Annotated[str | None, _Rule(_callback_url)]
 _Positive = Annotated[float, _Rule(_positive_duration)]
@@ -411,6 +475,7 @@ _ServiceName = Annotated[str, _Rule(_service_name)]
 _Params = Annotated[Mapping[str, ParamValue], _Rule(_params)]
 _Extensions = Annotated[tuple[str, ...], _Rule(_extensions)]
 _MimeType = Annotated[str | None, _Rule(_mimetype)]
+_JobLimit = Annotated[float | None, _Rule(_job_limit)]
 
 
 # -- the classes ---------------------------------------------------------------
@@ -422,6 +487,8 @@ class MetadataConfig:
 
     service: _ServiceName
     params: _Params = attrs.field(factory=dict)
+    timeout: _JobLimit = None
+    stall_timeout: _JobLimit = None
 
 
 @attrs.frozen(kw_only=True)
@@ -434,12 +501,16 @@ class VersionConfig:
         source: ``None`` to produce it from the original, or the name of another
             version of the same class to produce it from.
         mimetype: the MIME type the rendition is labelled with, if configured.
+        timeout, stall_timeout: the job's own limits in seconds (0 = none), or
+            ``None`` for the execserver service's.
     """
 
     service: _ServiceName
     params: _Params = attrs.field(factory=dict)
     source: _OptionalName = None
     mimetype: _MimeType = None
+    timeout: _JobLimit = None
+    stall_timeout: _JobLimit = None
 
 
 _Versions = Annotated[Mapping[str, VersionConfig], _Rule(_versions)]
@@ -526,7 +597,8 @@ class FylrConfig:
     database: _Dsn = None
     database_pool: _AtLeastOne = 20
     execservers: _Addresses
-    broker_token: _Token = None
+    broker_token: _Token = attrs.field(default=None, metadata=secret_file())
+    broker_ca_file: _CaFile = None
     callback_own_url: _CallbackUrl = None
     connect_timeout: _Positive = 60.0
     ping_interval: _Positive = 5.0
@@ -564,6 +636,7 @@ class FylrConfig:
                 f"expected null or the name of a class ({known}), got {_show(self.default_class)}",
                 keys=("default_class",),
             )
+        self._check_broker_tls()
         owner: dict[str, str] = {}
         for class_name, file_class in self.classes.items():
             if not file_class.extensions and class_name != self.default_class:
@@ -578,6 +651,29 @@ class FylrConfig:
                         keys=("classes", class_name, "extensions", index),
                     )
                 owner[extension] = class_name
+
+    def _check_broker_tls(self) -> None:
+        schemes = {split_broker_address(a)[0] for a in self.execservers}
+        if len(schemes) > 1:
+            raise ConfigError(
+                "expected every address wss:// or none (one TLS setting serves them all)",
+                keys=("execservers",),
+            )
+        if self.broker_ca_file is not None and not self.broker_tls:
+            raise ConfigError(
+                "expected null: a CA file needs wss:// execserver addresses",
+                keys=("broker_ca_file",),
+            )
+
+    @property
+    def broker_tls(self) -> bool:
+        """Whether the execservers are dialled over TLS (``wss://`` addresses)."""
+        return any(split_broker_address(a)[0] for a in self.execservers)
+
+    @property
+    def execserver_addresses(self) -> tuple[str, ...]:
+        """The execserver addresses as ``host:port`` (the scheme left out)."""
+        return tuple(split_broker_address(a)[1] for a in self.execservers)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> "FylrConfig":

@@ -204,7 +204,7 @@ class Topology:
             },
             "addresses": [],
             "links": [],
-            "warnings": _callback_warnings(config.callback_own_url, config.execservers),
+            "warnings": _callback_warnings(config.callback_own_url, config.execserver_addresses),
         }
         if stats.dispatcher is not None:
             d = stats.dispatcher

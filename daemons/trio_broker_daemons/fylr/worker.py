@@ -69,7 +69,7 @@ from trio_broker.core.errors import (
 from trio_broker.trio.dispatcher import Action
 from trio_broker.trio.pipes import OutPipe, Sink
 from trio_broker.trio.store import QueueItem
-from trio_broker_daemons.fylr.config import VersionConfig
+from trio_broker_daemons.fylr.config import VersionConfig, job_limits
 from trio_broker_daemons.fylr.files import (
     ACTION_METADATA,
     ACTION_PRODUCE,
@@ -209,8 +209,10 @@ class FileWorker:
         priority: int,
         subject: str,
         job_id: str | None = None,
+        limits: Mapping[str, str] | None = None,
     ) -> tuple[p.Receipt, OutPipe]:
-        """Run a body-mode job: ``source_key`` on its stdin, its stdout into ``sink``.
+        """Run a body-mode job: ``source_key`` on its stdin, its stdout into ``sink``;
+        ``limits`` are the recipe's own ``timeout``/``stall_timeout`` (:func:`job_limits`).
 
         Raises:
             FileNotFoundError: the stored input is gone while the storage folder is
@@ -238,7 +240,7 @@ class FileWorker:
             stdout = client.pipe_out(sink)
             receipt = await client.run(
                 service,
-                {"params": dict(params)},
+                {"params": dict(params), **(limits or {})},
                 priority=priority,
                 subject=subject,
                 stdin=stdin,
@@ -305,6 +307,7 @@ class FileWorker:
                 receipt, stdout = await self.run_piped(
                     step.service,
                     step.params,
+                    limits=job_limits(step),
                     source_key=row.storage_key,
                     sink=keep,
                     priority=row.priority,
@@ -487,6 +490,7 @@ class FileWorker:
                     receipt, stdout = await self.run_piped(
                         recipe.service,
                         recipe.params,
+                        limits=job_limits(recipe),
                         source_key=start.source_key,
                         sink=sink,
                         priority=original.priority,
