@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import logging
 import os
 import random
 import signal
@@ -21,6 +22,7 @@ from typing import Any
 
 import httpx
 import psycopg
+import pytest
 import trio
 import yaml
 from trio_broker_daemons.config import ExecserverConfig
@@ -28,7 +30,7 @@ from trio_broker_daemons.execserver import serve_from_config
 from trio_broker_daemons.fylr.app import FylrHandle, serve_fylr
 from trio_broker_daemons.fylr.config import FylrConfig
 from trio_broker_daemons.processes import open_execserver_process, open_fylr_process
-from trio_broker_daemons.upload import follow
+from trio_broker_daemons.upload import FileOutcome, ended_done, follow, summary
 
 from trio_broker.trio.execserver import ExecserverHandle
 
@@ -264,11 +266,54 @@ async def test_a_service_nobody_offers_requeues_the_step(pg_dsn: str, tmp_path: 
         assert document["status"] == "sync"  # its versions are being made
         assert document["versions"]["sha256"]["status"] == "done"
         assert document["versions"]["odd"]["status"] == "pending"
+        # the reason is in the document while it waits; nothing offered is close to it
+        assert document["versions"]["odd"]["error"] == (
+            "no connected execserver offers service 'not_offered'"
+            " (offered: fail, gzip, mime, sha256, slow_sha256)"
+        )
         queued = rows(pg_dsn, "SELECT status, last_error, start_after > now() FROM file_queue")
         assert len(queued) == 1
         status, error, later = queued[0]
         assert (status, later) == ("new", True)
         assert "UnknownService" in error
+
+
+async def test_a_misspelled_service_fails_after_its_attempts_with_a_suggestion(
+    pg_dsn: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A recipe naming a service nobody offers ends failed after the bound, saying what is close."""
+    caplog.set_level(logging.DEBUG, logger="trio_broker_daemons.fylr.worker")
+    classes = {
+        "text": {
+            "extensions": ["txt"],
+            "versions": {"sha256": {"service": "sha256"}, "typo": {"service": "sha265"}},
+        }
+    }
+    extra = {"retry_delay": "0.05s", "unknown_service_attempts": 3}
+    async with fylr_and_execserver(pg_dsn, tmp_path, classes, **extra) as (fylr, http):
+        created = await put(http, "a.txt", b"text\n")
+        document = await ended(http, created["id"])
+        await settled(fylr)
+    assert document["status"] == "done"
+    assert document["versions"]["sha256"]["status"] == "done"
+    typo = document["versions"]["typo"]
+    assert typo["status"] == "failed"
+    assert typo["error"] == (
+        "ServiceNotOffered: no connected execserver offers service 'sha265'"
+        " (did you mean 'sha256'?), after 3 attempts"
+    )
+    outcome = FileOutcome(path=Path("a.txt"), priority=0, document=document)
+    assert not ended_done(outcome)  # upload --wait exits 1, printing the reason
+    assert "  typo failed: ServiceNotOffered: no connected" in summary(outcome)
+    assert fylr.statistics().steps["produce.requeued"] == 2
+    assert fylr.statistics().steps["produce.error"] == 1
+    [(status, attempts, error)] = rows(
+        pg_dsn, "SELECT status, attempts, last_error FROM file_queue"
+    )
+    assert (status, attempts) == ("failed", 3)
+    assert "did you mean 'sha256'?" in error
+    waits = [r for r in caplog.records if r.getMessage() == "step waits for a service"]
+    assert [r.levelno for r in waits] == [logging.WARNING, logging.DEBUG]
 
 
 async def test_a_class_without_versions_ends_done(pg_dsn: str, tmp_path: Path) -> None:

@@ -421,14 +421,28 @@ class FileStore:
 
     # -- generic transitions -------------------------------------------------------------
 
-    async def move(self, file_id: int, old: FileState, new: FileState) -> bool:
-        """Move a row from ``old`` to ``new`` (a requeued step goes back); whether it did."""
+    async def move(
+        self, file_id: int, old: FileState, new: FileState, *, notice: str | None = None
+    ) -> bool:
+        """Move a row from ``old`` to ``new`` (a requeued step goes back); whether it did.
+
+        ``notice`` (why it waits) is stored in its ``error`` meanwhile; the step's
+        end replaces it.
+        """
 
         def run(conn: Connection) -> bool:
-            cur = conn.execute(
-                "UPDATE files SET status = %s, updated_at = now() WHERE id = %s AND status = %s",
-                (new, file_id, old),
-            )
+            if notice is None:
+                cur = conn.execute(
+                    "UPDATE files SET status = %s, updated_at = now()"
+                    " WHERE id = %s AND status = %s",
+                    (new, file_id, old),
+                )
+            else:
+                cur = conn.execute(
+                    "UPDATE files SET status = %s, error = %s, updated_at = now()"
+                    " WHERE id = %s AND status = %s",
+                    (new, notice, file_id, old),
+                )
             return cur.rowcount == 1
 
         return await self.store.call(run, kind="files_move")
