@@ -272,6 +272,7 @@ def test_the_merge_dedupes_execservers_prefers_live_figures_and_skips_stale_back
     ]
     document = topology_document(views, stale_after=5.0, served_by="f1", now=1.0)
     validate(document)
+    assert document["generated_at"] == "1970-01-01T00:00:01.000Z"
     assert [f["backend_id"] for f in document["fylrs"]] == ["f1", "f2", "new"]
     assert [e["instance_id"] for e in document["execservers"]] == ["i1", "i2", "i3"]
     i1 = document["execservers"][0]

@@ -72,6 +72,10 @@ Top-level keys (:class:`FylrConfig`):
     is requeued after ``retry_delay`` with the reason and the closest offered
     name in its file's ``error`` (one warning), and fails on the claim that meets
     this count (the queue row's ``attempts``: every claim of the step counts).
+``counts_interval`` (1m, >= 0)
+    The files by kind and state that ``/metrics`` and ``/inspect/system/fylr``
+    show are counted again at most this often (a full count reads every row);
+    their age is shown beside them. 0 counts at every request.
 ``heartbeat_interval`` (10s, > 0)
     How often this backend writes its heartbeat.
 ``stale_after`` (45s, > 2 × ``heartbeat_interval``)
@@ -545,6 +549,7 @@ class FylrConfig:
     claim_interval: _Positive = 1.0
     retry_delay: _Delay = 60.0
     unknown_service_attempts: _AtLeastOne = 5
+    counts_interval: _Delay = 60.0
     heartbeat_interval: _Positive = 10.0
     stale_after: _Positive = 45.0
     max_upload_size: _UploadLimit = None

@@ -70,6 +70,7 @@ from trio_broker._version import __version__
 from trio_broker.core import protocol as p
 from trio_broker.core.errors import StoreUnavailable
 from trio_broker.trio.client import LinkState
+from trio_broker.trio.inspection import iso_time
 from trio_broker.trio.views import BackendView, publish_view, read_views
 from trio_broker_daemons.fylr.state import FylrState
 
@@ -194,7 +195,7 @@ class Topology:
             "url": state.base_url,
             "software": __version__,
             "watched": self.watched_here,
-            "published_at": time.time(),
+            "published_at": iso_time(time.time()),
             "callback_own_url": config.callback_own_url,
             "jobs": None,
             "dispatcher": None,
@@ -486,7 +487,7 @@ def topology_document(
         link.setdefault("warnings", [])
     return {
         "version": DOCUMENT_VERSION,
-        "generated_at": time.time() if now is None else now,
+        "generated_at": iso_time(time.time() if now is None else now),
         "served_by": served_by,
         "fylrs": fylrs,
         "balancers": list(balancers.values()),

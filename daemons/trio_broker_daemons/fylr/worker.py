@@ -424,7 +424,7 @@ class FileWorker:
                 mimetype = found if isinstance(found, str) and found else None
             else:
                 error = f"metadata: {_receipt_reason(receipt)}"
-            state.step(ACTION_METADATA, "ok" if error is None else "failed")
+            state.step(ACTION_METADATA, receipt.status)
         applied = await self.files.end_metadata(
             file_id, metadata=metadata, mimetype=mimetype, error=error
         )
@@ -445,7 +445,7 @@ class FileWorker:
         for key in result.removed_keys:
             with contextlib.suppress(OSError, ValueError):
                 await self.storage.delete(key)
-        state.step(ACTION_SYNC, "done")
+        state.step(ACTION_SYNC, "ok")
         state.changed(file_id)
         log.info(
             "synced",
@@ -540,8 +540,7 @@ class FileWorker:
                 metadata=metadata,
                 error=_receipt_reason(receipt),
             )
-        outcome = ("done" if stored is not None else "error") if end.applied else "replayed"
-        state.step(ACTION_PRODUCE, outcome)
+        state.step(ACTION_PRODUCE, receipt.status if end.applied else "replayed")
         state.changed(original.id, version_id)
         log.info(
             "version produced" if stored is not None else "version failed",
