@@ -141,6 +141,12 @@ async def end_to_end(folder: Path, paths: list[Path], slots: int) -> tuple[float
                 durations.append(version["metadata"]["produced"]["duration_s"])
             async with httpx.AsyncClient() as http:
                 page = (await http.get(f"{fylr.http_url}/inspect/system/fylr")).json()
+            calls = page["store"]["calls"]
+            print(
+                f"  database calls per file: {sum(calls.values()) / (len(paths)):.1f} ("
+                + ", ".join(f"{k} {v / len(paths):.2f}" for k, v in sorted(calls.items()))
+                + ")"
+            )
             print(
                 f"  (fylr: {page['dispatcher']['completed']} steps, peak"
                 f" {page['dispatcher']['peak_exec_in_flight']} jobs in flight,"

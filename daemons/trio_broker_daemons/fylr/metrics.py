@@ -96,6 +96,7 @@ async def inspect_document(state: FylrState) -> dict[str, Any]:
         "http": dict(state.counters),
         "steps": dict(stats.steps),
         "dispatcher": attrs.asdict(stats.dispatcher) if stats.dispatcher else None,
+        "store": attrs.asdict(state.store.statistics()),
         "client": _client_document(stats.client, config.execservers),
         "pipes": attrs.asdict(stats.pipes),
     }

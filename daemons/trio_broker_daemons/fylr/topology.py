@@ -123,6 +123,7 @@ class Topology:
         self.state = state
         self.viewers = 0
         self._lease_until = -math.inf
+        self._published_watched = False
         self._elsewhere = False  # another live fylr says it is watched
         self._views: Sequence[BackendView] = ()
         self._wake = trio.Event()
@@ -158,7 +159,12 @@ class Topology:
             self._follow_watchers()
 
     def _follow_watchers(self) -> None:
-        """Subscribe the broker client while watched, unsubscribe when not; wake the task."""
+        """Subscribe the broker client while watched, unsubscribe when not.
+
+        The publishing task is woken when the watched state here changes (so the
+        others learn it, and its pace follows), not at every lease renewed: a
+        client following its uploads asks for positions every few seconds per file.
+        """
         client = self.state.client
         if self.watched and self._watching is None and client is not None:
             self._watching = contextlib.ExitStack()
@@ -166,7 +172,9 @@ class Topology:
         elif not self.watched and self._watching is not None:
             self._watching.close()
             self._watching = None
-        self._wake.set()
+        here = self.watched_here
+        if here != self._published_watched:
+            self._wake.set()
 
     async def wait_for_figures(self, timeout: float = FIRST_FIGURES_WAIT) -> None:  # noqa: ASYNC109
         """Wait (bounded) until every execserver connection has sent its first figures."""
@@ -241,8 +249,10 @@ class Topology:
         try:
             while True:
                 self._wake = trio.Event()
+                view = self.own_view()
+                self._published_watched = bool(view["watched"])
                 try:
-                    _, views = await publish_view(state.store, state.backend_id, self.own_view())
+                    _, views = await publish_view(state.store, state.backend_id, view)
                 except StoreUnavailable as exc:
                     log.debug("could not publish the topology view: %s", exc)
                 else:
