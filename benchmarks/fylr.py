@@ -116,9 +116,11 @@ async def end_to_end(folder: Path, paths: list[Path], slots: int) -> tuple[float
                 "fylr": [fylr.process.pid],
                 "execservers": [first.process.pid, second.process.pid],
                 "postgres": postgres_pids(folder / "state" / "pg"),
+                "uploader": [os.getpid()],
             }
             cpu_before = {name: cpu_seconds(pids) for name, pids in processes.items()}
             started = time.monotonic()
+            files = len(paths) - 1
             outcomes = await upload_files(
                 fylr.http_url,
                 [(path, 0) for path in paths[1:]],
@@ -133,6 +135,8 @@ async def end_to_end(folder: Path, paths: list[Path], slots: int) -> tuple[float
                 + ", ".join(f"{name} {seconds:.1f}" for name, seconds in cpu.items())
                 + " (execservers: with their commands)"
             )
+            ours = (cpu["fylr"] + cpu["postgres"]) / files
+            print(f"  fylr + postgres CPU per file: {ours * 1000:.1f} ms")
             durations = []
             for outcome in outcomes:
                 assert outcome.document is not None, outcome.error
