@@ -172,6 +172,8 @@ def server_url(text: str) -> str:
 
 QUEUED_WAIT: Final = 2.0
 """Seconds one follow request waits while a step waits in the queue (its position moves)."""
+REFRESH_PER_SECOND: Final = 4
+"""How often :func:`upload_files` redraws its progress bars."""
 POSITION_FOLLOWERS: Final = 8
 """Files :func:`upload_files` follows at the pace of their queue position at once."""
 
@@ -487,7 +489,15 @@ async def upload_files(
     async with httpx.AsyncClient() as http:
         with (
             trio.move_on_after(math.inf if timeout is None else timeout) as scope,
-            Progress(*columns, console=console, transient=False) as progress,
+            # the bars are drawn 4 times a second, not at all on a quiet console: each
+            # refresh renders every file's row (hundreds of files are a CPU's share)
+            Progress(
+                *columns,
+                console=console,
+                transient=False,
+                refresh_per_second=REFRESH_PER_SECOND,
+                disable=console.quiet,
+            ) as progress,
         ):
             overall = progress.add_task("all files", total=len(files), status="uploading")
             finished = 0
