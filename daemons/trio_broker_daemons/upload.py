@@ -340,6 +340,7 @@ async def follow(
     on_change: Callable[[Mapping[str, Any]], None] | None = None,
     wait: float = WAIT,
     positions: PositionFollowers | None = None,
+    until_ended: bool = False,
 ) -> dict[str, Any]:
     """Wait until a file has ended (``done`` or ``failed``); returns its last document.
 
@@ -356,6 +357,9 @@ async def follow(
         positions: shared by files followed together: whether this one is
             asked for every :data:`QUEUED_WAIT` seconds while a step waits
             (``None``: it is).
+        until_ended: ask the fylr to answer only once the file has ended (or
+            after ``wait``), for a caller that shows no progress: one request
+            per ``wait`` seconds instead of one per change.
 
     Raises:
         UploadError: the file is unknown, the fylr could not be reached, or it
@@ -371,10 +375,11 @@ async def follow(
             if positions is not None:
                 waiting = positions.wants(file_id, waiting)
             step_wait = min(wait, QUEUED_WAIT) if waiting else wait
+            params = {"wait": f"{step_wait:g}"}
+            if until_ended:
+                params["until"] = "ended"
             try:
-                response = await http.get(
-                    url, params={"wait": f"{step_wait:g}"}, timeout=wait + 30.0
-                )
+                response = await http.get(url, params=params, timeout=wait + 30.0)
             except httpx.HTTPError as exc:
                 raise UploadError(f"cannot reach {server}: {type(exc).__name__}: {exc}") from None
             if response.status_code in RETRY_STATUSES and unavailable < RETRIES:
@@ -533,7 +538,12 @@ async def upload_files(
                     show(document)
                     if wait:
                         document = await follow(
-                            http, server, int(document["id"]), on_change=show, positions=positions
+                            http,
+                            server,
+                            int(document["id"]),
+                            on_change=show,
+                            positions=positions,
+                            until_ended=console.quiet,  # no progress to show
                         )
                         outcomes[index] = attrs.evolve(outcomes[index], document=document)
                 except UploadError as exc:

@@ -531,6 +531,23 @@ async def test_health_identity_inspection_and_metrics(pg_dsn: str, tmp_path: Pat
         assert 'trio_broker_fylr_steps_total{action="produce",outcome="ok"} 3.0' in metrics
 
 
+async def test_a_request_until_ended_answers_once_the_file_has_ended(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """``?wait=S&until=ended`` skips the changes on the way: one request, the end."""
+    classes = {"text": {"extensions": ["txt"], "versions": {"s": {"service": "slow_sha256"}}}}
+    async with fylr_and_execserver(pg_dsn, tmp_path, classes) as (_, http):
+        created = await put(http, "a.txt", b"a\n")
+        assert created["status"] != "done"
+        response = await http.get(
+            f"/api/v1/eas/{created['id']}", params={"wait": "60", "until": "ended"}
+        )
+        assert response.json()["status"] == "done"
+        assert response.json()["versions"]["s"]["status"] == "done"
+        bad = await http.get(f"/api/v1/eas/{created['id']}", params={"until": "soon"})
+        assert bad.status_code == 400
+
+
 async def test_scrapes_within_counts_interval_share_one_count(pg_dsn: str, tmp_path: Path) -> None:
     """The files are counted at most once per counts_interval, whatever scrapes come."""
     classes = {"text": {"extensions": ["txt"]}}
