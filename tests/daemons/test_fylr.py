@@ -523,6 +523,7 @@ async def test_health_identity_inspection_and_metrics(pg_dsn: str, tmp_path: Pat
         assert page["files"] == {"original": {"done": 1}, "version": {"done": 3}}
         assert page["queue"] == {"ready": 0, "delayed": 0, "claimed": 0, "failed": 0}
         assert page["dispatcher"]["completed"] == 5  # metadata, sync, three produces
+        assert page["store"]["calls"]["files_create"] == 1  # the database calls by kind
         assert page["client"]["addresses"][0]["connections"] == 1
         assert page["pipes"]["done"] >= 6
         metrics = (await http.get("/metrics")).text

@@ -43,7 +43,11 @@ one outcome table (:func:`trio_broker.core.dispatch.judge`) decides, for the
 dispatcher and for the step alike, whether the item runs again (then the file
 goes back to the state the step started from) or fails (then the version, or
 for a metadata step the original, ends ``error`` with the exception's text, and
-the queue row ``failed``). Every write of a step is fenced by the state it
+the queue row ``failed``). ``UnknownService`` is temporary only for a while:
+the step waits with the reason and the closest offered service name in its
+file's ``error`` (:func:`service_notice`; one warning), and the claim that
+meets ``unknown_service_attempts`` raises :class:`ServiceNotOffered` instead,
+which the table fails. Every write of a step is fenced by the state it
 expects, so a step that runs twice (its process was killed after the work but
 before its outcome was written) changes nothing the second time.
 """
