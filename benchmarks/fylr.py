@@ -1,6 +1,9 @@
 """Files per second end to end through one fylr and two execservers, and slot utilisation.
 
-Run: ``.venv/bin/python benchmarks/fylr.py`` (``--files N``, ``--slots S`` per execserver).
+Run: ``.venv/bin/python benchmarks/fylr.py`` (``--files N``, ``--slots S`` per execserver);
+``--compare TREE [--rounds R]`` runs a checkout of the code before (``git worktree
+add /tmp/before COMMIT``) and this one alternately, ``R`` times each, and prints
+the medians.
 
 In one run, every daemon a real process (``trio-broker fylr`` with its private
 PostgreSQL cluster, ``trio-broker execserver`` twice), the uploader in this process:
@@ -27,8 +30,10 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -116,9 +121,11 @@ async def end_to_end(folder: Path, paths: list[Path], slots: int) -> tuple[float
                 "fylr": [fylr.process.pid],
                 "execservers": [first.process.pid, second.process.pid],
                 "postgres": postgres_pids(folder / "state" / "pg"),
+                "uploader": [os.getpid()],
             }
             cpu_before = {name: cpu_seconds(pids) for name, pids in processes.items()}
             started = time.monotonic()
+            files = len(paths) - 1
             outcomes = await upload_files(
                 fylr.http_url,
                 [(path, 0) for path in paths[1:]],
@@ -133,6 +140,8 @@ async def end_to_end(folder: Path, paths: list[Path], slots: int) -> tuple[float
                 + ", ".join(f"{name} {seconds:.1f}" for name, seconds in cpu.items())
                 + " (execservers: with their commands)"
             )
+            ours = (cpu["fylr"] + cpu["postgres"]) / files
+            print(f"  fylr + postgres CPU per file: {ours * 1000:.1f} ms")
             durations = []
             for outcome in outcomes:
                 assert outcome.document is not None, outcome.error
@@ -141,6 +150,12 @@ async def end_to_end(folder: Path, paths: list[Path], slots: int) -> tuple[float
                 durations.append(version["metadata"]["produced"]["duration_s"])
             async with httpx.AsyncClient() as http:
                 page = (await http.get(f"{fylr.http_url}/inspect/system/fylr")).json()
+            calls = page["store"]["calls"]
+            print(
+                f"  database calls per file: {sum(calls.values()) / (len(paths)):.1f} ("
+                + ", ".join(f"{k} {v / len(paths):.2f}" for k, v in sorted(calls.items()))
+                + ")"
+            )
             print(
                 f"  (fylr: {page['dispatcher']['completed']} steps, peak"
                 f" {page['dispatcher']['peak_exec_in_flight']} jobs in flight,"
@@ -223,11 +238,61 @@ async def main(files: int, slots: int) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+_FIGURES = {
+    "fylr_cpu": re.compile(r"meanwhile: fylr ([\d.]+),.* postgres ([\d.]+)"),
+    "e2e": re.compile(r"end to end through one fylr: ([\d.]+) files/s"),
+    "direct": re.compile(r"baseline, the converter .*: ([\d.]+) files/s"),
+    "ratio": re.compile(r"end to end / baseline: (\d+)%"),
+}
+
+
+def compare(before: Path, files: int, slots: int, rounds: int) -> None:
+    """Run ``before``'s benchmark and this one alternately, each in a process of its own.
+
+    ``before`` is a checkout of the code to compare with (``git worktree add
+    /tmp/before COMMIT``); its daemons and uploader run from it (``PYTHONPATH``).
+    """
+    found: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
+    for round_ in range(rounds):
+        for label, tree in (("before", before.resolve()), ("after", REPOSITORY)):
+            env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{tree / 'daemons'}"}
+            command = [sys.executable, str(tree / "benchmarks" / "fylr.py")]
+            command += ["--files", str(files), "--slots", str(slots)]
+            result = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+            print(f"-- round {round_ + 1}, {label} ({tree})")
+            print(result.stdout.rstrip())
+            figures: dict[str, float] = {}
+            for name, pattern in _FIGURES.items():
+                match = pattern.search(result.stdout)
+                assert match is not None, (name, result.stdout)
+                values = [float(v) for v in match.groups()]
+                figures[name] = sum(values) / files * 1000 if name == "fylr_cpu" else values[0]
+            found[label].append(figures)
+    print("-- medians over the rounds")
+    for label, runs in found.items():
+        print(
+            f"{label}: end to end {statistics.median(r['e2e'] for r in runs):.1f} files/s,"
+            f" direct loop {statistics.median(r['direct'] for r in runs):.1f} files/s,"
+            f" end to end / direct {statistics.median(r['ratio'] for r in runs):.0f}%,"
+            f" fylr + postgres CPU {statistics.median(r['fylr_cpu'] for r in runs):.1f} ms per file"
+        )
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--files", type=int, default=200, help="images to send (default 200)")
     parser.add_argument(
         "--slots", type=int, default=1, help="slots per execserver (default 1: 2 in all)"
     )
+    parser.add_argument(
+        "--compare",
+        type=Path,
+        metavar="TREE",
+        help="a checkout of the code before: run its benchmark and this one alternately",
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="with --compare (default 2)")
     args = parser.parse_args()
-    trio.run(main, args.files, args.slots)
+    if args.compare is not None:
+        compare(args.compare, args.files, args.slots, args.rounds)
+    else:
+        trio.run(main, args.files, args.slots)

@@ -55,10 +55,12 @@ from trio_broker_daemons.position import queue_text, waiting_steps
 
 __all__ = [
     "FINISHED",
+    "POSITION_FOLLOWERS",
     "PRIORITY_BANDS",
     "RETRIES",
     "RETRY_AFTER_MAX",
     "FileOutcome",
+    "PositionFollowers",
     "UploadError",
     "ended_done",
     "failures",
@@ -170,6 +172,45 @@ def server_url(text: str) -> str:
 
 QUEUED_WAIT: Final = 2.0
 """Seconds one follow request waits while a step waits in the queue (its position moves)."""
+REFRESH_PER_SECOND: Final = 4
+"""How often :func:`upload_files` redraws its progress bars."""
+POSITION_FOLLOWERS: Final = 8
+"""Files :func:`upload_files` follows at the pace of their queue position at once."""
+
+
+class PositionFollowers:
+    """At most ``limit`` files at a time are followed at the pace of their queue position.
+
+    A waiting step's position moves without its file changing, so following it
+    means asking every :data:`QUEUED_WAIT` seconds; for hundreds of queued files
+    that is hundreds of requests a second, each a database read and a question
+    to the execservers. The first ``limit`` files whose steps wait (the ones
+    nearest the front) are followed that way; the others wait for their next
+    change (their step begins) and take a free place then.
+
+    Args:
+        limit: files followed at the position's pace at once (0: none).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.holders: set[int] = set()
+
+    def wants(self, file_id: int, waiting: bool) -> bool:
+        """Whether ``file_id``, whose steps wait (or not), is asked for at the position's pace."""
+        if not waiting:
+            self.holders.discard(file_id)
+            return False
+        if file_id in self.holders:
+            return True
+        if len(self.holders) < self.limit:
+            self.holders.add(file_id)
+            return True
+        return False
+
+    def ended(self, file_id: int) -> None:
+        """``file_id`` is no longer followed."""
+        self.holders.discard(file_id)
 
 
 class UploadError(Exception):
@@ -298,6 +339,8 @@ async def follow(
     *,
     on_change: Callable[[Mapping[str, Any]], None] | None = None,
     wait: float = WAIT,
+    positions: PositionFollowers | None = None,
+    until_ended: bool = False,
 ) -> dict[str, Any]:
     """Wait until a file has ended (``done`` or ``failed``); returns its last document.
 
@@ -311,6 +354,12 @@ async def follow(
         file_id: the file.
         on_change: called with every document that differs from the one before.
         wait: seconds one request may wait for a change.
+        positions: shared by files followed together: whether this one is
+            asked for every :data:`QUEUED_WAIT` seconds while a step waits
+            (``None``: it is).
+        until_ended: ask the fylr to answer only once the file has ended (or
+            after ``wait``), for a caller that shows no progress: one request
+            per ``wait`` seconds instead of one per change.
 
     Raises:
         UploadError: the file is unknown, the fylr could not be reached, or it
@@ -319,26 +368,36 @@ async def follow(
     url = f"{_base(server)}/api/v1/eas/{file_id}"
     last: Mapping[str, Any] | None = None
     unavailable = 0
-    while True:
-        # while a step waits for a slot its position moves without the file changing
-        step_wait = wait if last is not None and not waiting_steps(last) else min(wait, QUEUED_WAIT)
-        try:
-            response = await http.get(url, params={"wait": f"{step_wait:g}"}, timeout=wait + 30.0)
-        except httpx.HTTPError as exc:
-            raise UploadError(f"cannot reach {server}: {type(exc).__name__}: {exc}") from None
-        if response.status_code in RETRY_STATUSES and unavailable < RETRIES:
-            await trio.sleep(retry_delay(unavailable, response.headers.get("retry-after")))
-            unavailable += 1
-            continue
-        if response.status_code != 200:
-            raise UploadError(f"file {file_id}: the fylr answered {response.status_code}")
-        unavailable = 0
-        document: dict[str, Any] = response.json()
-        if document != last and on_change is not None:
-            on_change(document)
-        last = document
-        if document.get("status") in FINISHED:
-            return document
+    try:
+        while True:
+            # while a step waits for a slot its position moves without the file changing
+            waiting = last is None or bool(waiting_steps(last))
+            if positions is not None:
+                waiting = positions.wants(file_id, waiting)
+            step_wait = min(wait, QUEUED_WAIT) if waiting else wait
+            params = {"wait": f"{step_wait:g}"}
+            if until_ended:
+                params["until"] = "ended"
+            try:
+                response = await http.get(url, params=params, timeout=wait + 30.0)
+            except httpx.HTTPError as exc:
+                raise UploadError(f"cannot reach {server}: {type(exc).__name__}: {exc}") from None
+            if response.status_code in RETRY_STATUSES and unavailable < RETRIES:
+                await trio.sleep(retry_delay(unavailable, response.headers.get("retry-after")))
+                unavailable += 1
+                continue
+            if response.status_code != 200:
+                raise UploadError(f"file {file_id}: the fylr answered {response.status_code}")
+            unavailable = 0
+            document: dict[str, Any] = response.json()
+            if document != last and on_change is not None:
+                on_change(document)
+            last = document
+            if document.get("status") in FINISHED:
+                return document
+    finally:
+        if positions is not None:
+            positions.ended(file_id)
 
 
 def failures(outcome: FileOutcome) -> list[tuple[str, str]]:
@@ -423,6 +482,8 @@ async def upload_files(
     console = console or Console(stderr=True)
     outcomes: list[FileOutcome] = [FileOutcome(path=path, priority=prio) for path, prio in files]
     limiter = trio.CapacityLimiter(max(1, concurrency))
+    # nothing shown, no position to ask for; else the files nearest the front
+    positions = PositionFollowers(0 if console.quiet else POSITION_FOLLOWERS)
     columns = (
         TextColumn("{task.description}", justify="left"),
         BarColumn(),
@@ -433,7 +494,15 @@ async def upload_files(
     async with httpx.AsyncClient() as http:
         with (
             trio.move_on_after(math.inf if timeout is None else timeout) as scope,
-            Progress(*columns, console=console, transient=False) as progress,
+            # the bars are drawn 4 times a second, not at all on a quiet console: each
+            # refresh renders every file's row (hundreds of files are a CPU's share)
+            Progress(
+                *columns,
+                console=console,
+                transient=False,
+                refresh_per_second=REFRESH_PER_SECOND,
+                disable=console.quiet,
+            ) as progress,
         ):
             overall = progress.add_task("all files", total=len(files), status="uploading")
             finished = 0
@@ -468,7 +537,14 @@ async def upload_files(
                     outcomes[index] = attrs.evolve(outcomes[index], document=document)
                     show(document)
                     if wait:
-                        document = await follow(http, server, int(document["id"]), on_change=show)
+                        document = await follow(
+                            http,
+                            server,
+                            int(document["id"]),
+                            on_change=show,
+                            positions=positions,
+                            until_ended=console.quiet,  # no progress to show
+                        )
                         outcomes[index] = attrs.evolve(outcomes[index], document=document)
                 except UploadError as exc:
                     outcomes[index] = attrs.evolve(outcomes[index], error=str(exc))

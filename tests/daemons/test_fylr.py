@@ -8,10 +8,13 @@ runs the daemons as subprocesses and kills the fylr with SIGKILL.
 
 from __future__ import annotations
 
+import datetime
 import gzip
 import hashlib
+import logging
 import os
 import random
+import re
 import signal
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -21,16 +24,19 @@ from typing import Any
 
 import httpx
 import psycopg
+import pytest
 import trio
 import yaml
 from trio_broker_daemons.config import ExecserverConfig
 from trio_broker_daemons.execserver import serve_from_config
 from trio_broker_daemons.fylr.app import FylrHandle, serve_fylr
 from trio_broker_daemons.fylr.config import FylrConfig
+from trio_broker_daemons.fylr.state import STEP_OUTCOMES
 from trio_broker_daemons.processes import open_execserver_process, open_fylr_process
-from trio_broker_daemons.upload import follow
+from trio_broker_daemons.upload import FileOutcome, ended_done, follow, summary
 
 from trio_broker.trio.execserver import ExecserverHandle
+from trio_broker.trio.inspection import OUTCOMES
 
 WAIT = 60.0
 
@@ -80,6 +86,7 @@ def fylr_mapping(
         "execservers": [execserver],
         "connect_timeout": "30s",
         "retry_delay": "1s",
+        "counts_interval": "0s",  # every page counts the files afresh
         "heartbeat_interval": "0.5s",
         "stale_after": "2s",
         "classes": dict(classes),
@@ -211,7 +218,7 @@ async def test_every_version_is_made_stored_and_downloadable(pg_dsn: str, tmp_pa
         version_page = (await http.get(f"/api/v1/eas/{versions['gz']['id']}")).json()
         assert version_page["original"] == created["id"]
         assert version_page["version"] == "gz"
-        assert fylr.statistics().steps["produce.done"] == 3
+        assert fylr.statistics().steps["produce.ok"] == 3
 
 
 async def test_a_failing_version_ends_error_and_the_original_still_ends(
@@ -228,9 +235,17 @@ async def test_a_failing_version_ends_error_and_the_original_still_ends(
             },
         }
     }
-    async with fylr_and_execserver(pg_dsn, tmp_path, classes) as (_, http):
+    async with fylr_and_execserver(pg_dsn, tmp_path, classes) as (fylr, http):
         created = await put(http, "a.txt", b"some text\n")
         document = await ended(http, created["id"])
+        await settled(fylr)
+        # the step outcomes are the receipt's statuses, as the execserver's jobs_total
+        assert fylr.statistics().steps == {"sync.ok": 1, "produce.ok": 1, "produce.failed": 1}
+        metrics = (await http.get("/metrics")).text
+        assert 'trio_broker_fylr_steps_total{action="produce",outcome="failed"} 1.0' in metrics
+        labels = re.findall(r'fylr_steps_total\{action="\w+",outcome="(\w+)"\}', metrics)
+        assert set(labels) == {"ok", "failed"}
+        assert STEP_OUTCOMES[: len(OUTCOMES)] == OUTCOMES
         assert document["status"] == "done"
         versions = document["versions"]
         assert versions["sha256"]["status"] == "done"
@@ -258,17 +273,60 @@ async def test_a_service_nobody_offers_requeues_the_step(pg_dsn: str, tmp_path: 
         with trio.fail_after(WAIT):
             # the sync and the sha256 version are done, the other version's requeue written
             await fylr.dispatcher.wait_until(lambda d: d.completed == 2 and d.requeued == 1)
-        assert fylr.statistics().steps["produce.done"] == 1
+        assert fylr.statistics().steps["produce.ok"] == 1
         assert fylr.statistics().steps["produce.requeued"] == 1
         document = (await http.get(f"/api/v1/eas/{created['id']}")).json()
         assert document["status"] == "sync"  # its versions are being made
         assert document["versions"]["sha256"]["status"] == "done"
         assert document["versions"]["odd"]["status"] == "pending"
+        # the reason is in the document while it waits; nothing offered is close to it
+        assert document["versions"]["odd"]["error"] == (
+            "no connected execserver offers service 'not_offered'"
+            " (offered: fail, gzip, mime, sha256, slow_sha256)"
+        )
         queued = rows(pg_dsn, "SELECT status, last_error, start_after > now() FROM file_queue")
         assert len(queued) == 1
         status, error, later = queued[0]
         assert (status, later) == ("new", True)
         assert "UnknownService" in error
+
+
+async def test_a_misspelled_service_fails_after_its_attempts_with_a_suggestion(
+    pg_dsn: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A recipe naming a service nobody offers ends failed after the bound, saying what is close."""
+    caplog.set_level(logging.DEBUG, logger="trio_broker_daemons.fylr.worker")
+    classes = {
+        "text": {
+            "extensions": ["txt"],
+            "versions": {"sha256": {"service": "sha256"}, "typo": {"service": "sha265"}},
+        }
+    }
+    extra = {"retry_delay": "0.05s", "unknown_service_attempts": 3}
+    async with fylr_and_execserver(pg_dsn, tmp_path, classes, **extra) as (fylr, http):
+        created = await put(http, "a.txt", b"text\n")
+        document = await ended(http, created["id"])
+        await settled(fylr)
+    assert document["status"] == "done"
+    assert document["versions"]["sha256"]["status"] == "done"
+    typo = document["versions"]["typo"]
+    assert typo["status"] == "failed"
+    assert typo["error"] == (
+        "ServiceNotOffered: no connected execserver offers service 'sha265'"
+        " (did you mean 'sha256'?), after 3 attempts"
+    )
+    outcome = FileOutcome(path=Path("a.txt"), priority=0, document=document)
+    assert not ended_done(outcome)  # upload --wait exits 1, printing the reason
+    assert "  typo failed: ServiceNotOffered: no connected" in summary(outcome)
+    assert fylr.statistics().steps["produce.requeued"] == 2
+    assert fylr.statistics().steps["produce.error"] == 1
+    [(status, attempts, error)] = rows(
+        pg_dsn, "SELECT status, attempts, last_error FROM file_queue"
+    )
+    assert (status, attempts) == ("failed", 3)
+    assert "did you mean 'sha256'?" in error
+    waits = [r for r in caplog.records if r.getMessage() == "step waits for a service"]
+    assert [r.levelno for r in waits] == [logging.WARNING, logging.DEBUG]
 
 
 async def test_a_class_without_versions_ends_done(pg_dsn: str, tmp_path: Path) -> None:
@@ -311,14 +369,14 @@ async def test_resyncing_an_unchanged_file_produces_nothing(pg_dsn: str, tmp_pat
     async with fylr_and_execserver(pg_dsn, tmp_path, {"text": TEXT_CLASS}) as (fylr, http):
         created = await put(http, "a.txt", TEXT)
         before = await ended(http, created["id"])
-        produced = fylr.statistics().steps["produce.done"]
+        produced = fylr.statistics().steps["produce.ok"]
         response = await http.post(f"/api/v1/eas/{created['id']}/sync")
         assert response.status_code == 202
         assert response.json()["status"] == "sync"
         after = await ended(http, created["id"])
         assert after["status"] == "done"
-        assert fylr.statistics().steps["sync.done"] == 2
-        assert fylr.statistics().steps["produce.done"] == produced
+        assert fylr.statistics().steps["sync.ok"] == 2
+        assert fylr.statistics().steps["produce.ok"] == produced
         for name, version in before["versions"].items():
             again = after["versions"][name]
             assert (again["id"], again["hash"], again["updated_at"]) == (
@@ -374,7 +432,7 @@ async def test_a_changed_configuration_redoes_exactly_the_changed_versions(
             response = await http.post(f"/api/v1/eas/{created['id']}/sync")
             assert response.status_code == 202
             after = (await ended(http, created["id"]))["versions"]
-            assert fylr.statistics().steps["produce.done"] == 3  # changed, changed_child, added
+            assert fylr.statistics().steps["produce.ok"] == 3  # changed, changed_child, added
             assert gzip.decompress(await download(http, created["id"], "added")) == TEXT
     assert set(after) == {"same", "changed", "changed_child", "added"}
     assert all(v["status"] == "done" for v in after.values())
@@ -465,12 +523,95 @@ async def test_health_identity_inspection_and_metrics(pg_dsn: str, tmp_path: Pat
         assert page["files"] == {"original": {"done": 1}, "version": {"done": 3}}
         assert page["queue"] == {"ready": 0, "delayed": 0, "claimed": 0, "failed": 0}
         assert page["dispatcher"]["completed"] == 5  # metadata, sync, three produces
+        assert page["store"]["calls"]["files_create"] == 1  # the database calls by kind
         assert page["client"]["addresses"][0]["connections"] == 1
         assert page["pipes"]["done"] >= 6
         metrics = (await http.get("/metrics")).text
         assert 'trio_broker_fylr_files{kind="version",state="done"} 3.0' in metrics
         assert "trio_broker_fylr_uploads_total 1.0" in metrics
-        assert 'trio_broker_fylr_steps_total{action="produce",outcome="done"} 3.0' in metrics
+        assert 'trio_broker_fylr_steps_total{action="produce",outcome="ok"} 3.0' in metrics
+
+
+async def test_a_request_until_ended_answers_once_the_file_has_ended(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """``?wait=S&until=ended`` skips the changes on the way: one request, the end."""
+    classes = {"text": {"extensions": ["txt"], "versions": {"s": {"service": "slow_sha256"}}}}
+    async with fylr_and_execserver(pg_dsn, tmp_path, classes) as (_, http):
+        created = await put(http, "a.txt", b"a\n")
+        assert created["status"] != "done"
+        response = await http.get(
+            f"/api/v1/eas/{created['id']}", params={"wait": "60", "until": "ended"}
+        )
+        assert response.json()["status"] == "done"
+        assert response.json()["versions"]["s"]["status"] == "done"
+        bad = await http.get(f"/api/v1/eas/{created['id']}", params={"until": "soon"})
+        assert bad.status_code == 400
+
+
+async def test_scrapes_within_counts_interval_share_one_count(pg_dsn: str, tmp_path: Path) -> None:
+    """The files are counted at most once per counts_interval, whatever scrapes come."""
+    classes = {"text": {"extensions": ["txt"]}}
+    async with fylr_and_execserver(pg_dsn, tmp_path, classes, counts_interval="1h") as (fylr, http):
+        created = await put(http, "a.txt", b"a\n")
+        await ended(http, created["id"])
+        pages = [(await http.get("/inspect/system/fylr")).json() for _ in range(3)]
+        metrics = [(await http.get("/metrics")).text for _ in range(3)]
+        await put(http, "b.txt", b"b\n")
+        later = (await http.get("/inspect/system/fylr")).json()
+        assert fylr.store.statistics().calls["files_counts"] == 1
+    assert all(page["files"] == {"original": {"done": 1}, "version": {}} for page in pages)
+    assert later["files"] == pages[0]["files"]  # the second upload waits for the next count
+    counted = later["files_counted"]
+    assert counted["interval_s"] == 3600
+    assert counted["age_s"] >= 0
+    assert datetime.datetime.fromisoformat(counted["at"]).tzinfo is not None
+    assert all("trio_broker_fylr_files_counted_age_seconds " in text for text in metrics)
+
+
+def instants(document: object, path: str = "") -> dict[str, object]:
+    """Every member of a JSON document named ``at`` or ``*_at``, by its path."""
+    found: dict[str, object] = {}
+    if isinstance(document, dict):
+        for key, value in document.items():
+            if key == "at" or key.endswith("_at"):
+                found[f"{path}.{key}"] = value
+            found.update(instants(value, f"{path}.{key}"))
+    elif isinstance(document, list):
+        for index, value in enumerate(document):
+            found.update(instants(value, f"{path}[{index}]"))
+    return found
+
+
+async def test_every_instant_in_the_documents_is_iso_8601_with_zone(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """The file document, the inspection page, a sweep and the topology: no epoch seconds."""
+    async with fylr_and_execserver(pg_dsn, tmp_path, {"text": TEXT_CLASS}) as (_, http):
+        created = await put(http, "a.txt", TEXT)
+        documents = {
+            "file": await ended(http, created["id"]),
+            "sweep": (await http.post("/inspect/system/fylr/sweep")).json(),
+            "inspect": (await http.get("/inspect/system/fylr")).json(),
+            "topology": (await http.get("/inspect/system/topology/data")).json(),
+        }
+    found = {name + path: v for name, doc in documents.items() for path, v in instants(doc).items()}
+    for name in ("file.created_at", "sweep.at", "inspect.storage.last.at", "topology.generated_at"):
+        assert name in found
+    for name, value in found.items():
+        assert isinstance(value, str), (name, value)
+        assert datetime.datetime.fromisoformat(value).utcoffset() is not None, (name, value)
+
+
+async def test_a_counts_interval_of_zero_counts_at_every_scrape(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    classes = {"text": {"extensions": ["txt"]}}
+    async with fylr_and_execserver(pg_dsn, tmp_path, classes, counts_interval="0s") as (fylr, http):
+        for _ in range(2):
+            await http.get("/inspect/system/fylr")
+            await http.get("/metrics")
+        assert fylr.store.statistics().calls["files_counts"] == 4
 
 
 # -- real daemons, and a fylr killed in mid-run ------------------------------------------------

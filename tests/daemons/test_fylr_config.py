@@ -79,6 +79,8 @@ def test_every_default() -> None:
         local_workers=0,
         claim_interval=1.0,
         retry_delay=60.0,
+        unknown_service_attempts=5,
+        counts_interval=60.0,
         heartbeat_interval=10.0,
         stale_after=45.0,
         max_upload_size=None,
@@ -112,6 +114,8 @@ def test_full_configuration(tmp_path: Path) -> None:
         local_workers: 3
         claim_interval: 250ms
         retry_delay: "0"
+        unknown_service_attempts: 2
+        counts_interval: 10s
         heartbeat_interval: 2s
         stale_after: 1m
         max_upload_size: 512M
@@ -148,6 +152,7 @@ def test_full_configuration(tmp_path: Path) -> None:
     )
     assert (config.max_in_flight, config.local_workers) == (7, 3)
     assert (config.claim_interval, config.retry_delay) == (0.25, 0.0)
+    assert (config.unknown_service_attempts, config.counts_interval) == (2, 10)
     assert (config.heartbeat_interval, config.stale_after) == (2, 60)
     assert config.max_upload_size == 512 * 1024**2
     assert config.default_class == "other"

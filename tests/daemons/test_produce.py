@@ -396,7 +396,7 @@ def test_version_metadata_comes_from_the_receipt() -> None:
             "peak_memory": 1048576,
             "stdin_bytes": 70000,
             "stdout_bytes": 5000,
-            "started_at": 1790000000.25,
+            "started_at": "2026-09-21T14:13:20.250Z",
             "instance_id": "exec-1",
         },
     }

@@ -11,6 +11,7 @@ import io
 import json
 import os
 import sys
+import types
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -23,7 +24,7 @@ from rich.console import Console
 from trio_broker_daemons import top
 from trio_broker_daemons.execserver import serve_from_config
 from trio_broker_daemons.fylr.app import serve_fylr
-from trio_broker_daemons.fylr.topology import schema, topology_document
+from trio_broker_daemons.fylr.topology import Topology, schema, topology_document
 from trio_websocket import WebSocketConnection, open_websocket_url
 
 from tests.support.frames import FrameCount, serve_counting_relay
@@ -272,6 +273,7 @@ def test_the_merge_dedupes_execservers_prefers_live_figures_and_skips_stale_back
     ]
     document = topology_document(views, stale_after=5.0, served_by="f1", now=1.0)
     validate(document)
+    assert document["generated_at"] == "1970-01-01T00:00:01.000Z"
     assert [f["backend_id"] for f in document["fylrs"]] == ["f1", "f2", "new"]
     assert [e["instance_id"] for e in document["execservers"]] == ["i1", "i2", "i3"]
     i1 = document["execservers"][0]
@@ -327,3 +329,22 @@ async def test_top_of_an_unreachable_fylr_exits_1() -> None:
     )
     assert printed.returncode == 1
     assert "cannot follow http://127.0.0.1:9" in printed.stdout.decode()
+
+
+async def test_renewing_a_position_lease_does_not_wake_the_publisher() -> None:
+    """Only a change of whether this fylr is watched republishes its view at once.
+
+    A client following its queued uploads renews the lease every few seconds per
+    file; each renewal used to wake the publishing task (a database write each).
+    """
+    state: Any = types.SimpleNamespace(client=None)
+    topology = Topology(state)
+    topology.lease(30)  # watched now, not yet published as watched: wake
+    assert topology._wake.is_set()
+    topology._published_watched = True  # what the publishing task records (no database here)
+    topology._wake = trio.Event()
+    for _ in range(5):
+        topology.lease(30)
+    assert not topology._wake.is_set()
+    with topology.viewer():  # still watched: nothing to tell
+        assert not topology._wake.is_set()

@@ -26,6 +26,7 @@ from PIL import Image
 from trio_broker_daemons.processes import open_execserver_process, open_fylr_process
 from trio_broker_daemons.upload import (
     RETRY_AFTER_MAX,
+    PositionFollowers,
     UploadError,
     parse_priority,
     retry_delay,
@@ -446,3 +447,15 @@ async def test_upload_retries_503_a_bounded_number_of_times(tmp_path: Path) -> N
         with pytest.raises(UploadError, match="503: the database is unavailable"):
             await upload(http, "http://fylr.test", source, retries=3)
     assert seen == [b"text\n"] * 4  # the whole body each time
+
+
+def test_at_most_a_few_files_are_followed_at_the_pace_of_their_position() -> None:
+    """The first files whose steps wait hold the places; a place frees when its steps run."""
+    positions = PositionFollowers(2)
+    assert [positions.wants(n, waiting=True) for n in (1, 2, 3)] == [True, True, False]
+    assert positions.wants(1, waiting=True)  # kept while it waits
+    assert not positions.wants(1, waiting=False)  # its step runs: the place is free
+    assert positions.wants(3, waiting=True)
+    positions.ended(2)
+    assert positions.wants(4, waiting=True)
+    assert not PositionFollowers(0).wants(1, waiting=True)  # nothing shown: never

@@ -13,11 +13,13 @@ serves; its handlers (:class:`FileApi`) work on the process's
     file's document, 400 for a bad query, 413 over ``max_upload_size``, 503
     while stopping, or when the storage folder or the database fails. An upload
     whose sender goes away keeps nothing.
-``GET /api/v1/eas/<id>[?wait=S]``
+``GET /api/v1/eas/<id>[?wait=S[&until=ended]]``
     the file's document (:func:`file_document`); 404 for an unknown id. With
     ``wait``, it answers at once when the file has ended, otherwise when this
     process next changes it (or after ``S`` seconds, at most :data:`MAX_WAIT`):
-    clients and tests follow a file's progress without polling.
+    clients and tests follow a file's progress without polling. With
+    ``until=ended`` it answers only once the file has ended (or after ``S``):
+    a client that shows no progress asks once per ``S``, not once per change.
 ``POST /api/v1/eas/<id>/sync``
     sync an original again (202); 409 while it waits for its metadata step.
 ``GET /api/v1/eas/download/<id>/<version>``
@@ -332,18 +334,31 @@ class FileApi:
             return JSONResponse({"error": "wait: expected seconds"}, status_code=400)
         if not math.isfinite(wait) or wait < 0:
             return JSONResponse({"error": "wait: expected seconds"}, status_code=400)
-        with self.state.watch(file_id) as event:  # before reading: no change is missed
-            found = await self.files.with_versions(file_id)
-            if found is not None and wait > 0 and not found[0].finished:
-                with trio.move_on_after(min(wait, MAX_WAIT)):
-                    await event.wait()
-                found = await self.files.with_versions(file_id)
+        until = request.query_params.get("until", "changed")
+        if until not in ("changed", "ended"):
+            return JSONResponse({"error": "until: expected changed or ended"}, status_code=400)
+        found = await self._wait_for(file_id, wait, until == "ended")
         if found is None:
             return _not_found()
         row, versions = found
         document = file_document(row, versions, base=self.state.base_url)
         await add_queue_positions(self.state, document, row, versions)
         return JSONResponse(document)
+
+    async def _wait_for(
+        self, file_id: int, wait: float, ended: bool
+    ) -> tuple[FileRow, list[FileRow]] | None:
+        """The file and its versions once it changed (``ended``: once it ended), or ``wait`` s."""
+        with trio.move_on_after(min(wait, MAX_WAIT)):
+            while True:
+                with self.state.watch(file_id) as event:  # before reading: no change is missed
+                    found = await self.files.with_versions(file_id)
+                    if found is None or wait <= 0 or found[0].finished:
+                        return found
+                    await event.wait()
+                if not ended:
+                    break
+        return await self.files.with_versions(file_id)
 
     async def resync(self, request: Request) -> Response:
         """``POST /api/v1/eas/<id>/sync``: sync an original again (after a configuration change)."""

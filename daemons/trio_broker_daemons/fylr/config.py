@@ -77,6 +77,15 @@ Top-level keys (:class:`FylrConfig`):
     How often the dispatcher claims queue rows when nothing finishes.
 ``retry_delay`` (1m, >= 0)
     How long a requeued item waits (no slot in time, a draining execserver).
+``unknown_service_attempts`` (5, >= 1)
+    A step whose service no connected execserver offers (a misspelled recipe)
+    is requeued after ``retry_delay`` with the reason and the closest offered
+    name in its file's ``error`` (one warning), and fails on the claim that meets
+    this count (the queue row's ``attempts``: every claim of the step counts).
+``counts_interval`` (1m, >= 0)
+    The files by kind and state that ``/metrics`` and ``/inspect/system/fylr``
+    show are counted again at most this often (a full count reads every row);
+    their age is shown beside them. 0 counts at every request.
 ``heartbeat_interval`` (10s, > 0)
     How often this backend writes its heartbeat.
 ``stale_after`` (45s, > 2 × ``heartbeat_interval``)
@@ -611,6 +620,8 @@ class FylrConfig:
     local_workers: _Count = 0
     claim_interval: _Positive = 1.0
     retry_delay: _Delay = 60.0
+    unknown_service_attempts: _AtLeastOne = 5
+    counts_interval: _Delay = 60.0
     heartbeat_interval: _Positive = 10.0
     stale_after: _Positive = 45.0
     max_upload_size: _UploadLimit = None

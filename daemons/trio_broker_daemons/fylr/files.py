@@ -205,6 +205,11 @@ class VersionEnd:
     failed: tuple[str, ...] = ()
 
 
+_WIDTH: Final = len(_COLUMNS.split(","))
+_VERSION_COLUMNS: Final = ", ".join(f"v.{c.strip()}" for c in _COLUMNS.split(","))
+_ORIGINAL_COLUMNS: Final = ", ".join(f"o.{c.strip()}" for c in _COLUMNS.split(","))
+
+
 def _row(values: Sequence[Any]) -> FileRow:
     return FileRow(
         id=values[0],
@@ -283,17 +288,16 @@ class FileStore:
         """A row and, for an original, its versions by id; ``None`` for an unknown id."""
 
         def run(conn: Connection) -> tuple[FileRow, list[FileRow]] | None:
-            with conn.transaction():  # one snapshot for both
-                conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-                row = _one(conn, f"SELECT {_COLUMNS} FROM files WHERE id = %s", (file_id,))
-                if row is None:
-                    return None
-                if row.kind != "original":
-                    return row, []
-                cur = conn.execute(
-                    f"SELECT {_COLUMNS} FROM files WHERE parent_id = %s ORDER BY id", (file_id,)
-                )
-                return row, [_row(r) for r in cur.fetchall()]
+            # one statement, one snapshot: the row and (an original's) versions; a
+            # version's parent_id names its original, never another version
+            cur = conn.execute(
+                f"SELECT {_COLUMNS} FROM files WHERE id = %s OR parent_id = %s ORDER BY id",
+                (file_id, file_id),
+            )
+            found = [_row(r) for r in cur.fetchall()]
+            if not found or found[0].id != file_id:
+                return None
+            return found[0], found[1:]
 
         return await self.store.call(run, kind="files_get")
 
@@ -422,14 +426,28 @@ class FileStore:
 
     # -- generic transitions -------------------------------------------------------------
 
-    async def move(self, file_id: int, old: FileState, new: FileState) -> bool:
-        """Move a row from ``old`` to ``new`` (a requeued step goes back); whether it did."""
+    async def move(
+        self, file_id: int, old: FileState, new: FileState, *, notice: str | None = None
+    ) -> bool:
+        """Move a row from ``old`` to ``new`` (a requeued step goes back); whether it did.
+
+        ``notice`` (why it waits) is stored in its ``error`` meanwhile; the step's
+        end replaces it.
+        """
 
         def run(conn: Connection) -> bool:
-            cur = conn.execute(
-                "UPDATE files SET status = %s, updated_at = now() WHERE id = %s AND status = %s",
-                (new, file_id, old),
-            )
+            if notice is None:
+                cur = conn.execute(
+                    "UPDATE files SET status = %s, updated_at = now()"
+                    " WHERE id = %s AND status = %s",
+                    (new, file_id, old),
+                )
+            else:
+                cur = conn.execute(
+                    "UPDATE files SET status = %s, error = %s, updated_at = now()"
+                    " WHERE id = %s AND status = %s",
+                    (new, notice, file_id, old),
+                )
             return cur.rowcount == 1
 
         return await self.store.call(run, kind="files_move")
@@ -595,17 +613,18 @@ class FileStore:
 
         def run(conn: Connection) -> ProduceStart | Literal["gone", "waiting", "source_failed"]:
             with conn.transaction():
-                version = _one(
-                    conn,
-                    f"SELECT {_COLUMNS} FROM files WHERE id = %s AND kind = 'version' FOR UPDATE",
+                # the version (locked) and its original, in one statement
+                both = conn.execute(
+                    f"SELECT {_VERSION_COLUMNS}, {_ORIGINAL_COLUMNS}"
+                    " FROM files v JOIN files o ON o.id = v.parent_id"
+                    " WHERE v.id = %s AND v.kind = 'version' FOR UPDATE OF v",
                     (version_id,),
-                )
-                if version is None or version.status not in ("new", "produce"):
+                ).fetchone()
+                if both is None:
                     return "gone"
-                original = _one(
-                    conn, f"SELECT {_COLUMNS} FROM files WHERE id = %s", (version.parent_id,)
-                )
-                assert original is not None  # versions are deleted with their original
+                version, original = _row(both[:_WIDTH]), _row(both[_WIDTH:])
+                if version.status not in ("new", "produce"):
+                    return "gone"
                 if version.source is None:
                     key = original.storage_key
                 else:
@@ -620,14 +639,14 @@ class FileStore:
                         return "waiting"
                     key = source.storage_key
                 assert key is not None
-                version = _one(
+                started = _one(
                     conn,
                     "UPDATE files SET status = 'produce', updated_at = now() WHERE id = %s"
                     f" RETURNING {_COLUMNS}",
                     (version_id,),
                 )
-                assert version is not None
-                return ProduceStart(version=version, original=original, source_key=key)
+                assert started is not None
+                return ProduceStart(version=started, original=original, source_key=key)
 
         return await self.store.call(run, kind="files_produce")
 
@@ -659,17 +678,16 @@ class FileStore:
 
         def run(conn: Connection) -> VersionEnd:
             with conn.transaction():
+                # the version's name and its original, locked (one statement)
                 found = conn.execute(
-                    "SELECT parent_id, version FROM files WHERE id = %s AND kind = 'version'",
+                    "SELECT v.parent_id, v.version, o.status, o.priority"
+                    " FROM files v JOIN files o ON o.id = v.parent_id"
+                    " WHERE v.id = %s AND v.kind = 'version' FOR UPDATE OF o",
                     (version_id,),
                 ).fetchone()
                 if found is None:
                     return VersionEnd(applied=False, original_id=None)
-                parent_id, name = found
-                original = conn.execute(
-                    "SELECT status FROM files WHERE id = %s FOR UPDATE", (parent_id,)
-                ).fetchone()
-                assert original is not None
+                parent_id, name, original_status, priority = found
                 params = {
                     "id": version_id,
                     "hash": produce_hash,
@@ -699,11 +717,7 @@ class FileStore:
                         " WHERE parent_id = %s AND source = %s AND status = 'new' ORDER BY id",
                         (parent_id, name),
                     ).fetchall()
-                    priority = conn.execute(
-                        "SELECT priority FROM files WHERE id = %s", (parent_id,)
-                    ).fetchone()
-                    assert priority is not None
-                    _enqueue(conn, [(row[0], ACTION_PRODUCE, priority[0]) for row in dependents])
+                    _enqueue(conn, [(row[0], ACTION_PRODUCE, priority) for row in dependents])
                     queued = [row[1] for row in dependents]
                 else:
                     sources = [name]
@@ -719,19 +733,17 @@ class FileStore:
                         failed.extend(names)
                         sources.extend(names)
                 done = False
-                if original[0] == "produce":
-                    states = [
-                        row[0]
-                        for row in conn.execute(
-                            "SELECT status FROM files WHERE parent_id = %s", (parent_id,)
-                        ).fetchall()
-                    ]
-                    if original_done(states):
+                if original_status == "produce":
+                    # done once no version is left unfinished (original_done, in SQL)
+                    done = (
                         conn.execute(
-                            "UPDATE files SET status = 'done', updated_at = now() WHERE id = %s",
-                            (parent_id,),
-                        )
-                        done = True
+                            "UPDATE files SET status = 'done', updated_at = now()"
+                            " WHERE id = %s AND NOT EXISTS (SELECT 1 FROM files"
+                            " WHERE parent_id = %s AND status NOT IN ('done', 'error'))",
+                            (parent_id, parent_id),
+                        ).rowcount
+                        == 1
+                    )
                 return VersionEnd(
                     applied=True,
                     original_id=parent_id,

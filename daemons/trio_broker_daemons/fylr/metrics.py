@@ -6,7 +6,10 @@ Theory of operation
 Both are taken from one snapshot when they are asked for, never kept up to date
 in the background: :func:`inspect_document` (``GET /inspect/system/fylr``, JSON)
 and :func:`metrics_text` (``GET /metrics``, the Prometheus text exposition) read
-the queue's and the ``files`` table's counts from the database, and the process's
+the queue's counts from the database (its rows are the work in progress: few),
+the ``files`` table's counts as last counted (a full count of every file runs at
+most once per ``counts_interval``, :meth:`FylrState.file_counts
+<trio_broker_daemons.fylr.state.FylrState.file_counts>`, its age shown), and the process's
 own counters, dispatcher, broker client and pipes from
 :meth:`FylrState.statistics <trio_broker_daemons.fylr.state.FylrState.statistics>`.
 The Prometheus side registers a one-shot collector in a fresh registry for each
@@ -23,7 +26,7 @@ they are not authenticated: the fylr's listener belongs on a trusted network.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -35,10 +38,11 @@ from starlette.routing import Route
 
 from trio_broker._version import __version__
 from trio_broker.trio.client import ClientStatistics
+from trio_broker.trio.inspection import iso_time
 from trio_broker.trio.store import QueueCounts
 from trio_broker_daemons.fylr.failed import failed_items, retry_failed
-from trio_broker_daemons.fylr.state import FylrState, FylrStatistics
-from trio_broker_daemons.fylr.sweep import StorageSweeper
+from trio_broker_daemons.fylr.state import FileCounts, FylrState, FylrStatistics
+from trio_broker_daemons.fylr.sweep import StorageSweeper, result_document
 from trio_broker_daemons.logfmt import fields
 
 __all__ = ["inspect_document", "metrics_text", "routes"]
@@ -65,11 +69,11 @@ async def inspect_document(state: FylrState) -> dict[str, Any]:
         StoreUnavailable: the database could not be read.
     """
     queue = await state.store.counts()
-    counts = await state.files.counts()
+    counted = await state.file_counts()
     failed = await failed_items(state.store)
     stats = state.statistics()
     files: dict[str, dict[str, int]] = {"original": {}, "version": {}}
-    for (kind, status), count in sorted(counts.items()):
+    for (kind, status), count in sorted(counted.counts.items()):
         files.setdefault(kind, {})[status] = count
     config = state.config
     return {
@@ -82,11 +86,17 @@ async def inspect_document(state: FylrState) -> dict[str, Any]:
         "stopping": state.stopping,
         "queue": attrs.asdict(queue),
         "files": files,
+        "files_counted": {
+            "at": iso_time(counted.counted_at),
+            "age_s": round(counted.age, 3),
+            "interval_s": config.counts_interval,
+        },
         "failed": failed,
         "storage": {"folder": str(state.storage.root), **state.sweeper.document()},
         "http": dict(state.counters),
         "steps": dict(stats.steps),
         "dispatcher": attrs.asdict(stats.dispatcher) if stats.dispatcher else None,
+        "store": attrs.asdict(state.store.statistics()),
         "client": _client_document(stats.client, config.execservers),
         "pipes": attrs.asdict(stats.pipes),
     }
@@ -99,9 +109,9 @@ async def metrics_text(state: FylrState) -> bytes:
         StoreUnavailable: the database could not be read.
     """
     queue = await state.store.counts()
-    counts = await state.files.counts()
+    counted = await state.file_counts()
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(state.statistics(), queue, counts, state.sweeper))
+    registry.register(_Collector(state.statistics(), queue, counted, state.sweeper))
     return bytes(generate_latest(registry))
 
 
@@ -127,7 +137,7 @@ def routes(state: FylrState) -> list[Route]:
 
     async def sweep(request: Request) -> Response:
         result = await state.sweeper.sweep()
-        return JSONResponse(attrs.asdict(result))
+        return JSONResponse(result_document(result))
 
     return [
         Route("/inspect/system/fylr", inspect_page, methods=["GET"]),
@@ -169,7 +179,7 @@ class _Collector:
         self,
         stats: FylrStatistics,
         queue: QueueCounts,
-        files: Mapping[tuple[str, str], int],
+        files: FileCounts,
         sweeper: StorageSweeper,
     ) -> None:
         self.stats = stats
@@ -183,9 +193,16 @@ class _Collector:
         files = GaugeMetricFamily(
             "trio_broker_fylr_files", "Files by kind and internal state.", labels=["kind", "state"]
         )
-        for (kind, state), count in sorted(self.files.items()):
+        for (kind, state), count in sorted(self.files.counts.items()):
             files.add_metric([kind, state], count)
         metrics.append(files)
+        metrics.append(
+            GaugeMetricFamily(
+                "trio_broker_fylr_files_counted_age_seconds",
+                "Age of the files count (counted again at most once per counts_interval).",
+                value=self.files.age,
+            )
+        )
         queue = GaugeMetricFamily(
             "trio_broker_fylr_queue_items", "Rows of file_queue by state.", labels=["state"]
         )

@@ -118,6 +118,13 @@ async def waiting_steps(state: FylrState, file_ids: Sequence[int]) -> list[StepR
     return await state.store.call(run, kind="queue_positions")
 
 
+def _may_wait(row: FileRow) -> bool:
+    """Whether the row's state allows an exec-bound step of it in the queue (read none else)."""
+    if row.kind == "original":
+        return row.status in ("new", "metadata")
+    return row.status in ("new", "produce")
+
+
 def _service_of(state: FylrState, row: FileRow) -> str | None:
     """The service a file's exec-bound step runs (None: its class has none any more)."""
     if row.kind == "original":
@@ -196,7 +203,7 @@ async def add_queue_positions(
             targets[version.id] = document["versions"][name]
     for target in targets.values():
         target["queue"] = None
-    if row.finished or state.client is None:
+    if row.finished or state.client is None or not any(map(_may_wait, rows.values())):
         return
     try:
         steps = await waiting_steps(state, list(rows))

@@ -74,6 +74,7 @@ below it, and exactly those versions are made again.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import re
@@ -460,6 +461,12 @@ def parse_metadata_output(text: str) -> dict[str, Any]:
     return {"output": stripped}
 
 
+def _iso(seconds: float) -> str:
+    """A UNIX time as ISO 8601 in UTC with milliseconds (as the inspection pages write it)."""
+    stamp = datetime.datetime.fromtimestamp(seconds, tz=datetime.UTC)
+    return stamp.strftime("%Y-%m-%dT%H:%M:%S.") + f"{stamp.microsecond // 1000:03d}Z"
+
+
 def version_metadata(name: str, version: VersionConfig, receipt: Receipt) -> dict[str, Any]:
     """The metadata stored with a produced version, from its configuration and receipt.
 
@@ -472,8 +479,8 @@ def version_metadata(name: str, version: VersionConfig, receipt: Receipt) -> dic
         A JSON-ready mapping: ``version``, ``service``, ``params``, ``source``
         (``null`` = the original), ``mimetype`` (when configured), and under
         ``produced`` the receipt's ``status``, ``exit_code``, ``duration_s``,
-        ``peak_memory``, ``stdin_bytes``, ``stdout_bytes``, ``started_at`` and
-        ``instance_id``.
+        ``peak_memory``, ``stdin_bytes``, ``stdout_bytes``, ``started_at`` (ISO
+        8601 in UTC; ``null`` for a job that never started) and ``instance_id``.
     """
     metadata: dict[str, Any] = {
         "version": name,
@@ -490,7 +497,7 @@ def version_metadata(name: str, version: VersionConfig, receipt: Receipt) -> dic
         "peak_memory": receipt.peak_memory,
         "stdin_bytes": receipt.stdin_bytes,
         "stdout_bytes": receipt.stdout_bytes,
-        "started_at": receipt.started_at,
+        "started_at": _iso(receipt.started_at) if receipt.started_at > 0 else None,
         "instance_id": receipt.instance_id,
     }
     return metadata

@@ -23,13 +23,16 @@ its own; it holds:
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator, Mapping
+from typing import Final
 
 import attrs
 import trio
 
 from trio_broker.trio.client import BrokerClient, ClientStatistics
 from trio_broker.trio.dispatcher import Dispatcher, DispatcherStatistics
+from trio_broker.trio.inspection import OUTCOMES
 from trio_broker.trio.pipes import PipeRegistry, PipeStatistics
 from trio_broker.trio.store import Store
 from trio_broker_daemons.fylr.config import FileClass, FylrConfig
@@ -37,7 +40,7 @@ from trio_broker_daemons.fylr.files import FileStore
 from trio_broker_daemons.fylr.storage import Storage
 from trio_broker_daemons.fylr.sweep import StorageSweeper
 
-__all__ = ["FylrState", "FylrStatistics"]
+__all__ = ["STEP_OUTCOMES", "FileCounts", "FylrState", "FylrStatistics"]
 
 COUNTERS = (
     "uploads",
@@ -48,6 +51,20 @@ COUNTERS = (
     "downloads",
 )
 """The HTTP side's counters, by name."""
+
+STEP_OUTCOMES: Final[tuple[str, ...]] = (*OUTCOMES, "requeued", "replayed", "resync")
+"""How a step ends, the one vocabulary of the fylr's step counts.
+
+The receipt's statuses first, the words of the execserver's ``jobs_total``
+(:data:`trio_broker.trio.inspection.OUTCOMES`): ``ok`` the step did its work
+(a local step too); a job that ended otherwise gives its receipt's status
+(``failed``, ``timed_out``, ``stalled``, ``out_of_memory``, …); ``error`` the
+step failed for good without its command's verdict, like a receipt's ``error``
+(a service nobody offers, a missing input, a failed source version). Then the
+ends without a verdict: ``requeued`` (it runs again later), ``replayed``
+(nothing was left to do: a second run) and ``resync`` (the configuration
+changed under a produce; a sync replaces it).
+"""
 
 
 @attrs.frozen(kw_only=True)
@@ -62,9 +79,9 @@ class FylrStatistics:
         uploads_failed: uploads the storage folder failed to keep (answered 503).
         bytes_uploaded: bytes of the recorded uploads.
         downloads: downloads started.
-        steps: step ends by ``"<action>.<outcome>"`` (``produce.done``,
-            ``produce.error``, ``metadata.ok``, ``metadata.failed``, ``sync.done``,
-            ``<action>.requeued``, ``<action>.replayed``, ``<action>.error``).
+        steps: step ends by ``"<action>.<outcome>"``, the outcome one of
+            :data:`STEP_OUTCOMES` (``produce.ok``, ``produce.failed``,
+            ``metadata.timed_out``, ``sync.ok``, ``produce.requeued`` …).
         dispatcher: the dispatcher's snapshot (``None`` before it started).
         client: the broker client's snapshot (``None`` without execservers).
         pipes: the one-time pipes' counts and bytes.
@@ -81,6 +98,21 @@ class FylrStatistics:
     dispatcher: DispatcherStatistics | None
     client: ClientStatistics | None
     pipes: PipeStatistics
+
+
+@attrs.frozen(kw_only=True)
+class FileCounts:
+    """The ``files`` rows per ``(kind, status)`` as last counted (:meth:`FylrState.file_counts`).
+
+    Attributes:
+        counts: ``(kind, status)`` → rows.
+        counted_at: when they were counted (UNIX time).
+        age: seconds since then, when they were handed out.
+    """
+
+    counts: Mapping[tuple[str, str], int]
+    counted_at: float
+    age: float
 
 
 class FylrState:
@@ -122,6 +154,8 @@ class FylrState:
         self._watchers: dict[int, trio.Event] = {}
         self._watching: dict[int, int] = {}
         self._changed = trio.Event()
+        self._counts: tuple[dict[tuple[str, str], int], float, float] | None = None
+        self._counting = trio.Lock()
 
     # -- notifications ---------------------------------------------------------------------
 
@@ -163,7 +197,9 @@ class FylrState:
         self.changed()
 
     def step(self, action: str, outcome: str) -> None:
-        """Count one step's end as ``<action>.<outcome>``."""
+        """Count one step's end as ``<action>.<outcome>`` (``outcome`` of :data:`STEP_OUTCOMES`)."""
+        if outcome not in STEP_OUTCOMES:
+            raise ValueError(f"unknown step outcome {outcome!r}")
         key = f"{action}.{outcome}"
         self.steps[key] = self.steps.get(key, 0) + 1
         self.changed()
@@ -184,6 +220,25 @@ class FylrState:
             client=self.client.statistics() if self.client else None,
             pipes=self.pipes.statistics(),
         )
+
+    async def file_counts(self) -> FileCounts:
+        """The ``files`` counts, counted again at most once per ``counts_interval``.
+
+        A full count reads every row; the pages and metrics that show them
+        reuse the last one until it is ``counts_interval`` old, and scrapes that
+        arrive together share one count.
+
+        Raises:
+            StoreUnavailable: a count was due and the database could not be read.
+        """
+        async with self._counting:
+            now = trio.current_time()
+            kept = self._counts
+            if kept is None or now - kept[1] >= self.config.counts_interval:
+                counts = await self.files.counts()
+                kept = self._counts = (counts, now, time.time())
+        counts, taken, wall = kept
+        return FileCounts(counts=counts, counted_at=wall, age=max(0.0, now - taken))
 
     # -- configuration lookups -------------------------------------------------------------
 

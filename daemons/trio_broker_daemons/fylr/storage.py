@@ -195,12 +195,21 @@ def _open_temporary(folder: Path, tag: str) -> tuple[Path, IO[bytes]]:
             continue
 
 
+def _open_new(folder: Path, root: Path, tag: str) -> tuple[Path, IO[bytes]]:
+    """The folders down to ``folder`` (:func:`_make_dirs`), then a temporary file in it."""
+    _make_dirs(folder, root)
+    return _open_temporary(folder, tag)
+
+
 def _write_batch(stream: IO[bytes], digest: hashlib._Hash, data: bytes) -> None:
     stream.write(data)
     digest.update(data)
 
 
-def _finish(stream: IO[bytes], temp: Path, final: Path) -> None:
+def _finish(stream: IO[bytes], temp: Path, final: Path, digest: hashlib._Hash, data: bytes) -> None:
+    """Write the last ``data``, make the file durable and rename it to its key."""
+    if data:
+        _write_batch(stream, digest, data)
     stream.flush()
     os.fsync(stream.fileno())
     stream.close()
@@ -304,8 +313,8 @@ class Storage:
         """
         key = self.new_key(kind)
         final = self.root / key
-        await trio.to_thread.run_sync(_make_dirs, final.parent, self.root)
-        temp, stream = await trio.to_thread.run_sync(_open_temporary, final.parent, self.tag)
+        # one worker-thread hop to open, one per WRITE_BATCH, one to finish
+        temp, stream = await trio.to_thread.run_sync(_open_new, final.parent, self.root, self.tag)
         digest = hashlib.sha256()
         size = 0
         pending: list[bytes] = []
@@ -324,11 +333,10 @@ class Storage:
                     pending.clear()
                     pending_size = 0
                     await trio.to_thread.run_sync(_write_batch, stream, digest, data)
-            if pending:
-                await trio.to_thread.run_sync(_write_batch, stream, digest, b"".join(pending))
-                pending.clear()
+            last = b"".join(pending)
+            pending.clear()
             self.recording.add(key)  # before it exists under its key: a sweep keeps it
-            await trio.to_thread.run_sync(_finish, stream, temp, final)
+            await trio.to_thread.run_sync(_finish, stream, temp, final, digest, last)
         except BaseException:
             self.recording.discard(key)
             with trio.CancelScope(shield=True), trio.move_on_after(_CLEANUP_TIMEOUT):
@@ -502,6 +510,7 @@ class FileReader:
         self._file = file
         self._chunk_size = chunk_size
         self._closed = False
+        self._read_bytes = 0
         self.size = size
 
     @property
@@ -516,14 +525,25 @@ class FileReader:
         if self._closed:
             raise StopAsyncIteration
         try:
-            chunk = await trio.to_thread.run_sync(self._file.read, self._chunk_size)
+            chunk, ended = await trio.to_thread.run_sync(self._read)
         except BaseException:
             await self.aclose()
             raise
+        if ended:
+            self._closed = True  # closed by the read that reached the end (one hop)
         if not chunk:
             await self.aclose()
             raise StopAsyncIteration
         return chunk
+
+    def _read(self) -> tuple[bytes, bool]:
+        """A chunk, and whether it reached the size seen at opening (the file is closed then)."""
+        chunk = self._file.read(self._chunk_size)
+        self._read_bytes += len(chunk)
+        if not chunk or self._read_bytes >= self.size:
+            self._file.close()
+            return chunk, True
+        return chunk, False
 
     async def aclose(self) -> None:
         """Close the file; calling it again does nothing."""

@@ -40,6 +40,7 @@ import trio
 from psycopg import Connection
 
 from trio_broker.core.errors import StoreUnavailable
+from trio_broker.trio.inspection import iso_time
 from trio_broker.trio.store import Store
 from trio_broker_daemons.fylr.storage import Leftover, Storage, abandoned, writer_tag
 from trio_broker_daemons.logfmt import fields
@@ -193,5 +194,10 @@ class StorageSweeper:
             "orphans_removed": self.orphans_removed,
             "grace_s": self.grace,
             "interval_s": self.interval,
-            "last": attrs.asdict(last) if last is not None else None,
+            "last": result_document(last) if last is not None else None,
         }
+
+
+def result_document(result: SweepResult) -> dict[str, object]:
+    """A sweep's result as JSON: its counts, and ``at`` in ISO 8601 (UTC)."""
+    return {**attrs.asdict(result), "at": iso_time(result.at)}

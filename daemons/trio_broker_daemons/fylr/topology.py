@@ -70,6 +70,7 @@ from trio_broker._version import __version__
 from trio_broker.core import protocol as p
 from trio_broker.core.errors import StoreUnavailable
 from trio_broker.trio.client import LinkState
+from trio_broker.trio.inspection import iso_time
 from trio_broker.trio.views import BackendView, publish_view, read_views
 from trio_broker_daemons.fylr.state import FylrState
 
@@ -122,6 +123,7 @@ class Topology:
         self.state = state
         self.viewers = 0
         self._lease_until = -math.inf
+        self._published_watched = False
         self._elsewhere = False  # another live fylr says it is watched
         self._views: Sequence[BackendView] = ()
         self._wake = trio.Event()
@@ -157,7 +159,12 @@ class Topology:
             self._follow_watchers()
 
     def _follow_watchers(self) -> None:
-        """Subscribe the broker client while watched, unsubscribe when not; wake the task."""
+        """Subscribe the broker client while watched, unsubscribe when not.
+
+        The publishing task is woken when the watched state here changes (so the
+        others learn it, and its pace follows), not at every lease renewed: a
+        client following its uploads asks for positions every few seconds per file.
+        """
         client = self.state.client
         if self.watched and self._watching is None and client is not None:
             self._watching = contextlib.ExitStack()
@@ -165,7 +172,9 @@ class Topology:
         elif not self.watched and self._watching is not None:
             self._watching.close()
             self._watching = None
-        self._wake.set()
+        here = self.watched_here
+        if here != self._published_watched:
+            self._wake.set()
 
     async def wait_for_figures(self, timeout: float = FIRST_FIGURES_WAIT) -> None:  # noqa: ASYNC109
         """Wait (bounded) until every execserver connection has sent its first figures."""
@@ -194,7 +203,7 @@ class Topology:
             "url": state.base_url,
             "software": __version__,
             "watched": self.watched_here,
-            "published_at": time.time(),
+            "published_at": iso_time(time.time()),
             "callback_own_url": config.callback_own_url,
             "jobs": None,
             "dispatcher": None,
@@ -240,8 +249,10 @@ class Topology:
         try:
             while True:
                 self._wake = trio.Event()
+                view = self.own_view()
+                self._published_watched = bool(view["watched"])
                 try:
-                    _, views = await publish_view(state.store, state.backend_id, self.own_view())
+                    _, views = await publish_view(state.store, state.backend_id, view)
                 except StoreUnavailable as exc:
                     log.debug("could not publish the topology view: %s", exc)
                 else:
@@ -486,7 +497,7 @@ def topology_document(
         link.setdefault("warnings", [])
     return {
         "version": DOCUMENT_VERSION,
-        "generated_at": time.time() if now is None else now,
+        "generated_at": iso_time(time.time() if now is None else now),
         "served_by": served_by,
         "fylrs": fylrs,
         "balancers": list(balancers.values()),

@@ -43,7 +43,11 @@ one outcome table (:func:`trio_broker.core.dispatch.judge`) decides, for the
 dispatcher and for the step alike, whether the item runs again (then the file
 goes back to the state the step started from) or fails (then the version, or
 for a metadata step the original, ends ``error`` with the exception's text, and
-the queue row ``failed``). Every write of a step is fenced by the state it
+the queue row ``failed``). ``UnknownService`` is temporary only for a while:
+the step waits with the reason and the closest offered service name in its
+file's ``error`` (:func:`service_notice`; one warning), and the claim that
+meets ``unknown_service_attempts`` raises :class:`ServiceNotOffered` instead,
+which the table fails. Every write of a step is fenced by the state it
 expects, so a step that runs twice (its process was killed after the work but
 before its outcome was written) changes nothing the second time.
 """
@@ -51,8 +55,9 @@ before its outcome was written) changes nothing the second time.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Final, cast
 
 import trio
@@ -64,6 +69,7 @@ from trio_broker.core.errors import (
     NoExecserver,
     RetryLater,
     StoreUnavailable,
+    UnknownService,
     describe,
 )
 from trio_broker.trio.dispatcher import Action
@@ -91,7 +97,7 @@ from trio_broker_daemons.fylr.state import FylrState
 from trio_broker_daemons.fylr.storage import FileReader, Storage, StoredFile
 from trio_broker_daemons.logfmt import fields
 
-__all__ = ["METADATA_OUTPUT_LIMIT", "OCTET_STREAM", "FileWorker"]
+__all__ = ["METADATA_OUTPUT_LIMIT", "OCTET_STREAM", "FileWorker", "ServiceNotOffered"]
 
 log = logging.getLogger("trio_broker_daemons.fylr.worker")
 
@@ -136,6 +142,42 @@ class _StoredSource:
             await self._reader.aclose()
 
 
+class ServiceNotOffered(Exception):
+    """A step met ``UnknownService`` on its ``unknown_service_attempts``-th claim: it fails.
+
+    Not a row of the outcome table, so the dispatcher fails the item with this
+    text (a recipe naming a service nobody offers, such as a misspelling).
+    """
+
+
+def service_notice(service: str, offered: Collection[str]) -> str:
+    """Why a step waits: no execserver offers ``service``, with the closest offered name.
+
+    Args:
+        service: the service the recipe names.
+        offered: the services the connected execservers announce.
+
+    Returns:
+        ``no connected execserver offers service 'thumbnial' (did you mean
+        'thumbnail'?)``, or with the offered names when none is close.
+    """
+    text = f"no connected execserver offers service {service!r}"
+    close = difflib.get_close_matches(service, list(offered), n=1)
+    if close:
+        return f"{text} (did you mean {close[0]!r}?)"
+    if offered:
+        return f"{text} (offered: {', '.join(sorted(offered))})"
+    return text
+
+
+def _is_unknown_service(exc: BaseException) -> bool:
+    """Whether ``exc`` is ``UnknownService``, or a group of nothing else."""
+    if isinstance(exc, BaseExceptionGroup):
+        matched, rest = exc.split(UnknownService)
+        return matched is not None and rest is None
+    return isinstance(exc, UnknownService)
+
+
 def _receipt_reason(receipt: p.Receipt) -> str:
     """A failed job's reason: the decisive stderr line, else the receipt's error."""
     return receipt.stderr_line or receipt.error or f"status {receipt.status}"
@@ -159,6 +201,7 @@ class FileWorker:
         self.state = state
         self.files = state.files
         self.storage = state.storage
+        self._noticed: dict[int, set[str]] = {}
 
     def actions(self) -> list[Action]:
         """The dispatcher's actions: ``metadata`` and ``produce`` exec-bound, ``sync`` local."""
@@ -267,16 +310,66 @@ class FileWorker:
         return judge(exc, retry_delay=self.state.config.retry_delay)
 
     async def requeue(
-        self, action: str, file_id: int, old: FileState, new: FileState, verdict: Verdict
+        self,
+        action: str,
+        file_id: int,
+        old: FileState,
+        new: FileState,
+        verdict: Verdict,
+        *,
+        notice: str | None = None,
     ) -> None:
-        """A step will run again: move its file back (best effort) and count it."""
+        """A step will run again: move its file back (best effort) and count it.
+
+        ``notice`` (a service nobody offers) is kept in the file's ``error`` while
+        it waits; the step's first requeue for it logs a warning, the next ones
+        log at debug level.
+        """
         with contextlib.suppress(StoreUnavailable):
-            await self.files.move(file_id, old, new)
+            await self.files.move(file_id, old, new, notice=notice)
         self.state.step(action, "requeued")
-        log.info(
-            "step requeued",
-            extra=fields(action=action, file=file_id, reason=verdict.error, delay=verdict.delay),
-        )
+        if notice is None:
+            log.info(
+                "step requeued",
+                extra=fields(
+                    action=action, file=file_id, reason=verdict.error, delay=verdict.delay
+                ),
+            )
+        else:
+            log.log(
+                logging.DEBUG if notice in self._noticed.get(file_id, ()) else logging.WARNING,
+                "step waits for a service",
+                extra=fields(action=action, file=file_id, reason=notice, delay=verdict.delay),
+            )
+            self._noticed.setdefault(file_id, set()).add(notice)
+
+    def offered_services(self) -> set[str]:
+        """The services the connected, non-draining execservers announce."""
+        client = self.state.client
+        if client is None:
+            return set()
+        links = [link for link in client.links() if not link.hello.draining]
+        return {name for link in links for name in link.hello.services}
+
+    def unknown_service(
+        self, exc: BaseException, service: str, item: QueueItem
+    ) -> tuple[str | None, BaseException]:
+        """A step's ``UnknownService``: the notice it waits with, or its final failure.
+
+        Returns:
+            ``(notice, exc)`` while the step has been claimed fewer than
+            ``unknown_service_attempts`` times (it is requeued with the notice);
+            ``(None, ServiceNotOffered)`` on the last one (it fails). ``(None,
+            exc)`` for any other exception.
+        """
+        if not _is_unknown_service(exc):
+            return None, exc
+        notice = service_notice(service, self.offered_services())
+        if item.attempts < self.state.config.unknown_service_attempts:
+            return notice, exc
+        self._noticed.pop(int(item.file_ref), None)
+        attempts = item.attempts
+        return None, ServiceNotOffered(f"{notice}, after {attempts} attempts")
 
     # -- the actions -----------------------------------------------------------------------
 
@@ -316,15 +409,21 @@ class FileWorker:
                 )
                 if stopped := _stopped(receipt, "the metadata job"):
                     raise stopped
-            except Exception as exc:
+            except Exception as caught:
+                notice, exc = self.unknown_service(caught, step.service, item)
                 verdict = self.judge(exc)
                 if verdict.kind == "requeue":
-                    await self.requeue(ACTION_METADATA, file_id, "metadata", "new", verdict)
+                    await self.requeue(
+                        ACTION_METADATA, file_id, "metadata", "new", verdict, notice=notice
+                    )
                 else:
                     await self.files.fail_original(file_id, f"metadata: {verdict.error}")
                     state.step(ACTION_METADATA, "error")
                     state.changed(file_id)
-                raise
+                if exc is caught:
+                    raise
+                raise exc from caught
+            self._noticed.pop(file_id, None)
             if receipt.status == "ok":
                 text = bytes(output) if stdout.state == "done" else receipt.stdout_prefix.encode()
                 metadata = parse_metadata_output(text.decode("utf-8", "replace"))
@@ -332,7 +431,7 @@ class FileWorker:
                 mimetype = found if isinstance(found, str) and found else None
             else:
                 error = f"metadata: {_receipt_reason(receipt)}"
-            state.step(ACTION_METADATA, "ok" if error is None else "failed")
+            state.step(ACTION_METADATA, receipt.status)
         applied = await self.files.end_metadata(
             file_id, metadata=metadata, mimetype=mimetype, error=error
         )
@@ -353,7 +452,7 @@ class FileWorker:
         for key in result.removed_keys:
             with contextlib.suppress(OSError, ValueError):
                 await self.storage.delete(key)
-        state.step(ACTION_SYNC, "done")
+        state.step(ACTION_SYNC, "ok")
         state.changed(file_id)
         log.info(
             "synced",
@@ -399,17 +498,29 @@ class FileWorker:
         name = cast(str, version.version)
         try:
             receipt, stored = await self._produce(start, recipe, job_id=step_job_id(item))
-        except Exception as exc:
+        except Exception as caught:
+            notice, exc = self.unknown_service(caught, recipe.service, item)
             verdict = self.judge(exc)
             if verdict.kind == "requeue":
-                await self.requeue(ACTION_PRODUCE, version_id, "produce", "new", verdict)
+                await self.requeue(
+                    ACTION_PRODUCE, version_id, "produce", "new", verdict, notice=notice
+                )
+                state.changed(original.id)
             else:
                 await self.files.end_version(
                     version_id, version.produce_hash, stored=None, error=verdict.error
                 )
                 state.step(ACTION_PRODUCE, "error")
                 state.changed(original.id)
-            raise
+                if isinstance(exc, ServiceNotOffered):
+                    log.warning(
+                        "version failed",
+                        extra=fields(file=original.id, version=name, error=verdict.error),
+                    )
+            if exc is caught:
+                raise
+            raise exc from caught
+        self._noticed.pop(version_id, None)
         metadata = version_metadata(name, recipe, receipt)
         if stored is not None:
             # A database error here may or may not have committed: the file is kept
@@ -436,8 +547,7 @@ class FileWorker:
                 metadata=metadata,
                 error=_receipt_reason(receipt),
             )
-        outcome = ("done" if stored is not None else "error") if end.applied else "replayed"
-        state.step(ACTION_PRODUCE, outcome)
+        state.step(ACTION_PRODUCE, receipt.status if end.applied else "replayed")
         state.changed(original.id, version_id)
         log.info(
             "version produced" if stored is not None else "version failed",
