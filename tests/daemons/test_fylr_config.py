@@ -216,7 +216,6 @@ OTHER_VERSION = "expected the name of another version of this class"
             "http://a:1/x?y",
             "expected a URL without query or fragment, got 'http://a:1/x?y'",
         ),
-        ("connect_timeout", "0", "expected a duration greater than 0, got '0'"),
         (
             "connect_timeout",
             "soon",
@@ -517,3 +516,10 @@ def test_any_cycle_is_refused(sources: dict[str, str | None], data: st.DataObjec
         assert "expected the name of another version of this class" in message
     else:
         assert "sources form a cycle" in message
+
+
+@pytest.mark.parametrize("value", ["0", 0, None])
+def test_connect_timeout_zero_or_null_is_the_default(value: object) -> None:
+    """connect_timeout 0 or null means 60 s, as the broker client reads it."""
+    data = {"execservers": ["127.0.0.1:7000"], "connect_timeout": value}
+    assert FylrConfig.from_mapping(data).connect_timeout == 60.0

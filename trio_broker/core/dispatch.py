@@ -34,9 +34,10 @@ would meet the same wall: every slot was busy for all of ``connect_timeout``
 (``no_slot``); the execserver running the job went away in the middle, as a
 whole fleet does during a rolling restart (``stopped``); no execserver offers
 the service, which is what a fleet that is being redeployed looks like, so the
-item waits instead of failing its file (``unknown_service``; a service that
-nobody will ever offer shows as an item requeued again and again with that
-error). *At once* when the queue itself already holds the item back, or the
+item waits instead of failing its file (``unknown_service``; the client
+raises it only once no pool can still reach a server offering the service, and
+an application bounds how often it comes back: the reference fylr fails the step
+after ``unknown_service_attempts`` claims, naming the closest offered service). *At once* when the queue itself already holds the item back, or the
 reason is gone by the time it is claimed again: while no execserver is
 connected nothing exec-bound is claimed at all (``no_execserver``); the
 connection that broke under a running job is redialled and other execservers

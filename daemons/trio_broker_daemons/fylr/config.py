@@ -59,7 +59,7 @@ Top-level keys (:class:`FylrConfig`):
 ``callback_own_url`` (null)
     The callback base put into jobs verbatim (``http://host:port``, no query or
     fragment), overriding the address seen on each broker connection (NAT).
-``connect_timeout`` (60s, > 0)
+``connect_timeout`` (60s; null or 0 = 60s)
     How long a job waits for a slot before it gives up and its item is requeued.
 ``ping_interval`` (5s, > 0), ``ping_timeout`` (15s, > ``ping_interval``)
     Liveness of the broker connections, as on the execserver side.
@@ -460,6 +460,18 @@ def job_limits(recipe: "VersionConfig | MetadataConfig") -> dict[str, str]:
     return {name: format_job_duration(v) for name, v in limits.items() if v is not None}
 
 
+DEFAULT_CONNECT_TIMEOUT: Final = 60.0
+
+
+def _connect_timeout(value: object) -> float:
+    """A duration where null and 0 mean the default (60 s), as in the client."""
+    return (
+        DEFAULT_CONNECT_TIMEOUT
+        if value is None
+        else parse_duration(value) or DEFAULT_CONNECT_TIMEOUT
+    )
+
+
 def _mimetype(value: object) -> str | None:
     return None if value is None else _nonempty_string(value)
 
@@ -474,6 +486,7 @@ _CaFile = Annotated[Path | None, _Rule(_broker_ca_file)]
 _Token = Annotated[str | None, _Rule(_optional_token)]
 _CallbackUrl = Annotated[str | None, _Rule(_callback_url)]
 _Positive = Annotated[float, _Rule(_positive_duration)]
+_ConnectTimeout = Annotated[float, _Rule(_connect_timeout)]
 _Delay = Annotated[float, _Rule(parse_duration)]
 _Count = Annotated[int, _Rule(_integer(0))]
 _AtLeastOne = Annotated[int, _Rule(_integer(1))]
@@ -609,7 +622,7 @@ class FylrConfig:
     broker_token: _Token = attrs.field(default=None, metadata=secret_file())
     broker_ca_file: _CaFile = None
     callback_own_url: _CallbackUrl = None
-    connect_timeout: _Positive = 60.0
+    connect_timeout: _ConnectTimeout = DEFAULT_CONNECT_TIMEOUT
     ping_interval: _Positive = 5.0
     ping_timeout: _Positive = 15.0
     max_frame_bytes: _FrameBytes = 1048576
