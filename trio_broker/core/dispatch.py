@@ -34,20 +34,21 @@ would meet the same wall: every slot was busy for all of ``connect_timeout``
 (``no_slot``); the execserver running the job went away in the middle, as a
 whole fleet does during a rolling restart (``stopped``); no execserver offers
 the service, which is what a fleet that is being redeployed looks like, so the
-item waits instead of failing its file (``unknown_service``; the client
-raises it only once no pool can still reach a server offering the service, and
-an application bounds how often it comes back: the reference fylr fails the step
-after ``unknown_service_attempts`` claims, naming the closest offered service). *At once* when the queue itself already holds the item back, or the
-reason is gone by the time it is claimed again: while no execserver is
-connected nothing exec-bound is claimed at all (``no_execserver``); the
-connection that broke under a running job is redialled and other execservers
-may be free (``lost``); this process is closing and another one takes the item
-(``client_closed``); the handler's own database work failed, and the claim
-loop backs off until the database answers (``store_unavailable``). Every step
-a handler runs must be safe to run twice for that to hold: the item may have
-done its work before its end was lost. Anything else is a bug or bad input
-that would fail the same way again, so the item fails and its row keeps the
-text for someone to read (``failed``).
+item waits instead of failing its file (``unknown_service``; the client raises
+it only once no pool can still reach a server offering the service, and an
+application bounds how often it comes back: the reference fylr fails the step
+after ``unknown_service_attempts`` claims, naming the closest offered service).
+*At once* when the queue itself already holds the item back, or the reason is
+gone by the time it is claimed again: while no execserver is connected nothing
+exec-bound is claimed at all (``no_execserver``); the connection that broke
+under a running job is redialled and other execservers may be free (``lost``);
+this process is closing and another one takes the item (``client_closed``); the
+handler's own database work failed, and the claim loop backs off until the
+database answers (``store_unavailable``). Every step a handler runs must be safe
+to run twice for that to hold: the item may have done its work before its end
+was lost. Anything else is a bug or bad input that would fail the same way
+again, so the item fails and its row keeps the text for someone to read
+(``failed``).
 
 Exception groups are judged by the same table: the group is split by each
 row's exception types in turn (:meth:`BaseExceptionGroup.split`), what no row
