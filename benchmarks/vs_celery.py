@@ -75,7 +75,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import psutil
@@ -86,6 +86,7 @@ from trio_broker.core.client import ClientConfig
 from trio_broker.trio.client import BrokerClient, open_broker_client
 
 HERE = Path(__file__).resolve().parent
+T = TypeVar("T")
 SLOTS = 4
 JOB = 0.020
 """The length of the jobs that hold a slot (gap, priority, fairness), and the floor's idle time."""
@@ -93,6 +94,8 @@ SETTLE = 2.0
 """Seconds a fresh pair is left alone before its idle traffic is counted."""
 PROBES = 5
 CALLERS = 16
+WAIT = 300.0
+"""Seconds a job may take from its submit to its result before the run fails."""
 
 
 @attrs.frozen
@@ -274,7 +277,7 @@ async def _client(daemon: DaemonProcess, name: str) -> AsyncIterator[BrokerClien
         name=name,
         version="1",
         addresses=(f"{daemon.host}:{daemon.port}",),
-        connect_timeout=600,
+        connect_timeout=WAIT,
     )
     async with open_broker_client(config) as client:
         yield client
@@ -486,6 +489,11 @@ def _worker_ports(proc: trio.Process, redis_port: int) -> set[int]:
     return ports
 
 
+async def _in_thread(call: Callable[[], T]) -> T:
+    """Run a blocking call in a thread; Ctrl-C abandons it (the run then stops the parts)."""
+    return await trio.to_thread.run_sync(call, abandon_on_cancel=True)
+
+
 class CeleryClient:
     """The producer side, blocking calls for threads: ``send_task`` and ``get``."""
 
@@ -501,13 +509,13 @@ class CeleryClient:
 
     def run(self, name: str, queue: str, tag: str = "", priority: int | None = None) -> Run:
         submit, result = self.send(name, queue, priority)
-        start, end = result.get(timeout=600)
+        start, end = result.get(timeout=WAIT)
         return Run(submit, start, end, tag)
 
     def wait(self, sent: Sequence[tuple[float, Any]], tags: Sequence[str]) -> list[Run]:
         from celery.result import ResultSet
 
-        values = ResultSet([result for _, result in sent], app=self.app).get(timeout=600)
+        values = ResultSet([result for _, result in sent], app=self.app).get(timeout=WAIT)
         return [Run(s, b, e, t) for (s, _), (b, e), t in zip(sent, values, tags, strict=True)]
 
     def many(self, count: int, name: str, queue: str, tag: str = "") -> list[Run]:
@@ -567,7 +575,7 @@ async def celery_turn(
     port = redis.port
     url = f"redis://127.0.0.1:{port}/0"
     client = CeleryClient(url)
-    await trio.to_thread.run_sync(client.app.backend.client.flushdb)
+    await _in_thread(client.app.backend.client.flushdb)
     figures: dict[str, float] = {}
     async with contextlib.AsyncExitStack() as stack:
         workers: dict[str, trio.Process] = {}
@@ -582,14 +590,14 @@ async def celery_turn(
             nursery.start_soon(start, "split", SLOTS, ["bench-a", "bench-b"])
         ports = _worker_ports(workers["main"], port)
         figures |= await idle_rates(lambda: tcp_traffic(port, ports), sizes.idle)
-        await trio.to_thread.run_sync(client.callers, sizes.warm, "bench")
+        await _in_thread(partial(client.callers, sizes.warm, "bench"))
 
         def callers() -> tuple[float, int]:
             return client.callers(sizes.callers_jobs, "bench"), sizes.callers_jobs
 
         worker = psutil.Process(workers["main"].pid)
         parts = [redis.process, worker, *worker.children(recursive=True)]
-        figures["jobs16"], cpu = await cpu_per_job(parts, partial(trio.to_thread.run_sync, callers))
+        figures["jobs16"], cpu = await cpu_per_job(parts, partial(_in_thread, callers))
         figures |= cpu
 
         def measure() -> None:
@@ -604,7 +612,7 @@ async def celery_turn(
                 sizes.flood, "bench-a", "bench-b"
             )
 
-        await trio.to_thread.run_sync(measure)
+        await _in_thread(measure)
     return figures
 
 
@@ -634,7 +642,7 @@ async def floor_turn(redis: RedisServer) -> dict[str, float]:
 
     return {
         "floor_ws": statistics.median(websocket),
-        "floor_redis": statistics.median(await trio.to_thread.run_sync(pings)),
+        "floor_redis": statistics.median(await _in_thread(pings)),
     }
 
 
