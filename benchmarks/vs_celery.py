@@ -176,6 +176,12 @@ def priority_figures(runs: Sequence[Run], slots: int) -> tuple[float, int]:
     return worst, inversions
 
 
+def slot_share(runs: Sequence[Run], slots: int, begin: float, end: float) -> float:
+    """The share of the slot time between ``begin`` and ``end`` that ``runs`` held."""
+    held = sum(max(0.0, min(r.end, end) - max(r.start, begin)) for r in runs)
+    return held / (slots * (end - begin))
+
+
 def fairness_figures(
     runs: Sequence[Run], slots: int, begin: float, end: float
 ) -> tuple[float, float]:
@@ -183,9 +189,16 @@ def fairness_figures(
     beyond the first slot end after each of its submits."""
     ends = sorted(r.end for r in runs)
     mine = [r for r in runs if r.tag == "b"]
-    held = sum(max(0.0, min(r.end, end) - max(r.start, begin)) for r in mine)
     waits = [r.start - next_end(ends, r.submit) for r in mine]
-    return held / (slots * (end - begin)), statistics.mean(waits) if waits else float("nan")
+    return slot_share(mine, slots, begin, end), statistics.mean(waits) if waits else float("nan")
+
+
+def flood_figures(runs: Sequence[Run], slots: int, begin: float) -> dict[str, float]:
+    """B's share and wait (:func:`fairness_figures`) and the share of slot time used by
+    anyone, from ``begin`` to the end of A's last job."""
+    end = max(r.end for r in runs if r.tag == "a")
+    share, wait = fairness_figures(runs, slots, begin, end)
+    return {"share": share, "wait": wait, "busy": slot_share(runs, slots, begin, end)}
 
 
 # -- traffic on the wire, counted by the kernel ------------------------------------------
@@ -335,7 +348,7 @@ async def _trio_priority(client: BrokerClient, backlog: int) -> list[Run]:
     return runs
 
 
-async def _trio_fairness(daemon: DaemonProcess, flood: int) -> tuple[float, float]:
+async def _trio_fairness(daemon: DaemonProcess, flood: int) -> dict[str, float]:
     async with _client(daemon, "producer-a") as a, _client(daemon, "producer-b") as b:
         runs: list[Run] = []
         done = trio.Event()
@@ -352,8 +365,7 @@ async def _trio_fairness(daemon: DaemonProcess, flood: int) -> tuple[float, floa
         async with trio.open_nursery() as nursery:
             nursery.start_soon(producer_a)
             nursery.start_soon(producer_b)
-    end = max(r.end for r in runs if r.tag == "a")
-    return fairness_figures(runs, SLOTS, begin, end)
+    return flood_figures(runs, SLOTS, begin)
 
 
 async def trio_turn(sizes: Sizes) -> dict[str, float]:
@@ -382,7 +394,7 @@ async def trio_turn(sizes: Sizes) -> dict[str, float]:
         async with _client(one, "gap") as client:
             gaps = reuse_gaps(await _trio_many(client, sizes.gap_backlog, "hold"))
             figures["gap"] = statistics.median(gaps)
-        figures["share"], figures["wait"] = await _trio_fairness(four, sizes.flood)
+        figures |= await _trio_fairness(four, sizes.flood)
     return figures
 
 
@@ -548,7 +560,7 @@ class CeleryClient:
             sent.append(self.send("bench.hold", queue, 0))
         return self.wait(sent, ["low"] * backlog + ["high"] * PROBES)
 
-    def fairness(self, flood: int, queue_a: str, queue_b: str) -> tuple[float, float]:
+    def fairness(self, flood: int, queue_a: str, queue_b: str) -> dict[str, float]:
         done = threading.Event()
         runs: list[Run] = []
 
@@ -564,8 +576,7 @@ class CeleryClient:
             finally:
                 done.set()
             b.result()
-        end = max(r.end for r in runs if r.tag == "a")
-        return fairness_figures(runs, SLOTS, begin, end)
+        return flood_figures(runs, SLOTS, begin)
 
 
 async def celery_turn(
@@ -607,10 +618,9 @@ async def celery_turn(
             figures["gap"] = statistics.median(
                 reuse_gaps(client.many(sizes.gap_backlog, "bench.hold", "gap"))
             )
-            figures["share"], figures["wait"] = client.fairness(sizes.flood, "bench", "bench")
-            figures["share_split"], figures["wait_split"] = client.fairness(
-                sizes.flood, "bench-a", "bench-b"
-            )
+            figures.update(client.fairness(sizes.flood, "bench", "bench"))
+            split = client.fairness(sizes.flood, "bench-a", "bench-b")
+            figures.update({f"{key}_split": value for key, value in split.items()})
 
         await _in_thread(measure)
     return figures
@@ -671,6 +681,8 @@ ROWS = (
     Row("share_split", "  the same, a queue per producer", "share", "0.25"),
     Row("wait", "B's mean wait beyond the next slot end", "ms", "0"),
     Row("wait_split", "  the same, a queue per producer", "ms", "0"),
+    Row("busy", "slot time used during the flood (A and B)", "share", "1"),
+    Row("busy_split", "  the same, a queue per producer", "share", "1"),
     Row("cpu_parts", "CPU per job, 16 callers: execserver | worker + Redis", "ms"),
     Row("cpu_client", "CPU per job, 16 callers: the client (this process)", "ms"),
     Row("idle_msgs", "idle: messages/s between the parts", "msg/s"),

@@ -93,6 +93,13 @@ def test_fairness_share_and_wait() -> None:
     assert wait == pytest.approx((0 - 10 + 1) / 2)
 
 
+def test_flood_figures_end_with_a_and_count_every_slot_second() -> None:
+    runs = [vs.Run(0, 0, 10, "a"), vs.Run(0, 0, 5, "b"), vs.Run(0, 12, 20, "a")]
+    figures = vs.flood_figures(runs, 2, 0.0)
+    assert figures["busy"] == pytest.approx((10 + 5 + 8) / 40)
+    assert figures["share"] == pytest.approx(5 / 40)
+
+
 def test_fairness_clips_to_the_window() -> None:
     runs = [vs.Run(0, -5, 5, "b"), vs.Run(0, 35, 45, "b")]
     share, _ = vs.fairness_figures(runs, 1, 0.0, 40.0)
