@@ -40,14 +40,16 @@ Figures:
 4. fairness: producer A submits a flood of 2,000 20 ms jobs at once, producer B
    runs one job at a time until A's flood is done. B's share of the slot time
    while the flood lasts (ideal 0.25: one slot of 4) and B's mean wait beyond
-   the first slot end after its submit. trio_broker: A and B are two
-   BrokerClients; Celery: one queue, and a queue per producer (the worker
-   consumes both);
+   the first slot end after its submit, and the slot time used by anyone (ideal 1).
+   trio_broker: A and B are two BrokerClients; Celery: one queue, and a queue
+   per producer (the worker consumes both);
 5. idle: messages/s and bytes/s between the parts, a fresh pair left alone for
    ``--idle`` seconds after 2 s of settling: the client and the execserver; the
    Celery worker (4) and Redis. Counted by the kernel on every TCP connection
    between them (``ss -ti``: data-carrying segments both ways, and payload bytes),
-   so nothing sits between the parts.
+   so nothing sits between the parts;
+6. CPU per job in the 16-caller phase: the execserver, or the worker (its
+   children too) and Redis; and this process, the client.
 
 The machine's other load shows in every figure; compare figures of one run.
 """
