@@ -15,7 +15,7 @@ SYSTEM_PACKAGES ?= install
 SYSTEM_TEST := haproxy postgresql nftables iproute2 chromium
 SYSTEM_DEMO := postgresql
 
-.PHONY: test lint typecheck pytest soak bench demo docs clean system-test system-demo
+.PHONY: test lint typecheck pytest soak bench bench-celery demo docs clean system-test system-demo
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,13 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/execserver.py
 	$(BIN)/python benchmarks/client.py
 	$(BIN)/python benchmarks/handover.py
+
+# Against Celery on Redis: installs its extra and Debian's redis-server first.
+# BENCH_ARGS=--quick for small sizes and one round.
+bench-celery: $(STAMP)
+	@scripts/system-packages $(if $(filter install,$(SYSTEM_PACKAGES)),,--$(SYSTEM_PACKAGES)) redis
+	$(BIN)/pip install -q -e '.[bench-celery]'
+	$(BIN)/python benchmarks/vs_celery.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
