@@ -151,7 +151,7 @@ class _Queue(Generic[C]):
 class _Level(Generic[C]):
     """The wants parked at one priority: the rotation as stamps and bitsets."""
 
-    __slots__ = ("base", "bits", "conn_at", "count", "next_stamp", "stamps")
+    __slots__ = ("base", "bits", "conn_at", "count", "granted", "next_stamp", "stamps")
 
     def __init__(self) -> None:
         self.count = 0
@@ -163,6 +163,16 @@ class _Level(Generic[C]):
         # service -> bitset: bit (stamp - base) set when that connection holds
         # wants of the service at this priority
         self.bits: dict[str, int] = {}
+        # connection -> the grant number that gave it its place, for connections
+        # whose place comes from a grant here (the others joined and still wait)
+        self.granted: dict[C, int] = {}
+
+    def head(self) -> C:
+        """The first connection of the rotation (the level has one)."""
+        union = 0
+        for bits in self.bits.values():
+            union |= bits
+        return self.conn_at[(union & -union).bit_length() - 1 + self.base]
 
     def join(self, conn: C) -> int:
         """Put a connection at the tail of the rotation; returns its bit index."""
@@ -185,6 +195,8 @@ class WantBook(Generic[C]):
 
     def _reset(self) -> None:
         self._seq = 0
+        self.grants = 0
+        """How many wants :meth:`pick` has granted (the number of the last grant)."""
         self._levels: dict[int, _Level[C]] = {}
         # conn -> priority -> its queue there
         self._conns: dict[C, dict[int, _Queue[C]]] = {}
@@ -328,10 +340,50 @@ class WantBook(Generic[C]):
                     head = wants[0]
                     if not head.live:
                         head = queue.service_head(service)
-                    if first_seq < 0 or head.seq > first_seq:
+                    if first_seq < 0 or head.seq < first_seq:
                         chosen, first_seq = head, head.seq
+        self.grants += 1
         self._unlink(chosen, granted=True)
         return chosen
+
+    def highest(self) -> int | None:
+        """The highest priority with a parked want; None when the book is empty."""
+        return self._highest if self._levels else None
+
+    def fitting_priority(self, fitting: Collection[str]) -> int | None:
+        """The priority :meth:`pick` would grant at now; None when nothing fits."""
+        if not self._levels:
+            return None
+        bits = self._levels[self._highest].bits
+        if any(service in bits for service in fitting):
+            return self._highest
+        return self._best_fitting_priority(fitting)
+
+    def turn_comes_first(self, conn: C, priority: int, since: int) -> bool:
+        """Whether ``conn``, last served at ``priority`` by grant ``since``, is owed the turn.
+
+        True when the connection has no want parked at ``priority`` and every
+        connection that has was served there after grant ``since`` (none waits
+        for a turn since it joined). See *Turn hold* in the module docstring.
+        """
+        level = self._levels.get(priority)
+        if level is None:
+            return True
+        granted = level.granted
+        if conn in level.stamps or len(granted) < len(level.stamps):
+            return False
+        return granted[level.head()] > since
+
+    def grant(self, conn: C, job_id: str) -> ParkedWant[C]:
+        """Grant this parked want now, outside the rule (the turn hold); see :meth:`pick`.
+
+        Raises:
+            KeyError: no such want is parked.
+        """
+        want = self._index[(conn, job_id)]
+        self.grants += 1
+        self._unlink(want, granted=True)
+        return want
 
     # -- position ----------------------------------------------------------------
 
@@ -411,8 +463,10 @@ class WantBook(Generic[C]):
                 del self._conns[conn]
             del level.stamps[conn]
             del level.conn_at[stamp]
+            level.granted.pop(conn, None)
         elif granted:
             # Move the served connection to the tail of the rotation.
+            level.granted[conn] = self.grants
             del level.conn_at[stamp]
             flip = (1 << (stamp - level.base)) | (1 << level.join(conn))
             bits = level.bits
@@ -487,6 +541,11 @@ class WantBook(Generic[C]):
             for conn, stamp in level.stamps.items():
                 assert priority in self._conns.get(conn, {}), "rotation holds an idle conn"
                 assert level.conn_at[stamp] == conn
+            # places that came from grants are in grant order along the rotation
+            served = [level.granted[c] for c in self.rotation(priority) if c in level.granted]
+            assert served == sorted(served), "grant numbers out of rotation order"
+            assert all(0 < n <= self.grants for n in served)
+            assert set(level.granted) <= set(level.stamps)
             assert len(level.conn_at) == len(level.stamps)
             for service, bits in level.bits.items():
                 holders = [c for c in level.stamps if service in self._conns[c][priority].counts]
