@@ -11,6 +11,7 @@ import os
 from hypothesis import settings
 
 from trio_broker.core.pool import PoolConfig
+from trio_broker.testing.book import book_machine
 from trio_broker.testing.machines import broker_machine, round_robin_machine
 from trio_broker.testing.race import race_machine
 
@@ -86,3 +87,9 @@ TestRaceTwoServers.settings = _budget(200, 50)
 
 TestRaceThreeServers = race_machine(servers=3, slots=(1, 1, 2), offer_ttl=1.0).TestCase
 TestRaceThreeServers.settings = _budget(150, 50)
+
+TestBook = book_machine().TestCase
+TestBook.settings = _budget(300, 50)
+
+TestBookOnePriority = book_machine(services=("x", "y"), priorities=(0,), connections=3).TestCase
+TestBookOnePriority.settings = _budget(200, 50)

@@ -16,8 +16,37 @@ about pools):
    takes the first connection in the rotation that has a fitting want, and moves it
    to the tail (or removes it when it has no wants left there). Connections passed
    over because nothing of theirs fits keep their places.
-3. **FIFO within a connection**, among its fitting wants at that priority: a want
-   that does not fit never blocks one behind it (no head-of-line blocking).
+3. **FIFO within a connection**, among its fitting wants at that priority: the
+   oldest *fitting* want is granted. A want that does not fit never blocks one
+   behind it (no head-of-line blocking).
+
+Turn hold
+---------
+
+The rule above only sees wants that are parked. A client with one job in flight
+parks its next want when the ``DONE`` of the last one arrives, a round trip
+after its slot freed; were the freed slot offered at once, it would go to a
+flooding connection every time, and with equal job lengths (the slots free
+together) the client would lose every other wave: an eighth of 4 slots instead
+of a quarter. So the broker (:mod:`trio_broker.core.broker`) keeps the slot a
+job frees for its connection X for ``turn_hold`` seconds (0.25 by default) when
+X is *owed the turn* at the job's priority P, that is when all of these hold:
+
+* X has no want parked at P, and no want at all is parked above P;
+* a parked want at P or below would take the slot now;
+* every connection with wants parked at P has been granted a slot at P after
+  X's job was, and none of them waits for its first grant since it joined the
+  rotation (:meth:`WantBook.turn_comes_first`: its place comes from a grant).
+
+A connection holds at most one slot this way. X's next ``WANT`` ends the hold:
+when it is of priority P or above and fits, it is granted at once
+(:meth:`WantBook.grant`), outside the rotation (X keeps its turn); otherwise the
+rule runs as usual. A want parked above P by anyone, the end of ``turn_hold``,
+X closing and draining end the hold too, and the rule runs. So a held slot never
+goes to a lower priority than a want parked while it was held (no inversion), a
+connection waiting for its first grant is never made to wait by a hold, and the
+rule stays deterministic: the hold depends only on the grant numbers the book
+keeps (:attr:`WantBook.grants`, one per grant) and on the time passed in.
 
 Cost
 ----
@@ -40,6 +69,9 @@ the number of wants:
   another in each of its services' bitsets. When the stamps spread too far apart
   (a connection passed over for a long time keeps its old stamp) the level
   renumbers its connections in order: O(n) once per O(n) grants.
+* **Turn hold.** :meth:`WantBook.turn_comes_first` is O(S): the grant number of
+  the rotation's first connection (the lowest bit of the OR of its bitsets) and
+  two counts; a hold is decided once per job end, never per grant.
 * **FIFO.** Each connection keeps, per priority, a deque of its wants in arrival
   order and one per service. Removal is lazy (a removed want is marked and skipped
   when it reaches the front), so taking the head is O(1) amortized; a queue whose
@@ -54,7 +86,8 @@ Invariants (checked by :meth:`WantBook.check_invariants`)
 * every parked want is reachable from its connection, its level and its service;
 * a connection is in a priority's rotation exactly when it has wants parked there,
   and its bits are set exactly for the services it has wants of;
-* the counts per level, per connection and per (service, priority) match the wants.
+* the counts per level, per connection and per (service, priority) match the wants;
+* the connections whose place in a rotation came from a grant are in grant order.
 """
 
 from __future__ import annotations
@@ -355,7 +388,7 @@ class WantBook(Generic[C]):
         if not self._levels:
             return None
         bits = self._levels[self._highest].bits
-        if any(service in bits for service in fitting):
+        if any(bits.get(service, 0) for service in fitting):
             return self._highest
         return self._best_fitting_priority(fitting)
 
