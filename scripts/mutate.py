@@ -298,6 +298,10 @@ def _job(
         target.write_text(original)
 
 
+def _rank(function: str, first: list[str]) -> int:
+    return next((i for i, name in enumerate(first) if name in function), len(first))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("modules", nargs="*", help=f"any of {', '.join(MODULES)}")
@@ -310,6 +314,11 @@ def main() -> int:
         default=None,
         help="leave out functions whose name has this (default: check_invariants, __repr__;"
         " the checkers are test oracles; --skip '' keeps everything)",
+    )
+    parser.add_argument(
+        "--first",
+        default="",
+        help="comma-separated function names whose mutants run first, in this order",
     )
     parser.add_argument("--jobs", type=int, default=1, help="mutants run at once (default 1)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant")
@@ -334,7 +343,9 @@ def main() -> int:
             for m, src in mutants(module)
             if (not args.function or args.function in m.function)
             and not any(s in m.function for s in skip)
-        ][: args.limit]
+        ]
+        first = [name for name in args.first.split(",") if name]
+        todo = sorted(todo, key=lambda item: _rank(item[0].function, first))[: args.limit]
         if args.list:
             for m, _ in todo:
                 print(f"{module}#{m.index} line {m.line} {m.function}: {m.what}")

@@ -180,6 +180,7 @@ def broker_config_from(
         ping_interval=config.ping_interval,
         ping_timeout=config.ping_timeout,
         drain_timeout=config.drain_timeout,
+        turn_hold=config.turn_hold,
     )
 
 
