@@ -224,9 +224,9 @@ class _Replace(ast.NodeTransformer):
         return self.generic_visit(node)
 
 
-def mutants(module: str) -> list[tuple[Mutant, str]]:
-    """Every mutant of a module, with its source."""
-    path = ROOT / MODULES[module][0]
+def mutants(module: str, root: Path = ROOT) -> list[tuple[Mutant, str]]:
+    """Every mutant of a module (as it is under ``root``), with its source."""
+    path = root / MODULES[module][0]
     source = path.read_text()
     tree = ast.parse(source)
     owner = _functions(tree)
@@ -321,7 +321,12 @@ def main() -> int:
         help="comma-separated function names whose mutants run first, in this order",
     )
     parser.add_argument("--jobs", type=int, default=1, help="mutants run at once (default 1)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds per mutant (a mutant that runs longer, an endless loop, is killed)",
+    )
     parser.add_argument("--scale", default="0.2", help="TRIO_BROKER_MODEL_SCALE for the runs")
     parser.add_argument("--report", type=Path, help="also write the report (Markdown) here")
     parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")
@@ -337,10 +342,13 @@ def main() -> int:
     ]
     survivors: list[str] = []
     for module in chosen:
+        # the workspaces first: mutants and tests then come from one snapshot,
+        # whatever happens to the worktree meanwhile
+        bases = [] if args.list else [_workspace() for _ in range(max(1, args.jobs))]
         skip = [s for s in (args.skip or ["check_invariants", "__repr__"]) if s]
         todo = [
             (m, src)
-            for m, src in mutants(module)
+            for m, src in mutants(module, bases[0] if bases else ROOT)
             if (not args.function or args.function in m.function)
             and not any(s in m.function for s in skip)
         ]
@@ -351,13 +359,13 @@ def main() -> int:
                 print(f"{module}#{m.index} line {m.line} {m.function}: {m.what}")
             continue
         tests = MODULES[module][1]
-        bases = [_workspace() for _ in range(max(1, args.jobs))]
         try:
             poison = "raise RuntimeError('mutation workspace check')\n"
             if _job(bases[0], module, poison, tests, args.timeout, args.scale) == "survived":
                 raise SystemExit(f"{module}: the tests do not import the workspace copy")
             if _run_tests(bases[0], tests, args.timeout, args.scale) != "survived":
                 raise SystemExit(f"{module}: the tests fail without any mutant")
+            print(f"{module}: workspace checked, {len(todo)} mutants to run", flush=True)
             outcomes: dict[Mutant, str] = {}
             started = time.monotonic()
             with concurrent.futures.ThreadPoolExecutor(len(bases)) as pool:

@@ -624,3 +624,103 @@ def test_without_the_turn_hold_one_job_in_flight_loses_every_other_wave() -> Non
     """The cause, measured: granting a freed slot at once leaves B an eighth."""
     share = TwoProducers(turn_hold=0.0).run(until=200.0)
     assert share < 0.14, share
+
+
+# -- priority aging -------------------------------------------------------------------
+
+
+def test_aging_lifts_one_band_per_interval_up_to_the_top_band() -> None:
+    """A want rises by 2 (one band, the high variant kept) per interval, to 4 or 5 at most."""
+    book: WantBook[str] = WantBook(aging=300.0)
+    for job, priority in (("bg", -2), ("bg-high", -1), ("sync", 4), ("custom", 9)):
+        book.add("c", job, "s", priority, now=0.0)
+    assert book.age(299.0) == 0
+
+    def now_at() -> dict[str, int]:
+        return {w.job_id: w.priority for w in book.wants()}
+
+    book.age(300.0)
+    assert now_at() == {"bg": 0, "bg-high": 1, "sync": 4, "custom": 9}
+    book.age(10_000.0)  # late: every promotion that fell due, in order
+    assert now_at() == {"bg": 4, "bg-high": 5, "sync": 4, "custom": 9}
+    assert {w.job_id: w.base for w in book.wants()}["bg"] == -2
+    book.check_invariants()
+
+
+def test_an_aged_want_queues_behind_its_connections_wants_already_there() -> None:
+    """Entering a priority by aging counts as arriving there now (FIFO at that priority)."""
+    book: WantBook[str] = WantBook(aging=10.0)
+    book.add("c", "old-low", "s", 0, now=0.0)
+    book.add("c", "new-high", "s", 2, now=5.0)
+    book.age(10.0)
+    assert [w.job_id for w in book.connection_wants("c")] == ["new-high", "old-low"]
+    picked = book.pick({"s"})
+    assert picked is not None
+    assert picked.job_id == "new-high"
+
+
+def test_without_aging_strict_priority_starves_a_low_want() -> None:
+    """Aging is off by default: a background want waits while normal work keeps coming."""
+    book: WantBook[str] = WantBook()
+    book.add("low", "bg", "s", -2, now=0.0)
+    for n in range(50):
+        book.add("flood", f"f{n}", "s", 0, now=float(n))
+        assert book.age(1e9) == 0
+        picked = book.pick({"s"})
+        assert picked is not None
+        assert picked.job_id == f"f{n}"
+
+
+def test_aging_reaches_a_slot_and_shows_in_the_position() -> None:
+    """A background want climbs to the top band and shares it with a synchronous flood.
+
+    Without aging it would wait behind every synchronous want; POSITION follows.
+    """
+    tokens = itertools.count()
+    broker = Broker(
+        BrokerConfig(
+            instance_id="inst",
+            name="exec",
+            pool=PoolConfig(size=1, unknown_share=1.0, max_slots={"s": 0}, priority_aging=60.0),
+            token_factory=lambda: f"token-{next(tokens):016d}",
+            ping_interval=1e6,
+            ping_timeout=2e6,
+        ),
+        now=100.0,
+    )
+    h = Harness(broker, "flood", "low")
+    running = h.start("flood", "f0")
+    for n in range(1, 4):
+        assert isinstance(h.want("flood", f"f{n}", priority=4), p.Queued)
+    assert isinstance(h.want("low", "bg", priority=-2), p.Queued)
+
+    def ahead() -> int:
+        h.send("low", p.Query(job_id="bg"))
+        (position,) = [m for m in h.frames("low") if isinstance(m, p.Position)]
+        return position.ahead
+
+    assert ahead() == 3  # every synchronous want goes first
+    h.at(100.0 + 179.0)
+    assert ahead() == 3  # at 2 after two intervals: still below
+    h.at(100.0 + 180.0)  # three intervals: -2 -> 0 -> 2 -> 4, the top band
+    assert ahead() == 1  # round-robin there: the flood's next want, then this one
+    offered = []
+    for _ in range(2):
+        broker.job_ended(running, receipt(), now=h.now)
+        (offer,) = [(c, m) for c, m in broker.frames_to_send() if isinstance(m, p.Offer)]
+        offered.append(offer[1].job_id)
+        h.send(
+            "flood" if offer[0] == h.conns["flood"] else "low",
+            p.Job(job_id=offer[1].job_id, token=offer[1].token, service="s", subject=None, job={}),
+        )
+        (start,) = [e for e in broker.effects() if isinstance(e, StartJob)]
+        running = start.run_id
+    assert offered == ["f1", "bg"]
+    broker.check_invariants()
+
+
+def test_priority_aging_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="priority_aging must be positive"):
+        PoolConfig(size=1, priority_aging=0.0)
+    with pytest.raises(ValueError, match="aging must be positive"):
+        WantBook(aging=-1.0)

@@ -97,25 +97,54 @@ from collections import deque
 from collections.abc import Collection, Hashable, Iterator
 from typing import Final, Generic, TypeVar
 
-__all__ = ["ParkedWant", "WantBook"]
+__all__ = ["TOP_BAND", "ParkedWant", "WantBook", "aging_ceiling"]
 
 _RENUMBER_SLACK: Final = 1024
 _COMPACT_SLACK: Final = 16
+
+TOP_BAND: Final = 4
+"""The top priority band (synchronous); aging never lifts a want above it."""
+
+
+def aging_ceiling(base: int) -> int:
+    """The highest priority aging lifts a want parked at ``base`` to.
+
+    The top band, keeping the high variant: 4 for an even ``base``, 5 for an odd
+    one. A want parked at or above its ceiling does not age.
+    """
+    return TOP_BAND + (base & 1)
+
 
 C = TypeVar("C", bound=Hashable)
 
 
 class ParkedWant(Generic[C]):
-    """One parked want. ``seq`` orders wants by arrival (FIFO)."""
+    """One parked want. ``seq`` orders wants by arrival at their priority (FIFO).
 
-    __slots__ = ("conn", "job_id", "live", "priority", "seq", "service")
+    ``priority`` is the priority the grant rule uses now; ``base`` the one it was
+    parked with (they differ once aging lifted it), ``parked_at`` when.
+    """
 
-    def __init__(self, conn: C, job_id: str, service: str, priority: int, seq: int):
+    __slots__ = ("base", "conn", "job_id", "live", "parked_at", "priority", "seq", "service")
+
+    def __init__(
+        self,
+        conn: C,
+        job_id: str,
+        service: str,
+        priority: int,
+        seq: int,
+        *,
+        base: int | None = None,
+        parked_at: float = 0.0,
+    ):
         self.conn = conn
         self.job_id = job_id
         self.service = service
         self.priority = priority
         self.seq = seq
+        self.base = priority if base is None else base
+        self.parked_at = parked_at
         self.live = True
 
     def __repr__(self) -> str:
@@ -221,9 +250,20 @@ class WantBook(Generic[C]):
 
     Connections are any hashable values chosen by the caller. ``job_id`` values
     are unique per connection (the caller refuses duplicates before adding).
+
+    Args:
+        aging: seconds of waiting per band a parked want rises (see *Aging* in
+            the module docstring); None = no aging. Time comes in through
+            :meth:`add` and :meth:`age`.
+
+    Raises:
+        ValueError: ``aging`` is not positive.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, aging: float | None = None) -> None:
+        if aging is not None and not aging > 0:
+            raise ValueError(f"aging must be positive seconds or None, got {aging}")
+        self.aging = aging
         self._reset()
 
     def _reset(self) -> None:
@@ -241,6 +281,8 @@ class WantBook(Generic[C]):
         # empty), and a lazy max-heap of level priorities to find the next one
         self._highest = 0
         self._level_heap: list[int] = []
+        # aging: (due, seq, want) of wants below their ceiling (lazy removal)
+        self._aging_heap: list[tuple[float, int, ParkedWant[C]]] = []
 
     # -- queries ---------------------------------------------------------------
 
@@ -265,18 +307,55 @@ class WantBook(Generic[C]):
 
     # -- changes ---------------------------------------------------------------
 
-    def add(self, conn: C, job_id: str, service: str, priority: int) -> ParkedWant[C]:
-        """Park a want. The connection joins the priority's rotation if new there.
+    def add(
+        self, conn: C, job_id: str, service: str, priority: int, *, now: float = 0.0
+    ) -> ParkedWant[C]:
+        """Park a want at ``now``. The connection joins the priority's rotation if new there.
 
         Raises:
             ValueError: the connection already has a parked want with this job_id.
         """
-        key = (conn, job_id)
-        if key in self._index:
+        if (conn, job_id) in self._index:
             raise ValueError(f"job_id {job_id!r} is already parked on {conn!r}")
+        return self._park(conn, job_id, service, priority, priority, now)
+
+    def age(self, now: float) -> int:
+        """Lift every want whose time came by ``now`` one band (aging); returns how many.
+
+        Promotions are applied in the order they fell due (then by arrival), so
+        calling this late gives the same book as calling it at every due time.
+        A lifted want enters its new priority as if it arrived there now: behind
+        the wants already there in its connection's FIFO, its connection joining
+        that rotation at the tail if new there.
+        """
+        heap = self._aging_heap
+        lifted = 0
+        while heap and heap[0][0] <= now:
+            _, _, want = heapq.heappop(heap)
+            if not want.live:
+                continue
+            self._unlink(want)
+            priority = min(want.priority + 2, aging_ceiling(want.base))
+            self._park(want.conn, want.job_id, want.service, priority, want.base, want.parked_at)
+            lifted += 1
+        return lifted
+
+    def _park(
+        self, conn: C, job_id: str, service: str, priority: int, base: int, parked_at: float
+    ) -> ParkedWant[C]:
         self._seq += 1
-        want = ParkedWant(conn, job_id, service, priority, self._seq)
-        self._index[key] = want
+        want = ParkedWant(
+            conn, job_id, service, priority, self._seq, base=base, parked_at=parked_at
+        )
+        self._index[(conn, job_id)] = want
+        aging = self.aging
+        if aging is not None and priority < aging_ceiling(base):
+            heap = self._aging_heap
+            due = parked_at + ((priority - base) // 2 + 1) * aging
+            heapq.heappush(heap, (due, self._seq, want))
+            if len(heap) > 2 * len(self._index) + 64:
+                heap[:] = [entry for entry in heap if entry[2].live]
+                heapq.heapify(heap)
 
         level = self._levels.get(priority)
         if level is None:
@@ -566,6 +645,13 @@ class WantBook(Generic[C]):
                 for want in live:
                     assert self._index[(conn, want.job_id)] is want
                     assert (want.conn, want.priority) == (conn, priority)
+                    lift = want.priority - want.base
+                    assert lift == 0 or (
+                        self.aging is not None
+                        and lift > 0
+                        and lift % 2 == 0
+                        and want.priority <= aging_ceiling(want.base)
+                    ), f"{want} lifted wrongly"
                 total += len(live)
         assert total == len(self._index)
         for priority, level in self._levels.items():

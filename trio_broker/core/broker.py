@@ -415,7 +415,7 @@ class Broker(SansIOCore[Effect, _TimerKind]):
         super().__init__(now=now, liveness=Liveness(config.ping_interval, config.ping_timeout))
         self.config = config
         self.pool = SlotPool(config.pool)
-        self.book: WantBook[ConnId] = WantBook()
+        self.book: WantBook[ConnId] = WantBook(aging=config.pool.priority_aging)
         self._now = now
         self._conns: dict[ConnId, _Conn] = {}
         self._last_conn_id: ConnId = 0  # ids 1..this were issued
@@ -765,7 +765,7 @@ class Broker(SansIOCore[Effect, _TimerKind]):
         else:
             self.counters["wants"] += 1
             conn.wanted_at[job_id] = self._now
-            self.book.add(conn.id, job_id, want.service, want.priority)
+            self.book.add(conn.id, job_id, want.service, want.priority, now=self._now)
             hold = self._holds.pop(conn.id, None)
             if hold is not None:
                 # The connection kept its turn: its want takes the slot first when
@@ -1184,6 +1184,8 @@ class Broker(SansIOCore[Effect, _TimerKind]):
     def _enter(self, now: float) -> None:
         self._advance(now)
         self._roll_seconds(now)
+        if self.book.aging is not None:
+            self.book.age(now)
 
     def _leave(self) -> None:
         """After every input: grant, track idle, spread HELLO changes."""
