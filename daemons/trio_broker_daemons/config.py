@@ -81,6 +81,9 @@ Top-level keys (:class:`ExecserverConfig`):
     A connection silent this long is dead.
 ``drain_timeout`` (60s, >= 0)
     On SIGTERM, how long running jobs may finish; ``"0"`` stops them at once.
+``priority_aging`` (null)
+    A parked want rises one priority band (2) per this much waiting, up to the
+    top band (4, or 5 for the high variants); null or ``"0"`` = strict priority.
 ``turn_hold`` (0.25s, >= 0)
     How long a slot freed by a connection owed the next turn waits for that
     connection's next ``WANT`` (the *turn hold* of PROTOCOL.md section 10);
@@ -526,6 +529,7 @@ class ExecserverConfig:
     ping_timeout: _Positive = 15.0
     drain_timeout: _Drain = 60.0
     turn_hold: _Drain = 0.25
+    priority_aging: _Timeout = None
     stall_timeout: _Stall = 600.0
     temp_dir: _OptionalPath = None
     max_frame_bytes: _FrameBytes = 1048576

@@ -11,6 +11,7 @@ import os
 from hypothesis import settings
 
 from trio_broker.core.pool import PoolConfig
+from trio_broker.testing.aging import aging_machine
 from trio_broker.testing.book import book_machine
 from trio_broker.testing.machines import broker_machine, round_robin_machine
 from trio_broker.testing.race import race_machine
@@ -93,3 +94,9 @@ TestBook.settings = _budget(300, 50)
 
 TestBookOnePriority = book_machine(services=("x", "y"), priorities=(0,), connections=3).TestCase
 TestBookOnePriority.settings = _budget(200, 50)
+
+TestAgingBound = aging_machine(size=2, connections=3, interval=60.0).TestCase
+TestAgingBound.settings = _budget(150, 60)
+
+TestAgingOneSlot = aging_machine(size=1, connections=4, interval=10.0).TestCase
+TestAgingOneSlot.settings = _budget(100, 60)

@@ -48,6 +48,37 @@ connection waiting for its first grant is never made to wait by a hold, and the
 rule stays deterministic: the hold depends only on the grant numbers the book
 keeps (:attr:`WantBook.grants`, one per grant) and on the time passed in.
 
+Aging
+-----
+
+Off by default (``WantBook(aging=None)``: strict priority). With ``aging=I``
+seconds, a parked want rises one *band* per ``I`` of waiting: by 2, so a normal
+want stays even and a high variant (odd) stays odd (bands: background -2,
+normal 0, interactive 2, synchronous 4, each +1 for its high variant). It stops
+at the top band: 4 for an even priority, 5 for an odd one
+(:func:`aging_ceiling`); a want parked at or above that does not age. Its k-th
+lift falls due at ``parked_at + k * I``. Time is passed in: :meth:`WantBook.age`
+applies every lift due by ``now``, in due order (then arrival), so the broker
+calls it at the start of each input and the book is the same as if each lift
+had happened on time (nothing is granted between inputs). A lifted want enters
+its new priority as a new arrival there: behind its connection's wants already
+at that priority, its connection joining that rotation at the tail if new there.
+A re-park (a new ``WANT`` after a declined or expired offer) starts again from
+its own priority. ``priority`` is the lifted one everywhere: the grant rule,
+:meth:`WantBook.ahead_of` (``POSITION``), the turn hold.
+
+*Bound.* A want W of connection X parked at ``b`` reaches its ceiling ``c`` after
+``k * I`` of waiting, ``k = ceil((c - b) / 2)`` (3 intervals from background to
+synchronous). From then on, while no want is parked above ``c`` and W's service
+fits whenever a slot frees, W is offered a slot after at most
+``(m + 1) * (C - 1)`` offers to other connections, C the open connections and m
+the wants of X that reached ``c`` before W and are still parked: at ``c`` each
+other connection gets at most one offer per turn of X (a connection joining the
+rotation queues behind X, and a turn hold serves a connection at most once
+between two turns of X), and X's turns go to its wants in FIFO order. In time:
+``k * I`` plus the time the pool takes to free ``(m + 1) * (C - 1) + 1`` slots.
+:mod:`trio_broker.testing.aging` checks this bound.
+
 Cost
 ----
 
@@ -72,6 +103,10 @@ the number of wants:
 * **Turn hold.** :meth:`WantBook.turn_comes_first` is O(S): the grant number of
   the rotation's first connection (the lowest bit of the OR of its bitsets) and
   two counts; a hold is decided once per job end, never per grant.
+* **Aging.** One heap of the next lift of each want below its ceiling: a lift
+  is an O(log n) heap step plus an O(1) unlink and park, at most
+  ``ceil((c - b) / 2)`` per want, whatever the number of grants. Nothing on the
+  grant path changes: :meth:`WantBook.pick` never looks at time.
 * **FIFO.** Each connection keeps, per priority, a deque of its wants in arrival
   order and one per service. Removal is lazy (a removed want is marked and skipped
   when it reaches the front), so taking the head is O(1) amortized; a queue whose

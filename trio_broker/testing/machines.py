@@ -548,7 +548,15 @@ def broker_machine(
 
     Returns:
         A state machine class; run it with ``.TestCase`` under pytest/unittest.
+
+    Raises:
+        ValueError: the pool ages priorities (see :func:`~trio_broker.testing.aging.aging_machine`).
     """
+    if pool.priority_aging is not None:
+        raise ValueError(
+            "the reference broker does not model priority_aging: check it with"
+            " trio_broker.testing.aging.aging_machine"
+        )
     threshold = pool.heavy_threshold
     budget = pool.memory_budget
     attributes: dict[str, Any] = {
