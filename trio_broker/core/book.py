@@ -34,6 +34,8 @@ X is *owed the turn* at the job's priority P, that is when all of these hold:
 
 * X has no want parked at P, and no want at all is parked above P;
 * a parked want at P or below would take the slot now;
+* some connection has wants parked at P (the hold arbitrates between connections
+  of one priority only: a slot is never held against lower priorities alone);
 * every connection with wants parked at P has been granted a slot at P after
   X's job was, and none of them waits for its first grant since it joined the
   rotation (:meth:`WantBook.turn_comes_first`: its place comes from a grant).
@@ -509,13 +511,14 @@ class WantBook(Generic[C]):
     def turn_comes_first(self, conn: C, priority: int, since: int) -> bool:
         """Whether ``conn``, last served at ``priority`` by grant ``since``, is owed the turn.
 
-        True when the connection has no want parked at ``priority`` and every
-        connection that has was served there after grant ``since`` (none waits
-        for a turn since it joined). See *Turn hold* in the module docstring.
+        True when the connection has no want parked at ``priority``, some other
+        connection has, and every connection that has was served there after
+        grant ``since`` (none waits for a turn since it joined). See *Turn hold*
+        in the module docstring.
         """
         level = self._levels.get(priority)
         if level is None:
-            return True
+            return False
         granted = level.granted
         if conn in level.stamps or len(granted) < len(level.stamps):
             return False

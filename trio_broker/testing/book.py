@@ -117,7 +117,11 @@ class BookModel:
     def turn_comes_first(self, conn: int, priority: int, since: int) -> bool:
         waiting = self.rotation.get(priority, [])
         served = self.served.get(priority, {})
-        return conn not in waiting and all(c in served and served[c] > since for c in waiting)
+        return (
+            bool(waiting)
+            and conn not in waiting
+            and all(c in served and served[c] > since for c in waiting)
+        )
 
 
 class BookMachine(RuleBasedStateMachine):

@@ -663,7 +663,9 @@ class RoundRobinMachine(RuleBasedStateMachine):
     def _owed(self, conn: int, priority: int, granted: int) -> bool:
         """The turn hold's condition, from the grants this model saw."""
         parked = [(c, prio) for (c, prio), n in self.parked.items() if n > 0]
-        if not parked or any(prio > priority for _, prio in parked) or (conn, priority) in parked:
+        if any(prio > priority for _, prio in parked) or (conn, priority) in parked:
+            return False
+        if not any(prio == priority for _, prio in parked):
             return False
         return all(
             self.last_grant.get((c, prio), -1) >= self.streaks[(c, prio)]

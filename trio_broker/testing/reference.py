@@ -241,7 +241,7 @@ class ReferenceBroker:
         if not self.fits(ended.service) or not any(self.fits(w.service) for w in self.book):
             return
         waiting = self.rotation.get(priority, [])
-        if conn in waiting:
+        if not waiting or conn in waiting:
             return
         served = self.served.get(priority, {})
         # every connection waiting there was served there after this job was
