@@ -64,12 +64,12 @@ TestOnePriorityManyServices.settings = _STEPS
 # oldest want of a connection often does not fit (FIFO among the fitting ones).
 TestCappedServicesFifo = broker_machine(
     PoolConfig(
-        size=4,
+        size=2,
         fast_reserve=0,
         unknown_share=1.0,
-        max_slots={"one": 1, "two": 2, "free": 0, "also": 0},
+        max_slots={"one": 1, "free": 0, "also": 0, "more": 0},
     ),
-    priorities=(0, 1),
+    priorities=(0,),
     job_ids=("a", "b", "c", "d", "e", "f"),
 ).TestCase
 TestCappedServicesFifo.settings = _STEPS
@@ -92,7 +92,9 @@ TestRaceThreeServers.settings = _budget(150, 50)
 TestBook = book_machine().TestCase
 TestBook.settings = _budget(300, 50)
 
-TestBookOnePriority = book_machine(services=("x", "y"), priorities=(0,), connections=3).TestCase
+TestBookOnePriority = book_machine(
+    services=("x", "y", "z"), priorities=(0,), connections=2
+).TestCase
 TestBookOnePriority.settings = _budget(200, 50)
 
 TestAgingBound = aging_machine(size=2, connections=3, interval=60.0).TestCase

@@ -164,6 +164,30 @@ class BookMachine(RuleBasedStateMachine):
             self.book.add(conn, job, service, priority)
             self.model.add(conn, job, service, priority)
 
+    @rule(data=st.data())
+    def burst(self, data: st.DataObject) -> None:
+        """One want of every service, in a random order, from one connection at one priority.
+
+        Then a pick that leaves one service out often finds the connection's
+        oldest want not fitting and several fitting ones: FIFO among those.
+        """
+        conn = self.draw(data, range(self.connections))
+        priority = self.draw(data, self.priorities)
+        for service in data.draw(st.permutations(self.services)):
+            job = f"b-{next(self.fresh)}"
+            self.book.add(conn, job, service, priority)
+            self.model.add(conn, job, service, priority)
+
+    @rule(data=st.data())
+    def pick_all_but_one(self, data: st.DataObject) -> None:
+        """A grant while one service does not fit (a capped or heavy one, say)."""
+        left_out = self.draw(data, self.services)
+        fitting = set(self.services) - {left_out}
+        got = self._shape(self.book.pick(fitting))
+        expected = self.model.pick(fitting)
+        note(f"pick {sorted(fitting)} -> {got}")
+        assert got == expected, f"picked {got}, the rule says {expected}"
+
     @precondition(lambda self: self.model.wants)
     @rule(data=st.data())
     def remove(self, data: st.DataObject) -> None:
