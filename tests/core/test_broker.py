@@ -724,3 +724,17 @@ def test_priority_aging_must_be_positive() -> None:
         PoolConfig(size=1, priority_aging=0.0)
     with pytest.raises(ValueError, match="aging must be positive"):
         WantBook(aging=-1.0)
+
+
+def test_book_fallback_skips_wants_removed_behind_a_service_head() -> None:
+    """The oldest fitting want is found past removed ones at the front of a service's queue."""
+    book: WantBook[str] = WantBook()
+    book.add("c", "h", "heavy", 0)  # the connection's oldest want; it will not fit
+    for job in ("l1", "l2", "l3"):
+        book.add("c", job, "light", 0)
+    book.remove("c", "l2")  # removed in the middle of the light queue...
+    book.remove("c", "l1")  # ...which is its front now
+    picked = book.pick({"light"})
+    assert picked is not None
+    assert picked.job_id == "l3"
+    book.check_invariants()
