@@ -81,6 +81,13 @@ Top-level keys (:class:`ExecserverConfig`):
     A connection silent this long is dead.
 ``drain_timeout`` (60s, >= 0)
     On SIGTERM, how long running jobs may finish; ``"0"`` stops them at once.
+``priority_aging`` (null)
+    A parked want rises one priority band (2) per this much waiting, up to the
+    top band (4, or 5 for the high variants); null or ``"0"`` = strict priority.
+``turn_hold`` (0.25s, >= 0)
+    How long a slot freed by a connection owed the next turn waits for that
+    connection's next ``WANT`` (the *turn hold* of PROTOCOL.md section 10);
+    ``"0"`` offers every freed slot at once.
 ``stall_timeout`` (10m)
     A job without progress this long is stalled; ``"0"`` = no stall supervision.
 ``temp_dir`` (null)
@@ -521,6 +528,8 @@ class ExecserverConfig:
     ping_interval: _Positive = 5.0
     ping_timeout: _Positive = 15.0
     drain_timeout: _Drain = 60.0
+    turn_hold: _Drain = 0.25
+    priority_aging: _Timeout = None
     stall_timeout: _Stall = 600.0
     temp_dir: _OptionalPath = None
     max_frame_bytes: _FrameBytes = 1048576

@@ -175,11 +175,13 @@ def broker_config_from(
             unknown_share=config.unknown_share,
             memory_budget=config.resolved_memory_budget(host),
             max_slots={name: service.max_slots for name, service in config.services.items()},
+            priority_aging=config.priority_aging,
         ),
         offer_ttl=config.offer_ttl,
         ping_interval=config.ping_interval,
         ping_timeout=config.ping_timeout,
         drain_timeout=config.drain_timeout,
+        turn_hold=config.turn_hold,
     )
 
 

@@ -47,6 +47,14 @@ def test_broker_config_takes_the_host_for_auto_values() -> None:
     assert (explicit.size, explicit.fast_reserve, explicit.memory_budget) == (3, 1, 1 << 30)
 
 
+def test_broker_config_takes_the_turn_hold_and_priority_aging() -> None:
+    """turn_hold reaches the broker, priority_aging the pool (the want-book's aging)."""
+    wired = broker_config_from(config(turn_hold="10ms", priority_aging="2m"), HOST)
+    assert (wired.turn_hold, wired.pool.priority_aging) == (0.01, 120.0)
+    default = broker_config_from(config(), HOST)
+    assert (default.turn_hold, default.pool.priority_aging) == (0.25, None)
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="the runner reads /proc")
 async def test_command_runner_takes_threads_and_budget_from_the_host(tmp_path: Path) -> None:
     """A service's threads: 50% of the host's 8 CPUs reach the command as 4; the budget is 2 GiB."""

@@ -1,14 +1,29 @@
-"""The public model checks, run against several pool configurations."""
+"""The public model checks, run against several pool configurations.
+
+``TRIO_BROKER_MODEL_SCALE`` (default 1) scales every example budget here, so a
+mutation run can use a small one (``0.2``) and a soak a large one.
+"""
 
 from __future__ import annotations
+
+import os
 
 from hypothesis import settings
 
 from trio_broker.core.pool import PoolConfig
+from trio_broker.testing.aging import aging_machine
+from trio_broker.testing.book import book_machine
 from trio_broker.testing.machines import broker_machine, round_robin_machine
 from trio_broker.testing.race import race_machine
 
-_STEPS = settings(max_examples=150, stateful_step_count=40)
+_SCALE = float(os.environ.get("TRIO_BROKER_MODEL_SCALE", "1"))
+
+
+def _budget(examples: int, steps: int) -> settings:
+    return settings(max_examples=max(5, round(examples * _SCALE)), stateful_step_count=steps)
+
+
+_STEPS = _budget(150, 40)
 
 TestSmallPool = broker_machine(
     PoolConfig(
@@ -45,14 +60,45 @@ TestOnePriorityManyServices = broker_machine(
 ).TestCase
 TestOnePriorityManyServices.settings = _STEPS
 
+# Capped services, several of them parked per connection at one priority: the
+# oldest want of a connection often does not fit (FIFO among the fitting ones).
+TestCappedServicesFifo = broker_machine(
+    PoolConfig(
+        size=2,
+        fast_reserve=0,
+        unknown_share=1.0,
+        max_slots={"one": 1, "free": 0, "also": 0, "more": 0},
+    ),
+    priorities=(0,),
+    job_ids=("a", "b", "c", "d", "e", "f"),
+).TestCase
+TestCappedServicesFifo.settings = _STEPS
+
 TestRoundRobin = round_robin_machine(size=2, connections=3).TestCase
-TestRoundRobin.settings = settings(max_examples=150, stateful_step_count=60)
+TestRoundRobin.settings = _budget(150, 60)
 
 TestRoundRobinOneSlot = round_robin_machine(size=1, connections=4, priorities=(0,)).TestCase
-TestRoundRobinOneSlot.settings = settings(max_examples=100, stateful_step_count=60)
+TestRoundRobinOneSlot.settings = _budget(100, 60)
+
+TestRoundRobinRefills = round_robin_machine(size=3, connections=3, priorities=(0,)).TestCase
+TestRoundRobinRefills.settings = _budget(100, 60)
 
 TestRaceTwoServers = race_machine(servers=2, slots=(1, 2)).TestCase
-TestRaceTwoServers.settings = settings(max_examples=200, stateful_step_count=50)
+TestRaceTwoServers.settings = _budget(200, 50)
 
 TestRaceThreeServers = race_machine(servers=3, slots=(1, 1, 2), offer_ttl=1.0).TestCase
-TestRaceThreeServers.settings = settings(max_examples=150, stateful_step_count=50)
+TestRaceThreeServers.settings = _budget(150, 50)
+
+TestBook = book_machine().TestCase
+TestBook.settings = _budget(300, 50)
+
+TestBookOnePriority = book_machine(
+    services=("x", "y", "z"), priorities=(0,), connections=2
+).TestCase
+TestBookOnePriority.settings = _budget(200, 50)
+
+TestAgingBound = aging_machine(size=2, connections=3, interval=60.0).TestCase
+TestAgingBound.settings = _budget(150, 60)
+
+TestAgingOneSlot = aging_machine(size=1, connections=4, interval=10.0).TestCase
+TestAgingOneSlot.settings = _budget(100, 60)

@@ -16,8 +16,70 @@ about pools):
    takes the first connection in the rotation that has a fitting want, and moves it
    to the tail (or removes it when it has no wants left there). Connections passed
    over because nothing of theirs fits keep their places.
-3. **FIFO within a connection**, among its fitting wants at that priority: a want
-   that does not fit never blocks one behind it (no head-of-line blocking).
+3. **FIFO within a connection**, among its fitting wants at that priority: the
+   oldest *fitting* want is granted. A want that does not fit never blocks one
+   behind it (no head-of-line blocking).
+
+Turn hold
+---------
+
+The rule above only sees wants that are parked. A client with one job in flight
+parks its next want when the ``DONE`` of the last one arrives, a round trip
+after its slot freed; were the freed slot offered at once, it would go to a
+flooding connection every time, and with equal job lengths (the slots free
+together) the client would lose every other wave: an eighth of 4 slots instead
+of a quarter. So the broker (:mod:`trio_broker.core.broker`) keeps the slot a
+job frees for its connection X for ``turn_hold`` seconds (0.25 by default) when
+X is *owed the turn* at the job's priority P, that is when all of these hold:
+
+* X has no want parked at P, and no want at all is parked above P;
+* a parked want at P or below would take the slot now;
+* some connection has wants parked at P (the hold arbitrates between connections
+  of one priority only: a slot is never held against lower priorities alone);
+* every connection with wants parked at P has been granted a slot at P after
+  X's job was, and none of them waits for its first grant since it joined the
+  rotation (:meth:`WantBook.turn_comes_first`: its place comes from a grant).
+
+A connection holds at most one slot this way. X's next ``WANT`` ends the hold:
+when it is of priority P or above and fits, it is granted at once
+(:meth:`WantBook.grant`), outside the rotation (X keeps its turn); otherwise the
+rule runs as usual. A want parked above P by anyone, the end of ``turn_hold``,
+X closing and draining end the hold too, and the rule runs. So a held slot never
+goes to a lower priority than a want parked while it was held (no inversion), a
+connection waiting for its first grant is never made to wait by a hold, and the
+rule stays deterministic: the hold depends only on the grant numbers the book
+keeps (:attr:`WantBook.grants`, one per grant) and on the time passed in.
+
+Aging
+-----
+
+Off by default (``WantBook(aging=None)``: strict priority). With ``aging=I``
+seconds, a parked want rises one *band* per ``I`` of waiting: by 2, so a normal
+want stays even and a high variant (odd) stays odd (bands: background -2,
+normal 0, interactive 2, synchronous 4, each +1 for its high variant). It stops
+at the top band: 4 for an even priority, 5 for an odd one
+(:func:`aging_ceiling`); a want parked at or above that does not age. Its k-th
+lift falls due at ``parked_at + k * I``. Time is passed in: :meth:`WantBook.age`
+applies every lift due by ``now``, in due order (then arrival), so the broker
+calls it at the start of each input and the book is the same as if each lift
+had happened on time (nothing is granted between inputs). A lifted want enters
+its new priority as a new arrival there: behind its connection's wants already
+at that priority, its connection joining that rotation at the tail if new there.
+A re-park (a new ``WANT`` after a declined or expired offer) starts again from
+its own priority. ``priority`` is the lifted one everywhere: the grant rule,
+:meth:`WantBook.ahead_of` (``POSITION``), the turn hold.
+
+*Bound.* A want W of connection X parked at ``b`` reaches its ceiling ``c`` after
+``k * I`` of waiting, ``k = ceil((c - b) / 2)`` (3 intervals from background to
+synchronous). From then on, while no want is parked above ``c`` and W's service
+fits whenever a slot frees, W is offered a slot after at most
+``(m + 1) * (C - 1)`` offers to other connections, C the open connections and m
+the wants of X that reached ``c`` before W and are still parked: at ``c`` each
+other connection gets at most one offer per turn of X (a connection joining the
+rotation queues behind X, and a turn hold serves a connection at most once
+between two turns of X), and X's turns go to its wants in FIFO order. In time:
+``k * I`` plus the time the pool takes to free ``(m + 1) * (C - 1) + 1`` slots.
+:mod:`trio_broker.testing.aging` checks this bound.
 
 Cost
 ----
@@ -40,6 +102,13 @@ the number of wants:
   another in each of its services' bitsets. When the stamps spread too far apart
   (a connection passed over for a long time keeps its old stamp) the level
   renumbers its connections in order: O(n) once per O(n) grants.
+* **Turn hold.** :meth:`WantBook.turn_comes_first` is O(S): the grant number of
+  the rotation's first connection (the lowest bit of the OR of its bitsets) and
+  two counts; a hold is decided once per job end, never per grant.
+* **Aging.** One heap of the next lift of each want below its ceiling: a lift
+  is an O(log n) heap step plus an O(1) unlink and park, at most
+  ``ceil((c - b) / 2)`` per want, whatever the number of grants. Nothing on the
+  grant path changes: :meth:`WantBook.pick` never looks at time.
 * **FIFO.** Each connection keeps, per priority, a deque of its wants in arrival
   order and one per service. Removal is lazy (a removed want is marked and skipped
   when it reaches the front), so taking the head is O(1) amortized; a queue whose
@@ -54,7 +123,8 @@ Invariants (checked by :meth:`WantBook.check_invariants`)
 * every parked want is reachable from its connection, its level and its service;
 * a connection is in a priority's rotation exactly when it has wants parked there,
   and its bits are set exactly for the services it has wants of;
-* the counts per level, per connection and per (service, priority) match the wants.
+* the counts per level, per connection and per (service, priority) match the wants;
+* the connections whose place in a rotation came from a grant are in grant order.
 """
 
 from __future__ import annotations
@@ -64,25 +134,54 @@ from collections import deque
 from collections.abc import Collection, Hashable, Iterator
 from typing import Final, Generic, TypeVar
 
-__all__ = ["ParkedWant", "WantBook"]
+__all__ = ["TOP_BAND", "ParkedWant", "WantBook", "aging_ceiling"]
 
 _RENUMBER_SLACK: Final = 1024
 _COMPACT_SLACK: Final = 16
+
+TOP_BAND: Final = 4
+"""The top priority band (synchronous); aging never lifts a want above it."""
+
+
+def aging_ceiling(base: int) -> int:
+    """The highest priority aging lifts a want parked at ``base`` to.
+
+    The top band, keeping the high variant: 4 for an even ``base``, 5 for an odd
+    one. A want parked at or above its ceiling does not age.
+    """
+    return TOP_BAND + (base & 1)
+
 
 C = TypeVar("C", bound=Hashable)
 
 
 class ParkedWant(Generic[C]):
-    """One parked want. ``seq`` orders wants by arrival (FIFO)."""
+    """One parked want. ``seq`` orders wants by arrival at their priority (FIFO).
 
-    __slots__ = ("conn", "job_id", "live", "priority", "seq", "service")
+    ``priority`` is the priority the grant rule uses now; ``base`` the one it was
+    parked with (they differ once aging lifted it), ``parked_at`` when.
+    """
 
-    def __init__(self, conn: C, job_id: str, service: str, priority: int, seq: int):
+    __slots__ = ("base", "conn", "job_id", "live", "parked_at", "priority", "seq", "service")
+
+    def __init__(
+        self,
+        conn: C,
+        job_id: str,
+        service: str,
+        priority: int,
+        seq: int,
+        *,
+        base: int | None = None,
+        parked_at: float = 0.0,
+    ):
         self.conn = conn
         self.job_id = job_id
         self.service = service
         self.priority = priority
         self.seq = seq
+        self.base = priority if base is None else base
+        self.parked_at = parked_at
         self.live = True
 
     def __repr__(self) -> str:
@@ -151,7 +250,7 @@ class _Queue(Generic[C]):
 class _Level(Generic[C]):
     """The wants parked at one priority: the rotation as stamps and bitsets."""
 
-    __slots__ = ("base", "bits", "conn_at", "count", "next_stamp", "stamps")
+    __slots__ = ("base", "bits", "conn_at", "count", "granted", "next_stamp", "stamps")
 
     def __init__(self) -> None:
         self.count = 0
@@ -163,6 +262,16 @@ class _Level(Generic[C]):
         # service -> bitset: bit (stamp - base) set when that connection holds
         # wants of the service at this priority
         self.bits: dict[str, int] = {}
+        # connection -> the grant number that gave it its place, for connections
+        # whose place comes from a grant here (the others joined and still wait)
+        self.granted: dict[C, int] = {}
+
+    def head(self) -> C:
+        """The first connection of the rotation (the level has one)."""
+        union = 0
+        for bits in self.bits.values():
+            union |= bits
+        return self.conn_at[(union & -union).bit_length() - 1 + self.base]
 
     def join(self, conn: C) -> int:
         """Put a connection at the tail of the rotation; returns its bit index."""
@@ -178,13 +287,26 @@ class WantBook(Generic[C]):
 
     Connections are any hashable values chosen by the caller. ``job_id`` values
     are unique per connection (the caller refuses duplicates before adding).
+
+    Args:
+        aging: seconds of waiting per band a parked want rises (see *Aging* in
+            the module docstring); None = no aging. Time comes in through
+            :meth:`add` and :meth:`age`.
+
+    Raises:
+        ValueError: ``aging`` is not positive.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, aging: float | None = None) -> None:
+        if aging is not None and not aging > 0:
+            raise ValueError(f"aging must be positive seconds or None, got {aging}")
+        self.aging = aging
         self._reset()
 
     def _reset(self) -> None:
         self._seq = 0
+        self.grants = 0
+        """How many wants :meth:`pick` has granted (the number of the last grant)."""
         self._levels: dict[int, _Level[C]] = {}
         # conn -> priority -> its queue there
         self._conns: dict[C, dict[int, _Queue[C]]] = {}
@@ -196,6 +318,8 @@ class WantBook(Generic[C]):
         # empty), and a lazy max-heap of level priorities to find the next one
         self._highest = 0
         self._level_heap: list[int] = []
+        # aging: (due, seq, want) of wants below their ceiling (lazy removal)
+        self._aging_heap: list[tuple[float, int, ParkedWant[C]]] = []
 
     # -- queries ---------------------------------------------------------------
 
@@ -220,18 +344,55 @@ class WantBook(Generic[C]):
 
     # -- changes ---------------------------------------------------------------
 
-    def add(self, conn: C, job_id: str, service: str, priority: int) -> ParkedWant[C]:
-        """Park a want. The connection joins the priority's rotation if new there.
+    def add(
+        self, conn: C, job_id: str, service: str, priority: int, *, now: float = 0.0
+    ) -> ParkedWant[C]:
+        """Park a want at ``now``. The connection joins the priority's rotation if new there.
 
         Raises:
             ValueError: the connection already has a parked want with this job_id.
         """
-        key = (conn, job_id)
-        if key in self._index:
+        if (conn, job_id) in self._index:
             raise ValueError(f"job_id {job_id!r} is already parked on {conn!r}")
+        return self._park(conn, job_id, service, priority, priority, now)
+
+    def age(self, now: float) -> int:
+        """Lift every want whose time came by ``now`` one band (aging); returns how many.
+
+        Promotions are applied in the order they fell due (then by arrival), so
+        calling this late gives the same book as calling it at every due time.
+        A lifted want enters its new priority as if it arrived there now: behind
+        the wants already there in its connection's FIFO, its connection joining
+        that rotation at the tail if new there.
+        """
+        heap = self._aging_heap
+        lifted = 0
+        while heap and heap[0][0] <= now:
+            _, _, want = heapq.heappop(heap)
+            if not want.live:
+                continue
+            self._unlink(want)
+            priority = min(want.priority + 2, aging_ceiling(want.base))
+            self._park(want.conn, want.job_id, want.service, priority, want.base, want.parked_at)
+            lifted += 1
+        return lifted
+
+    def _park(
+        self, conn: C, job_id: str, service: str, priority: int, base: int, parked_at: float
+    ) -> ParkedWant[C]:
         self._seq += 1
-        want = ParkedWant(conn, job_id, service, priority, self._seq)
-        self._index[key] = want
+        want = ParkedWant(
+            conn, job_id, service, priority, self._seq, base=base, parked_at=parked_at
+        )
+        self._index[(conn, job_id)] = want
+        aging = self.aging
+        if aging is not None and priority < aging_ceiling(base):
+            heap = self._aging_heap
+            due = parked_at + ((priority - base) // 2 + 1) * aging
+            heapq.heappush(heap, (due, self._seq, want))
+            if len(heap) > 2 * len(self._index) + 64:
+                heap[:] = [entry for entry in heap if entry[2].live]
+                heapq.heapify(heap)
 
         level = self._levels.get(priority)
         if level is None:
@@ -328,10 +489,51 @@ class WantBook(Generic[C]):
                     head = wants[0]
                     if not head.live:
                         head = queue.service_head(service)
-                    if first_seq < 0 or head.seq > first_seq:
+                    if first_seq < 0 or head.seq < first_seq:
                         chosen, first_seq = head, head.seq
+        self.grants += 1
         self._unlink(chosen, granted=True)
         return chosen
+
+    def highest(self) -> int | None:
+        """The highest priority with a parked want; None when the book is empty."""
+        return self._highest if self._levels else None
+
+    def fitting_priority(self, fitting: Collection[str]) -> int | None:
+        """The priority :meth:`pick` would grant at now; None when nothing fits."""
+        if not self._levels:
+            return None
+        bits = self._levels[self._highest].bits
+        if any(bits.get(service, 0) for service in fitting):
+            return self._highest
+        return self._best_fitting_priority(fitting)
+
+    def turn_comes_first(self, conn: C, priority: int, since: int) -> bool:
+        """Whether ``conn``, last served at ``priority`` by grant ``since``, is owed the turn.
+
+        True when the connection has no want parked at ``priority``, some other
+        connection has, and every connection that has was served there after
+        grant ``since`` (none waits for a turn since it joined). See *Turn hold*
+        in the module docstring.
+        """
+        level = self._levels.get(priority)
+        if level is None:
+            return False
+        granted = level.granted
+        if conn in level.stamps or len(granted) < len(level.stamps):
+            return False
+        return granted[level.head()] > since
+
+    def grant(self, conn: C, job_id: str) -> ParkedWant[C]:
+        """Grant this parked want now, outside the rule (the turn hold); see :meth:`pick`.
+
+        Raises:
+            KeyError: no such want is parked.
+        """
+        want = self._index[(conn, job_id)]
+        self.grants += 1
+        self._unlink(want, granted=True)
+        return want
 
     # -- position ----------------------------------------------------------------
 
@@ -411,8 +613,10 @@ class WantBook(Generic[C]):
                 del self._conns[conn]
             del level.stamps[conn]
             del level.conn_at[stamp]
+            level.granted.pop(conn, None)
         elif granted:
             # Move the served connection to the tail of the rotation.
+            level.granted[conn] = self.grants
             del level.conn_at[stamp]
             flip = (1 << (stamp - level.base)) | (1 << level.join(conn))
             bits = level.bits
@@ -479,6 +683,13 @@ class WantBook(Generic[C]):
                 for want in live:
                     assert self._index[(conn, want.job_id)] is want
                     assert (want.conn, want.priority) == (conn, priority)
+                    lift = want.priority - want.base
+                    assert lift == 0 or (
+                        self.aging is not None
+                        and lift > 0
+                        and lift % 2 == 0
+                        and want.priority <= aging_ceiling(want.base)
+                    ), f"{want} lifted wrongly"
                 total += len(live)
         assert total == len(self._index)
         for priority, level in self._levels.items():
@@ -487,6 +698,11 @@ class WantBook(Generic[C]):
             for conn, stamp in level.stamps.items():
                 assert priority in self._conns.get(conn, {}), "rotation holds an idle conn"
                 assert level.conn_at[stamp] == conn
+            # places that came from grants are in grant order along the rotation
+            served = [level.granted[c] for c in self.rotation(priority) if c in level.granted]
+            assert served == sorted(served), "grant numbers out of rotation order"
+            assert all(0 < n <= self.grants for n in served)
+            assert set(level.granted) <= set(level.stamps)
             assert len(level.conn_at) == len(level.stamps)
             for service, bits in level.bits.items():
                 holders = [c for c in level.stamps if service in self._conns[c][priority].counts]

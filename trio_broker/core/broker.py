@@ -76,7 +76,7 @@ from typing import Any, Final, Literal, TypeAlias
 import attrs
 
 from trio_broker.core import protocol as p
-from trio_broker.core.book import WantBook
+from trio_broker.core.book import ParkedWant, WantBook
 from trio_broker.core.errors import BrokerUsageError
 from trio_broker.core.figures import STATS_INTERVAL, JobFigures, Subscriptions, service_figures
 from trio_broker.core.liveness import Liveness
@@ -123,6 +123,9 @@ class BrokerConfig:
         ping_interval: send ``PING`` after sending nothing for this long.
         ping_timeout: close a connection that sent nothing for this long.
         drain_timeout: how long running jobs may finish after :meth:`Broker.drain`.
+        turn_hold: how long a slot freed by a connection that is owed the next turn
+            waits for that connection's next ``WANT`` (0 = never held); see
+            *Turn hold* in :mod:`trio_broker.core.book`.
         recent_receipts: how many finished jobs :meth:`Broker.statistics` keeps.
         token_factory: makes offer tokens (tests pass a deterministic one).
     """
@@ -134,6 +137,7 @@ class BrokerConfig:
     ping_interval: float = 5.0
     ping_timeout: float = 15.0
     drain_timeout: float = 60.0
+    turn_hold: float = 0.25
     recent_receipts: int = 100
     token_factory: Callable[[], str] = new_token
 
@@ -141,8 +145,9 @@ class BrokerConfig:
         for name in ("offer_ttl", "ping_interval", "ping_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.drain_timeout < 0:
-            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        for name in ("drain_timeout", "turn_hold"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 @attrs.frozen(kw_only=True)
@@ -266,7 +271,16 @@ class BrokerStatistics:
 
 
 class _Offer:
-    __slots__ = ("conn", "expires_at", "job_id", "priority", "reserved", "service", "token")
+    __slots__ = (
+        "conn",
+        "expires_at",
+        "grant_no",
+        "job_id",
+        "priority",
+        "reserved",
+        "service",
+        "token",
+    )
 
     def __init__(
         self,
@@ -277,6 +291,7 @@ class _Offer:
         priority: int,
         expires_at: float,
         reserved: int,
+        grant_no: int = 0,
     ) -> None:
         self.token = token
         self.conn = conn
@@ -285,6 +300,22 @@ class _Offer:
         self.priority = priority
         self.expires_at = expires_at
         self.reserved = reserved
+        self.grant_no = grant_no
+
+
+class _Hold:
+    """A freed slot kept for the connection owed the next turn at ``priority``."""
+
+    __slots__ = ("conn", "expires_at", "priority", "reserved", "service")
+
+    def __init__(
+        self, conn: ConnId, service: str, priority: int, reserved: int, expires_at: float
+    ) -> None:
+        self.conn = conn
+        self.service = service
+        self.priority = priority
+        self.reserved = reserved
+        self.expires_at = expires_at
 
 
 class _Run:
@@ -292,7 +323,9 @@ class _Run:
         "aborting",
         "client",
         "conn",
+        "grant_no",
         "job_id",
+        "priority",
         "reserved",
         "run_id",
         "service",
@@ -311,6 +344,8 @@ class _Run:
         *,
         wait_s: float = 0.0,
         client: str | None = None,
+        priority: int = 0,
+        grant_no: int = 0,
     ) -> None:
         self.run_id = run_id
         self.conn = conn
@@ -320,6 +355,8 @@ class _Run:
         self.reserved = reserved
         self.wait_s = wait_s
         self.client = client
+        self.priority = priority
+        self.grant_no = grant_no
         self.aborting: str | None = None
 
 
@@ -357,7 +394,9 @@ class _Conn:
         self.wanted_at: dict[str, float] = {}
 
 
-_TimerKind: TypeAlias = Literal["offer", "ping", "dead", "hello", "second", "drain", "stats"]
+_TimerKind: TypeAlias = Literal[
+    "offer", "ping", "dead", "hello", "second", "drain", "stats", "hold"
+]
 
 
 # -- the broker ------------------------------------------------------------------------
@@ -376,13 +415,15 @@ class Broker(SansIOCore[Effect, _TimerKind]):
         super().__init__(now=now, liveness=Liveness(config.ping_interval, config.ping_timeout))
         self.config = config
         self.pool = SlotPool(config.pool)
-        self.book: WantBook[ConnId] = WantBook()
+        self.book: WantBook[ConnId] = WantBook(aging=config.pool.priority_aging)
         self._now = now
         self._conns: dict[ConnId, _Conn] = {}
         self._last_conn_id: ConnId = 0  # ids 1..this were issued
         self._run_ids = itertools.count(1)
         self._offers: dict[str, _Offer] = {}
         self._runs: dict[RunId, _Run] = {}
+        # turn holds: connection -> the slot kept for its next WANT
+        self._holds: dict[ConnId, _Hold] = {}
         self._recent: deque[FinishedJob] = deque(maxlen=config.recent_receipts)
         # STATS: the figures of ended jobs, and the connections that subscribed
         self.figures = JobFigures()
@@ -510,6 +551,7 @@ class Broker(SansIOCore[Effect, _TimerKind]):
         if delivered:
             assert conn is not None
             del conn.runs[run.job_id]
+            self._maybe_hold(conn, run)
         # The freed slot is offered before DONE goes out: the next job's client
         # can answer with JOB without first reading the receipt.
         self._grant()
@@ -564,6 +606,8 @@ class Broker(SansIOCore[Effect, _TimerKind]):
             for offer in list(self._offers.values()):
                 self._release_offer(offer)
                 self.counters["offers_withdrawn"] += 1
+            for conn_id in list(self._holds):
+                self._release_hold(conn_id)
             # A draining HELLO goes out at once, whatever the one-second window.
             self._hello_shared = self._shared_hello()
             for conn in self._conns.values():
@@ -622,7 +666,9 @@ class Broker(SansIOCore[Effect, _TimerKind]):
                 kind=pool.kind(name),
                 max_slots=pool.config.max_slots[name],
                 capacity=pool.capacity(name),
-                running=stats.busy - offered_by_service.get(name, 0),
+                running=stats.busy
+                - offered_by_service.get(name, 0)
+                - sum(1 for h in self._holds.values() if h.service == name),
                 offered=offered_by_service.get(name, 0),
                 parked=parked_by_service.get(name, 0),
                 completed=stats.completed,
@@ -719,7 +765,14 @@ class Broker(SansIOCore[Effect, _TimerKind]):
         else:
             self.counters["wants"] += 1
             conn.wanted_at[job_id] = self._now
-            self.book.add(conn.id, job_id, want.service, want.priority)
+            self.book.add(conn.id, job_id, want.service, want.priority, now=self._now)
+            hold = self._holds.pop(conn.id, None)
+            if hold is not None:
+                # The connection kept its turn: its want takes the slot first when
+                # it is of the held priority or above and fits.
+                self.pool.release(hold.service, hold.reserved)
+                if want.priority >= hold.priority and self.pool.fits(want.service):
+                    self._offer(self.book.grant(conn.id, job_id))
             self._grant()
             if (conn.id, job_id) in self.book:
                 self._send(conn, p.Queued(job_id=job_id))
@@ -762,6 +815,8 @@ class Broker(SansIOCore[Effect, _TimerKind]):
             offer.reserved,
             wait_s=self._now - conn.wanted_at.pop(job_id, self._now),
             client=conn.register.name if conn.register else None,
+            priority=offer.priority,
+            grant_no=offer.grant_no,
         )
         self._runs[run.run_id] = run
         conn.runs[job_id] = run
@@ -838,6 +893,8 @@ class Broker(SansIOCore[Effect, _TimerKind]):
         if self.draining:
             return
         pool, book = self.pool, self.book
+        if self._holds:
+            self._release_outranked_holds()
         while len(book):
             fitting = pool.fitting()
             if not fitting:
@@ -845,25 +902,68 @@ class Broker(SansIOCore[Effect, _TimerKind]):
             want = book.pick(fitting)
             if want is None:
                 return
-            conn = self._conns[want.conn]
-            token = self.config.token_factory()
-            if token in self._offers:  # pragma: no cover - 128 random bits
-                raise BrokerUsageError("token_factory returned a token that is still live")
-            reserved = pool.acquire(want.service)
-            offer = _Offer(
-                token,
-                conn.id,
-                want.job_id,
-                want.service,
-                want.priority,
-                self._now + self.config.offer_ttl,
-                reserved,
-            )
-            self._offers[token] = offer
-            conn.offers[want.job_id] = offer
-            self.counters["offers"] += 1
-            self._push_timer(offer.expires_at, "offer", token)
-            self._send(conn, p.Offer(job_id=want.job_id, token=token))
+            self._offer(want)
+
+    def _offer(self, want: ParkedWant[ConnId]) -> None:
+        """Send the OFFER for a want the book just granted; its slot is busy now."""
+        pool = self.pool
+        conn = self._conns[want.conn]
+        token = self.config.token_factory()
+        if token in self._offers:  # pragma: no cover - 128 random bits
+            raise BrokerUsageError("token_factory returned a token that is still live")
+        reserved = pool.acquire(want.service)
+        offer = _Offer(
+            token,
+            conn.id,
+            want.job_id,
+            want.service,
+            want.priority,
+            self._now + self.config.offer_ttl,
+            reserved,
+            self.book.grants,
+        )
+        self._offers[token] = offer
+        conn.offers[want.job_id] = offer
+        self.counters["offers"] += 1
+        self._push_timer(offer.expires_at, "offer", token)
+        self._send(conn, p.Offer(job_id=want.job_id, token=token))
+
+    def _maybe_hold(self, conn: _Conn, run: _Run) -> None:
+        """Keep the slot a job just freed for its connection when it is owed the turn.
+
+        See *Turn hold* in :mod:`trio_broker.core.book`: the connection has no
+        want parked at the job's priority, no want above it is parked, a want at
+        or below it would take the slot now, and every connection with wants at
+        that priority was served there after this job was.
+        """
+        hold_for = self.config.turn_hold
+        if not hold_for or self.draining or conn.id in self._holds:
+            return
+        pool, book = self.pool, self.book
+        priority, service = run.priority, run.service
+        highest = book.highest()
+        if highest is None or highest > priority or not pool.fits(service):
+            return
+        granted_at = book.fitting_priority(pool.fitting())
+        if granted_at is None or not book.turn_comes_first(conn.id, priority, run.grant_no):
+            return
+        hold = _Hold(conn.id, service, priority, pool.acquire(service), self._now + hold_for)
+        self._holds[conn.id] = hold
+        self._push_timer(hold.expires_at, "hold", conn.id)
+
+    def _release_hold(self, conn_id: ConnId) -> None:
+        hold = self._holds.pop(conn_id, None)
+        if hold is not None:
+            self.pool.release(hold.service, hold.reserved)
+
+    def _release_outranked_holds(self) -> None:
+        """A want parked above a held priority ends that hold (no inversion)."""
+        highest = self.book.highest()
+        if highest is None:
+            return
+        for conn_id, hold in list(self._holds.items()):
+            if hold.priority < highest:
+                self._release_hold(conn_id)
 
     def _release_offer(self, offer: _Offer) -> None:
         del self._offers[offer.token]
@@ -887,6 +987,7 @@ class Broker(SansIOCore[Effect, _TimerKind]):
         self.counters["connections_closed"] += 1
         self._subscriptions.discard(conn_id)
         self.book.remove_connection(conn_id)
+        self._release_hold(conn_id)
         for offer in list(conn.offers.values()):
             self._release_offer(offer)
         for run in conn.runs.values():
@@ -930,6 +1031,10 @@ class Broker(SansIOCore[Effect, _TimerKind]):
                 conn.hello_scheduled = False
                 if conn.hello_told != self._hello_shared:
                     self._send_hello(conn)
+        elif kind == "hold":
+            hold = self._holds.get(key)
+            if hold is not None and hold.expires_at <= now:
+                self._release_hold(key)
         elif kind == "second":
             self._second_scheduled = False
         elif kind == "drain":
@@ -1079,6 +1184,8 @@ class Broker(SansIOCore[Effect, _TimerKind]):
     def _enter(self, now: float) -> None:
         self._advance(now)
         self._roll_seconds(now)
+        if self.book.aging is not None:
+            self.book.age(now)
 
     def _leave(self) -> None:
         """After every input: grant, track idle, spread HELLO changes."""
@@ -1118,13 +1225,23 @@ class Broker(SansIOCore[Effect, _TimerKind]):
         pool = self.pool
         pool.check_invariants()
         self.book.check_invariants()
-        assert pool.busy == len(self._offers) + len(self._runs), "busy != offers + runs"
+        holds = self._holds.values()
+        assert pool.busy == len(self._offers) + len(self._runs) + len(holds), (
+            "busy != offers + runs + holds"
+        )
         assert pool.memory_reserved == sum(o.reserved for o in self._offers.values()) + sum(
             r.reserved for r in self._runs.values()
-        )
+        ) + sum(h.reserved for h in holds)
+        highest = self.book.highest()
+        for conn_id, hold in self._holds.items():
+            assert conn_id in self._conns, "hold of a closed connection"
+            assert highest is None or highest <= hold.priority, "a hold outranked"
+            assert not self.draining
         for service, stats in pool.services.items():
-            held = sum(1 for o in self._offers.values() if o.service == service) + sum(
-                1 for r in self._runs.values() if r.service == service
+            held = (
+                sum(1 for o in self._offers.values() if o.service == service)
+                + sum(1 for r in self._runs.values() if r.service == service)
+                + sum(1 for h in holds if h.service == service)
             )
             assert stats.busy == held, f"{service}: busy {stats.busy} != held {held}"
         if not self.draining and len(self.book):

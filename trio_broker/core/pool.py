@@ -65,6 +65,9 @@ class PoolConfig:
         memory_budget: bytes the busy slots' footprints may add up to; None = no limit.
         max_slots: every offered service with its cap (0 = no cap beyond the pool).
         window: how many recent runs the rolling mean and footprint look at.
+        priority_aging: seconds of waiting per band a parked want rises (one band
+            is 2; never above the top band, 4 or 5 for the high variant); None =
+            strict priority. See *Aging* in :mod:`trio_broker.core.book`.
     """
 
     size: int = attrs.field(validator=_positive)
@@ -74,12 +77,17 @@ class PoolConfig:
     memory_budget: int | None = None
     max_slots: Mapping[str, int] = attrs.field(factory=dict)
     window: int = attrs.field(default=20, validator=_positive)
+    priority_aging: float | None = None
 
     def __attrs_post_init__(self) -> None:
         if not 0 <= self.fast_reserve <= self.size:
             raise ValueError(f"fast_reserve must be within 0..{self.size}, got {self.fast_reserve}")
         if not 0 < self.unknown_share <= 1:
             raise ValueError(f"unknown_share must be within (0, 1], got {self.unknown_share}")
+        if self.priority_aging is not None and not self.priority_aging > 0:
+            raise ValueError(
+                f"priority_aging must be positive seconds or None, got {self.priority_aging}"
+            )
         if self.heavy_threshold <= 0:
             raise ValueError(f"heavy_threshold must be positive, got {self.heavy_threshold}")
         for name, cap in self.max_slots.items():

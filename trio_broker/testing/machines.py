@@ -23,7 +23,11 @@ frames, draining — and after every step checks that:
 2. the broker is work-conserving: no free slot coexists with a fitting want;
 3. no offer goes to a want while a fitting want of higher priority is parked;
 4. round-robin follows the rotation of the protocol (the reference keeps it);
-5. wants of one connection, priority and service are offered in arrival order;
+5. FIFO among the fitting wants: every pick (checked on the real want-book by
+   :func:`check_pick`) takes the highest fitting priority, the first connection
+   of its rotation with a fitting want, and that connection's oldest *fitting*
+   want there, even when its oldest want does not fit (a ``want_burst`` parks
+   several services, capped ones first, from one connection at one priority);
 6. every token is redeemed at most once, and expiry, DECLINE, UNWANT, CANCEL and
    close never leak or double-count a slot;
 7. a closed connection leaves no want, offer or token behind;
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import itertools
 from bisect import bisect_left
+from collections.abc import Collection
 from typing import Any, ClassVar
 
 from hypothesis import note
@@ -53,6 +58,7 @@ from hypothesis.stateful import (
 )
 
 from trio_broker.core import protocol as p
+from trio_broker.core.book import ParkedWant, WantBook
 from trio_broker.core.broker import (
     AbortJob,
     Broker,
@@ -64,7 +70,14 @@ from trio_broker.core.pool import PoolConfig
 from trio_broker.testing.reference import ReferenceBroker
 from trio_broker.testing.values import receipt as make_receipt
 
-__all__ = ["BrokerMachine", "RoundRobinMachine", "broker_machine", "round_robin_machine"]
+__all__ = [
+    "BrokerMachine",
+    "RoundRobinMachine",
+    "broker_machine",
+    "check_pick",
+    "round_robin_machine",
+    "watch_picks",
+]
 
 _NEVER = 1e12  # liveness is out of scope here; it has explicit-clock tests of its own
 
@@ -89,6 +102,55 @@ _STATUSES: tuple[p.Status, ...] = (
     "stopped",
     "error",
 )
+
+
+def check_pick(
+    wants: list[tuple[int, str, str, int, int]],
+    rotations: dict[int, list[Any]],
+    fitting: Collection[str],
+    chosen: tuple[Any, str, str, int, int] | None,
+) -> None:
+    """Assert that one grant followed the rule, from the book as it was just before.
+
+    ``wants`` are ``(conn, job_id, service, priority, seq)`` of every parked want,
+    ``rotations`` each priority's rotation, ``fitting`` the services that fit,
+    ``chosen`` the picked want (same shape) or None. The rule: the highest
+    fitting priority, the first connection of its rotation with a fitting want
+    there, and that connection's *oldest fitting* want at that priority.
+    """
+    candidates = [w for w in wants if w[2] in fitting]
+    if not candidates:
+        assert chosen is None, f"{chosen} picked while nothing fits"
+        return
+    assert chosen is not None, f"nothing picked while {candidates} fit"
+    top = max(w[3] for w in candidates)
+    assert chosen[3] == top, f"{chosen} picked below priority {top}"
+    at_top = [w for w in candidates if w[3] == top]
+    first = next(c for c in rotations[top] if any(w[0] == c for w in at_top))
+    assert chosen[0] == first, f"{chosen} picked before the turn of {first!r}"
+    oldest = min((w for w in at_top if w[0] == first), key=lambda w: w[4])
+    assert chosen == oldest, f"FIFO among fitting wants broken: {chosen} before {oldest}"
+
+
+def watch_picks(book: WantBook[Any]) -> None:
+    """Check every :meth:`WantBook.pick` of this book with :func:`check_pick`."""
+    pick = book.pick
+
+    def checked(fitting: Collection[str]) -> ParkedWant[Any] | None:
+        wants = [(w.conn, w.job_id, w.service, w.priority, w.seq) for w in book.wants()]
+        rotations = {prio: book.rotation(prio) for prio in {w[3] for w in wants}}
+        chosen = pick(fitting)
+        check_pick(
+            wants,
+            rotations,
+            fitting,
+            None
+            if chosen is None
+            else (chosen.conn, chosen.job_id, chosen.service, chosen.priority, chosen.seq),
+        )
+        return chosen
+
+    setattr(book, "pick", checked)  # noqa: B010 - shadows the method on this instance
 
 
 def _comparable(
@@ -122,6 +184,7 @@ class BrokerMachine(RuleBasedStateMachine):
     job_ids: ClassVar[tuple[str, ...]] = ("a", "b", "c", "d")
     offer_ttl: ClassVar[float] = 5.0
     drain_timeout: ClassVar[float] = 20.0
+    turn_hold: ClassVar[float] = 0.25
     durations: ClassVar[tuple[float, ...]] = (0.5, 30.0)
     peaks: ClassVar[tuple[int | None, ...]] = (None, 100, 600)
 
@@ -130,7 +193,10 @@ class BrokerMachine(RuleBasedStateMachine):
         self.now = 0.0
         tokens = itertools.count()
         self.ref = ReferenceBroker(
-            pool=self.pool_config, offer_ttl=self.offer_ttl, drain_timeout=self.drain_timeout
+            pool=self.pool_config,
+            offer_ttl=self.offer_ttl,
+            drain_timeout=self.drain_timeout,
+            turn_hold=self.turn_hold,
         )
         self.real = Broker(
             BrokerConfig(
@@ -141,10 +207,12 @@ class BrokerMachine(RuleBasedStateMachine):
                 ping_interval=_NEVER,
                 ping_timeout=_NEVER,
                 drain_timeout=self.drain_timeout,
+                turn_hold=self.turn_hold,
                 token_factory=lambda: self.ref.token(next(tokens)),
             ),
             now=self.now,
         )
+        watch_picks(self.real.book)
         self.open: list[int] = []
         # what the machine knows from the real broker's outputs
         self.offers: dict[str, tuple[int, str, str]] = {}  # token -> conn, job_id, service
@@ -323,6 +391,22 @@ class BrokerMachine(RuleBasedStateMachine):
             )
 
     @precondition(lambda self: self.open)
+    @rule(data=st.data(), count=st.integers(2, 4))
+    def want_burst(self, data: st.DataObject, count: int) -> None:
+        """Several services from one connection at one priority, capped ones first.
+
+        A capped service often does not fit, so the connection's oldest want is
+        often not the one to offer: FIFO among the fitting wants is what counts.
+        """
+        conn = self.pick(data, self.open)
+        priority = self.pick(data, list(self.priorities))
+        offered = list(self.pool_config.max_slots)
+        capped = sorted(offered, key=lambda s: self.pool_config.max_slots[s] or 1 << 30)
+        for n in range(count):
+            service = capped[0] if n == 0 else self.pick(data, offered)
+            self._want(conn, self.pick(data, list(self.job_ids)), service, priority)
+
+    @precondition(lambda self: self.open)
     @rule(data=st.data(), kind=st.sampled_from(["UNWANT", "CANCEL", "QUERY", "PING", "REGISTER"]))
     def send(self, data: st.DataObject, kind: str) -> None:
         """Any other client frame from one open connection."""
@@ -438,7 +522,7 @@ class BrokerMachine(RuleBasedStateMachine):
     def consistent(self) -> None:
         self.real.check_invariants()
         self.ref.check()
-        assert self.real.pool.busy == len(self.ref.held)
+        assert self.real.pool.busy == len(self.ref.busy())
         assert len(self.real.book) == len(self.ref.book)
 
 
@@ -464,7 +548,15 @@ def broker_machine(
 
     Returns:
         A state machine class; run it with ``.TestCase`` under pytest/unittest.
+
+    Raises:
+        ValueError: the pool ages priorities (see :func:`~trio_broker.testing.aging.aging_machine`).
     """
+    if pool.priority_aging is not None:
+        raise ValueError(
+            "the reference broker does not model priority_aging: check it with"
+            " trio_broker.testing.aging.aging_machine"
+        )
     threshold = pool.heavy_threshold
     budget = pool.memory_budget
     attributes: dict[str, Any] = {
@@ -485,15 +577,24 @@ class RoundRobinMachine(RuleBasedStateMachine):
     """Fairness as the protocol promises it, observed on grants only.
 
     One light service and no other limit, so every parked want fits whenever a
-    slot is free. Connections park wants at random priorities, unwant some, and
-    jobs end at random; every grant is recorded. For each pair of connections
-    continuously backlogged at a priority, their grant counts over the common
-    stretch may differ by at most one.
+    slot is free. Connections park wants at random priorities, unwant some,
+    decline offers or run them, and jobs end at random; every grant is recorded.
+    Checked:
+
+    * for each pair of connections continuously backlogged at a priority, their
+      grant counts over the common stretch differ by at most one;
+    * a connection that empties and refills at once (its job ends and it parks
+      its next want before anything else happens, as a client with one job in
+      flight does) keeps its turn when it is owed it: when no want above the
+      job's priority is parked and every connection waiting at that priority
+      was offered a slot there after the ended job was (and since it joined),
+      the refill is offered the freed slot at once (the turn hold).
     """
 
     size: ClassVar[int] = 2
     connection_count: ClassVar[int] = 3
     priorities: ClassVar[tuple[int, ...]] = (0, 1)
+    turn_hold: ClassVar[float] = 0.25
 
     def __init__(self) -> None:
         super().__init__()
@@ -502,6 +603,7 @@ class RoundRobinMachine(RuleBasedStateMachine):
         self.broker = Broker(
             BrokerConfig(
                 instance_id="rr",
+                turn_hold=self.turn_hold,
                 name="rr",
                 pool=pool,
                 offer_ttl=_NEVER,
@@ -517,16 +619,28 @@ class RoundRobinMachine(RuleBasedStateMachine):
         for conn in self.conns:
             self.broker.receive(conn, p.Register(backend_id="b", name="n", version="1"), now=0.0)
         self.broker.frames_to_send()
+        watch_picks(self.broker.book)
         self.job_counter = itertools.count()
         self.parked: dict[tuple[int, int], int] = {}  # (conn, priority) -> parked count
         self.wants: dict[tuple[int, str], int] = {}  # (conn, job) -> priority
-        self.offers: list[tuple[int, str, str]] = []
+        # (conn, job_id, token, priority, grant index)
+        self.offers: list[tuple[int, str, str, int, int]] = []
         self.grants: dict[int, list[tuple[int, int]]] = {}  # priority -> (index, conn)
         self.grant_count = 0
         # (conn, priority) -> index of the first grant of its current backlog streak
         self.streaks: dict[tuple[int, int], int] = {}
+        # (conn, priority) -> index of its last grant there
+        self.last_grant: dict[tuple[int, int], int] = {}
+        # run_id -> (conn, priority, grant index)
+        self.running: dict[int, tuple[int, int, int]] = {}
+        self.started: dict[tuple[int, str], tuple[int, int]] = {}
+        # connections whose job ended without a refill since their last WANT: the
+        # broker may hold a slot for them, which this model does not follow
+        self.maybe_held: set[int] = set()
 
-    def _drain_frames(self) -> None:
+    def _drain_frames(self) -> list[tuple[int, str]]:
+        """Record what the broker sent; returns the (conn, job_id) offered."""
+        offered = []
         for conn, message in self.broker.frames_to_send():
             if isinstance(message, p.Offer):
                 priority = self.wants.pop((conn, message.job_id))
@@ -534,10 +648,31 @@ class RoundRobinMachine(RuleBasedStateMachine):
                 index = self.grant_count
                 self.grant_count += 1
                 self.grants.setdefault(priority, []).append((index, conn))
-                self.offers.append((conn, message.job_id, message.token))
+                self.last_grant[(conn, priority)] = index
+                self.offers.append((conn, message.job_id, message.token, priority, index))
+                offered.append((conn, message.job_id))
                 self._check(priority)
                 if self.parked[(conn, priority)] == 0:
                     self.streaks.pop((conn, priority), None)
+        for effect in self.broker.effects():
+            if isinstance(effect, StartJob):
+                priority, index = self.started.pop((effect.conn, effect.job_id))
+                self.running[effect.run_id] = (effect.conn, priority, index)
+        return offered
+
+    def _owed(self, conn: int, priority: int, granted: int) -> bool:
+        """The turn hold's condition, from the grants this model saw."""
+        parked = [(c, prio) for (c, prio), n in self.parked.items() if n > 0]
+        if any(prio > priority for _, prio in parked) or (conn, priority) in parked:
+            return False
+        if not any(prio == priority for _, prio in parked):
+            return False
+        return all(
+            self.last_grant.get((c, prio), -1) >= self.streaks[(c, prio)]
+            and self.last_grant[(c, prio)] > granted
+            for c, prio in parked
+            if prio == priority
+        )
 
     def _check(self, priority: int) -> None:
         grants = self.grants[priority]
@@ -557,16 +692,21 @@ class RoundRobinMachine(RuleBasedStateMachine):
         conn = data.draw(st.sampled_from(self.conns))
         priority = data.draw(st.sampled_from(self.priorities))
         for _ in range(count):
-            job_id = f"j{next(self.job_counter)}"
-            self.wants[(conn, job_id)] = priority
-            key = (conn, priority)
-            if self.parked.get(key, 0) == 0:
-                self.streaks[key] = self.grant_count
-            self.parked[key] = self.parked.get(key, 0) + 1
-            self.broker.receive(
-                conn, p.Want(job_id=job_id, service="s", priority=priority), now=self.now
-            )
-            self._drain_frames()
+            self._park(conn, priority)
+
+    def _park(self, conn: int, priority: int) -> list[tuple[int, str]]:
+        job_id = f"j{next(self.job_counter)}"
+        self.wants[(conn, job_id)] = priority
+        key = (conn, priority)
+        if self.parked.get(key, 0) == 0:
+            self.streaks[key] = self.grant_count
+        self.parked[key] = self.parked.get(key, 0) + 1
+        self.maybe_held.discard(conn)
+        self.broker.receive(
+            conn, p.Want(job_id=job_id, service="s", priority=priority), now=self.now
+        )
+        offered = self._drain_frames()
+        return [o for o in offered if o == (conn, job_id)]
 
     @precondition(lambda self: self.wants)
     @rule(data=st.data())
@@ -582,10 +722,46 @@ class RoundRobinMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.offers)
     @rule(data=st.data())
     def finish(self, data: st.DataObject) -> None:
-        """An offer is declined (the slot frees at once) — a job ending is the same."""
-        conn, _job_id, token = data.draw(st.sampled_from(self.offers))
-        self.offers.remove((conn, _job_id, token))
-        self.broker.receive(conn, p.Decline(token=token), now=self.now)
+        """An offer is declined: the slot frees at once."""
+        offer = data.draw(st.sampled_from(self.offers))
+        self.offers.remove(offer)
+        self.broker.receive(offer[0], p.Decline(token=offer[2]), now=self.now)
+        self._drain_frames()
+
+    @precondition(lambda self: self.offers)
+    @rule(data=st.data())
+    def redeem(self, data: st.DataObject) -> None:
+        """An offer is taken: its job runs."""
+        conn, job_id, token, priority, index = data.draw(st.sampled_from(self.offers))
+        self.offers.remove((conn, job_id, token, priority, index))
+        self.started[(conn, job_id)] = (priority, index)
+        job = p.Job(job_id=job_id, token=token, service="s", subject=None, job={})
+        self.broker.receive(conn, job, now=self.now)
+        self._drain_frames()
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), refill=st.booleans())
+    def end(self, data: st.DataObject, refill: bool) -> None:
+        """A job ends; with ``refill`` its connection parks its next want at once."""
+        run_id = data.draw(st.sampled_from(sorted(self.running)))
+        conn, priority, index = self.running.pop(run_id)
+        owed = self._owed(conn, priority, index) and conn not in self.maybe_held
+        self.broker.job_ended(run_id, make_receipt("ok"), now=self.now)
+        self._drain_frames()
+        if not refill:
+            self.maybe_held.add(conn)
+            return
+        offered = self._park(conn, priority)
+        note(f"refill of {conn} at {priority}: owed {owed}, offered {offered}")
+        if owed:
+            assert offered, f"connection {conn} refilled at once but lost the turn it was owed"
+
+    @rule()
+    def advance(self) -> None:
+        """Time passes beyond every turn hold."""
+        self.now += self.turn_hold + 1.0
+        self.broker.tick(now=self.now)
+        self.maybe_held.clear()
         self._drain_frames()
 
     @invariant()
@@ -594,11 +770,20 @@ class RoundRobinMachine(RuleBasedStateMachine):
 
 
 def round_robin_machine(
-    *, size: int = 2, connections: int = 3, priorities: tuple[int, ...] = (0, 1)
+    *,
+    size: int = 2,
+    connections: int = 3,
+    priorities: tuple[int, ...] = (0, 1),
+    turn_hold: float = 0.25,
 ) -> type[RoundRobinMachine]:
     """A :class:`RoundRobinMachine` with this many slots, connections and priorities."""
     return type(
         "ConfiguredRoundRobinMachine",
         (RoundRobinMachine,),
-        {"size": size, "connection_count": connections, "priorities": priorities},
+        {
+            "size": size,
+            "connection_count": connections,
+            "priorities": priorities,
+            "turn_hold": turn_hold,
+        },
     )

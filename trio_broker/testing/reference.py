@@ -59,6 +59,19 @@ class _Held:
     run_id: int | None = None
     aborting: str | None = None
     orphan: bool = False
+    priority: int = 0
+    grant_no: int = 0
+
+
+@dataclass
+class _Hold:
+    """A freed slot kept for the connection owed the next turn at ``priority``."""
+
+    conn: int
+    service: str
+    priority: int
+    reserved: int
+    expires_at: float
 
 
 @dataclass
@@ -74,13 +87,19 @@ class ReferenceBroker:
     pool: PoolConfig
     offer_ttl: float = 10.0
     drain_timeout: float = 60.0
+    turn_hold: float = 0.0
     instance_id: str = "reference"
     frames: list[tuple[int, p.Message]] = field(default_factory=list)
     effects: list[Effect] = field(default_factory=list)
     conns: dict[int, _Conn] = field(default_factory=dict)
     book: list[_Want] = field(default_factory=list)
     rotation: dict[int, list[int]] = field(default_factory=dict)
+    # priority -> connection -> number of the grant that put it where it is in
+    # the rotation (connections that joined and were not served since: absent)
+    served: dict[int, dict[int, int]] = field(default_factory=dict)
     held: list[_Held] = field(default_factory=list)
+    holds: list[_Hold] = field(default_factory=list)
+    grant_count: int = 0
     runtimes: dict[str, list[float]] = field(default_factory=dict)
     peaks: dict[str, list[int]] = field(default_factory=dict)
     draining: bool = False
@@ -112,22 +131,27 @@ class ReferenceBroker:
         peaks = self.peaks.get(service, [])[-self.pool.window :]
         return max(peaks) if peaks else None
 
+    def busy(self) -> list[_Held | _Hold]:
+        """Every busy slot: offers, running jobs and turn holds."""
+        return [*self.held, *self.holds]
+
     def fits(self, service: str) -> bool:
         pool = self.pool
-        busy = len(self.held)
+        slots = self.busy()
+        busy = len(slots)
         if busy >= pool.size:
             return False
         cap = pool.max_slots[service]
-        if cap and sum(1 for h in self.held if h.service == service) >= cap:
+        if cap and sum(1 for h in slots if h.service == service) >= cap:
             return False
         kind = self.kind(service)
         if kind == "unknown":
-            unknown_busy = sum(1 for h in self.held if self.kind(h.service) == "unknown")
+            unknown_busy = sum(1 for h in slots if self.kind(h.service) == "unknown")
             if unknown_busy >= max(1, math.floor(pool.unknown_share * pool.size)):
                 return False
         if kind == "heavy" and busy + 1 > pool.size - pool.fast_reserve:
             return False
-        reserved = sum(h.reserved for h in self.held)
+        reserved = sum(h.reserved for h in slots)
         footprint = self.footprint(service)
         return not (
             pool.memory_budget is not None
@@ -151,6 +175,9 @@ class ReferenceBroker:
     # -- the grant rule, by scanning --------------------------------------------
 
     def grant_all(self) -> None:
+        if self.book and not self.draining:
+            top = max(w.priority for w in self.book)
+            self.holds = [h for h in self.holds if h.priority >= top]
         while not self.draining:
             eligible = [w for w in self.book if self.fits(w.service)]
             if not eligible:
@@ -170,39 +197,79 @@ class ReferenceBroker:
                 for w in eligible
                 if w.conn == chosen.conn and w.priority == chosen.priority
             )
-            self.book.remove(chosen)
-            rot = self.rotation[top]
-            rot.remove(chosen.conn)
-            if any(w.conn == chosen.conn and w.priority == top for w in self.book):
-                rot.append(chosen.conn)
-            if not rot:
-                del self.rotation[top]
-            token = self.token(self._next_token)
-            self._next_token += 1
-            self.held.append(
-                _Held(
-                    conn=chosen.conn,
-                    job_id=chosen.job_id,
-                    service=chosen.service,
-                    kind_at_grant=self.kind(chosen.service),
-                    reserved=self.footprint(chosen.service) or 0,
-                    token=token,
-                    expires_at=self.now + self.offer_ttl,
-                )
+            self.offer(chosen)
+
+    def offer(self, chosen: _Want) -> None:
+        """Grant a parked want: it leaves the book, its connection the rotation's place."""
+        top = chosen.priority
+        self.grant_count += 1
+        self.book.remove(chosen)
+        rot = self.rotation[top]
+        rot.remove(chosen.conn)
+        self.served[top].pop(chosen.conn, None)
+        if any(w.conn == chosen.conn and w.priority == top for w in self.book):
+            rot.append(chosen.conn)
+            self.served[top][chosen.conn] = self.grant_count
+        if not rot:
+            del self.rotation[top]
+            del self.served[top]
+        token = self.token(self._next_token)
+        self._next_token += 1
+        self.held.append(
+            _Held(
+                conn=chosen.conn,
+                job_id=chosen.job_id,
+                service=chosen.service,
+                kind_at_grant=self.kind(chosen.service),
+                reserved=self.footprint(chosen.service) or 0,
+                token=token,
+                expires_at=self.now + self.offer_ttl,
+                priority=chosen.priority,
+                grant_no=self.grant_count,
             )
-            self.grants.append(chosen)
-            self.frames.append((chosen.conn, p.Offer(job_id=chosen.job_id, token=token)))
+        )
+        self.grants.append(chosen)
+        self.frames.append((chosen.conn, p.Offer(job_id=chosen.job_id, token=token)))
+
+    def maybe_hold(self, ended: _Held) -> None:
+        """The turn hold, restated: keep the freed slot for a connection owed the turn."""
+        conn, priority = ended.conn, ended.priority
+        if not self.turn_hold or self.draining or any(h.conn == conn for h in self.holds):
+            return
+        if not self.book or max(w.priority for w in self.book) > priority:
+            return
+        if not self.fits(ended.service) or not any(self.fits(w.service) for w in self.book):
+            return
+        waiting = self.rotation.get(priority, [])
+        if not waiting or conn in waiting:
+            return
+        served = self.served.get(priority, {})
+        # every connection waiting there was served there after this job was
+        if any(c not in served or served[c] <= ended.grant_no for c in waiting):
+            return
+        self.holds.append(
+            _Hold(
+                conn=conn,
+                service=ended.service,
+                priority=priority,
+                reserved=self.footprint(ended.service) or 0,
+                expires_at=self.now + self.turn_hold,
+            )
+        )
 
     def unpark(self, want: _Want) -> None:
         self.book.remove(want)
         if not any(w.conn == want.conn and w.priority == want.priority for w in self.book):
             self.rotation[want.priority].remove(want.conn)
+            self.served[want.priority].pop(want.conn, None)
             if not self.rotation[want.priority]:
                 del self.rotation[want.priority]
+                del self.served[want.priority]
 
     def park(self, want: _Want) -> None:
         if not any(w.conn == want.conn and w.priority == want.priority for w in self.book):
             self.rotation.setdefault(want.priority, []).append(want.conn)
+            self.served.setdefault(want.priority, {})
         self.book.append(want)
 
     def ahead(self, want: _Want) -> int:
@@ -296,6 +363,12 @@ class ReferenceBroker:
                 self._seq += 1
                 want = _Want(conn, message.job_id, message.service, message.priority, self._seq)
                 self.park(want)
+                hold = next((h for h in self.holds if h.conn == conn), None)
+                if hold is not None:
+                    # the connection kept its turn
+                    self.holds.remove(hold)
+                    if want.priority >= hold.priority and self.fits(want.service):
+                        self.offer(want)
                 self.grant_all()
                 if want in self.book:
                     self.frames.append((conn, p.Queued(job_id=job_id)))
@@ -351,7 +424,7 @@ class ReferenceBroker:
                         conn,
                         p.Position(
                             job_id=job_id,
-                            running=len(self.held),
+                            running=len(self.busy()),
                             ahead=ahead,
                             capacity=capacity,
                             eta_s=eta,
@@ -364,7 +437,7 @@ class ReferenceBroker:
                         conn,
                         p.Position(
                             job_id=job_id,
-                            running=len(self.held),
+                            running=len(self.busy()),
                             ahead=0,
                             capacity=self.capacity(held.service),
                             eta_s=0.0,
@@ -390,6 +463,7 @@ class ReferenceBroker:
         self.now = now
         if conn in self.conns:
             del self.conns[conn]
+            self.holds = [h for h in self.holds if h.conn != conn]
             for w in [w for w in self.book if w.conn == conn]:
                 self.unpark(w)
             for h in sorted(self.held, key=lambda h: h.run_id or 0):
@@ -413,6 +487,8 @@ class ReferenceBroker:
             self.runtimes.setdefault(held.service, []).append(receipt.duration_s)
             if receipt.peak_memory is not None:
                 self.peaks.setdefault(held.service, []).append(receipt.peak_memory)
+        if not held.orphan:
+            self.maybe_hold(held)
         self.grant_all()  # the slot is offered before DONE goes out
         if not held.orphan:
             receipt = attrs.evolve(receipt, instance_id=self.instance_id)
@@ -428,6 +504,7 @@ class ReferenceBroker:
         for h in due:
             self.held.remove(h)
             self.error(h.conn, "offer_expired", h.job_id)
+        self.holds = [h for h in self.holds if h.expires_at > now]
         if self.drain_deadline is not None and self.drain_deadline <= now:
             self.drain_deadline = None
             self.stop_runs()
@@ -439,6 +516,8 @@ class ReferenceBroker:
             self.draining = True
             self.book.clear()
             self.rotation.clear()
+            self.served.clear()
+            self.holds.clear()
             self.held = [h for h in self.held if h.token is None]
             self.drain_deadline = now + self.drain_timeout
         self.finish()
@@ -467,10 +546,11 @@ class ReferenceBroker:
     def check(self) -> None:
         """The model's own invariants: limits and work conservation."""
         pool = self.pool
-        assert len(self.held) <= pool.size
+        slots = self.busy()
+        assert len(slots) <= pool.size
         for service, cap in pool.max_slots.items():
-            assert not cap or sum(1 for h in self.held if h.service == service) <= cap
-        unknown = sum(1 for h in self.held if self.kind(h.service) == "unknown")
+            assert not cap or sum(1 for h in slots if h.service == service) <= cap
+        unknown = sum(1 for h in slots if self.kind(h.service) == "unknown")
         assert unknown <= max(1, math.floor(pool.unknown_share * pool.size))
         if not self.draining:
             assert not any(self.fits(w.service) for w in self.book), "work not conserved"

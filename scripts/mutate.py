@@ -1,0 +1,417 @@
+#!/usr/bin/env python3
+"""Mutation testing of the sans-IO core: do the tests notice a one-token slip?
+
+Each *mutant* changes one operator or constant of a module (``<`` into ``<=`` or
+``>``, ``and`` into ``or``, ``+`` into ``-``, ``+=`` into ``-=``, a ``not``
+dropped, ``True`` into ``False``, an integer ``n`` into ``n + 1``...). The
+module is copied with the package and the tests into a temporary directory, the
+mutant written over the copy (never over the worktree), and the module's fast
+tests run against it with a small model-check budget. A mutant is *killed* when
+they fail (or run past the timeout), and *survives* when they pass: either the
+tests miss something, or the mutant is equivalent (behaves the same).
+
+Run::
+
+    .venv/bin/python scripts/mutate.py                     # book.py (the default)
+    .venv/bin/python scripts/mutate.py book pool --jobs 2  # several modules
+    .venv/bin/python scripts/mutate.py book --function pick --limit 10   # a quick subset
+    .venv/bin/python scripts/mutate.py --all --report mutation.md        # everything
+    .venv/bin/python scripts/mutate.py book --list         # print the mutants only
+
+``make soak`` runs ``--all``. The report lists the kill rate per module and
+every survivor with its line; ``docs/MUTATION.md`` says which survivors are
+equivalent and which got a new check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import concurrent.futures
+import copy
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_MODEL = "tests/testing/test_model.py"
+_BROKER_TESTS = ("tests/core/test_broker.py", "tests/core/test_figures.py")
+_BROKER_MODELS = (_MODEL, "-k", "not Race")
+
+# module name -> (path, the fast tests that guard it: pytest runs, quickest first,
+# each stopping at its first failure; the next one runs only if the last passed)
+MODULES: dict[str, tuple[str, tuple[tuple[str, ...], ...]]] = {
+    "book": (
+        "trio_broker/core/book.py",
+        ((_MODEL, "-k", "Book"), _BROKER_TESTS, _BROKER_MODELS),
+    ),
+    "pool": ("trio_broker/core/pool.py", (_BROKER_TESTS, _BROKER_MODELS)),
+    "broker": ("trio_broker/core/broker.py", (_BROKER_TESTS, _BROKER_MODELS)),
+    "client_core": (
+        "trio_broker/core/client.py",
+        (("tests/core/test_client.py",), (_MODEL, "-k", "Race")),
+    ),
+    "admission": ("trio_broker/core/admission.py", (("tests/core/test_admission.py",),)),
+    "dispatch": (
+        "trio_broker/core/dispatch.py",
+        (("tests/core/test_dispatch.py",), ("tests/testing/test_dispatch_model.py",)),
+    ),
+}
+
+_COMPARE_SWAPS: dict[type[ast.cmpop], tuple[type[ast.cmpop], ...]] = {
+    ast.Lt: (ast.LtE, ast.Gt),
+    ast.LtE: (ast.Lt, ast.GtE),
+    ast.Gt: (ast.GtE, ast.Lt),
+    ast.GtE: (ast.Gt, ast.LtE),
+    ast.Eq: (ast.NotEq,),
+    ast.NotEq: (ast.Eq,),
+    ast.In: (ast.NotIn,),
+    ast.NotIn: (ast.In,),
+    ast.Is: (ast.IsNot,),
+    ast.IsNot: (ast.Is,),
+}
+_BINOP_SWAPS: dict[type[ast.operator], type[ast.operator]] = {
+    ast.Add: ast.Sub,
+    ast.Sub: ast.Add,
+    ast.Mult: ast.FloorDiv,
+    ast.FloorDiv: ast.Mult,
+    ast.BitOr: ast.BitAnd,
+    ast.BitAnd: ast.BitOr,
+    ast.BitXor: ast.BitOr,
+    ast.LShift: ast.RShift,
+    ast.RShift: ast.LShift,
+}
+
+
+@dataclass(frozen=True)
+class Mutant:
+    module: str
+    index: int
+    line: int
+    function: str
+    what: str
+
+
+def _functions(tree: ast.Module) -> dict[int, str]:
+    """Line -> the qualified name of the innermost function around it."""
+    owner: dict[int, str] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                name = f"{prefix}{child.name}"
+                end = child.end_lineno or child.lineno
+                for line in range(child.lineno, end + 1):
+                    owner[line] = name
+                visit(child, name + ".")
+            else:
+                visit(child, prefix)
+
+    visit(tree, "")
+    return owner
+
+
+def _docstring_ids(tree: ast.Module) -> set[int]:
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                ids.add(id(body[0].value))
+    return ids
+
+
+def _points(tree: ast.Module) -> Iterator[tuple[ast.AST, str, object]]:
+    """Every (node, description, change) one mutation can make, in source order."""
+    skip = _docstring_ids(tree)
+    in_annotation: set[int] = set()
+    for node in ast.walk(tree):
+        for annotation in _annotations(node):
+            in_annotation.update(id(n) for n in ast.walk(annotation))
+    nodes = [n for n in ast.walk(tree) if hasattr(n, "lineno") and id(n) not in in_annotation]
+    nodes.sort(key=lambda n: (getattr(n, "lineno", 0), getattr(n, "col_offset", 0)))
+    for node in nodes:
+        if isinstance(node, ast.Compare):
+            for pos, op in enumerate(node.ops):
+                for new in _COMPARE_SWAPS.get(type(op), ()):
+                    yield node, f"{type(op).__name__} -> {new.__name__}", ("cmp", pos, new)
+        elif isinstance(node, ast.BoolOp):
+            new_op = ast.Or if isinstance(node.op, ast.And) else ast.And
+            yield node, f"{type(node.op).__name__} -> {new_op.__name__}", ("bool", new_op)
+        elif isinstance(node, ast.BinOp) and type(node.op) in _BINOP_SWAPS:
+            new_bin = _BINOP_SWAPS[type(node.op)]
+            yield node, f"{type(node.op).__name__} -> {new_bin.__name__}", ("bin", new_bin)
+        elif isinstance(node, ast.AugAssign) and type(node.op) in _BINOP_SWAPS:
+            new_aug = _BINOP_SWAPS[type(node.op)]
+            yield node, f"{type(node.op).__name__}= -> {new_aug.__name__}=", ("aug", new_aug)
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            yield node, "not dropped", ("not",)
+        elif isinstance(node, ast.Constant) and id(node) not in skip:
+            value = node.value
+            if isinstance(value, bool):
+                yield node, f"{value} -> {not value}", ("const", not value)
+            elif isinstance(value, int):
+                yield node, f"{value} -> {value + 1}", ("const", value + 1)
+        elif isinstance(node, ast.Break):
+            yield node, "break -> continue", ("break",)
+        elif isinstance(node, ast.Continue):
+            yield node, "continue -> break", ("continue",)
+
+
+def _annotations(node: ast.AST) -> list[ast.AST]:
+    found: list[ast.AST] = []
+    if isinstance(node, ast.AnnAssign):
+        found.append(node.annotation)
+    if isinstance(node, ast.arg) and node.annotation is not None:
+        found.append(node.annotation)
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.returns is not None:
+        found.append(node.returns)
+    return found
+
+
+def _apply(node: ast.AST, change: tuple[object, ...]) -> ast.AST:
+    kind = change[0]
+    if kind == "cmp":
+        assert isinstance(node, ast.Compare)
+        pos, new = change[1], change[2]
+        assert isinstance(pos, int)
+        assert isinstance(new, type)
+        node.ops[pos] = new()
+    elif kind == "bool":
+        assert isinstance(node, ast.BoolOp)
+        assert isinstance(change[1], type)
+        node.op = change[1]()
+    elif kind in ("bin", "aug"):
+        assert isinstance(node, ast.BinOp | ast.AugAssign)
+        assert isinstance(change[1], type)
+        node.op = change[1]()
+    elif kind == "not":
+        assert isinstance(node, ast.UnaryOp)
+        return node.operand
+    elif kind == "const":
+        assert isinstance(node, ast.Constant)
+        assert isinstance(change[1], bool | int)
+        node.value = change[1]
+    elif kind == "break":
+        return ast.Continue()
+    elif kind == "continue":
+        return ast.Break()
+    return node
+
+
+class _Replace(ast.NodeTransformer):
+    def __init__(self, target: int, change: tuple[object, ...]) -> None:
+        self.target = target
+        self.change = change
+        self.count = 0
+
+    def generic_visit(self, node: ast.AST) -> ast.AST:
+        node = super().generic_visit(node)
+        return node
+
+    def visit(self, node: ast.AST) -> ast.AST:
+        if getattr(node, "_mutation_id", None) == self.target:
+            self.count += 1
+            replaced = _apply(node, self.change)
+            return ast.copy_location(replaced, node)
+        return self.generic_visit(node)
+
+
+def mutants(module: str, root: Path = ROOT) -> list[tuple[Mutant, str]]:
+    """Every mutant of a module (as it is under ``root``), with its source."""
+    path = root / MODULES[module][0]
+    source = path.read_text()
+    tree = ast.parse(source)
+    owner = _functions(tree)
+    points = list(_points(tree))
+    result = []
+    for index, (node, what, change) in enumerate(points):
+        mutated_tree = copy.deepcopy(tree)
+        # find the same node in the copy by walking both in the same order
+        originals = list(ast.walk(tree))
+        copies = list(ast.walk(mutated_tree))
+        target = copies[originals.index(node)]
+        target._mutation_id = index  # type: ignore[attr-defined]
+        replace = _Replace(index, change)  # type: ignore[arg-type]
+        replace.visit(mutated_tree)
+        assert replace.count == 1
+        ast.fix_missing_locations(mutated_tree)
+        line = getattr(node, "lineno", 0)
+        mutant = Mutant(module, index, line, owner.get(line, "<module>"), what)
+        result.append((mutant, ast.unparse(mutated_tree)))
+    return result
+
+
+def _workspace() -> Path:
+    """A private copy of the package and the tests."""
+    base = Path(tempfile.mkdtemp(prefix="mutate-"))
+    shutil.copytree(ROOT / "trio_broker", base / "trio_broker")
+    shutil.copytree(ROOT / "tests", base / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", base / "pyproject.toml")
+    return base
+
+
+def _run_tests(base: Path, phases: tuple[tuple[str, ...], ...], timeout: float, scale: str) -> str:
+    env = dict(os.environ, TRIO_BROKER_MODEL_SCALE=scale, PYTHONDONTWRITEBYTECODE="1")
+    deadline = time.monotonic() + timeout
+    for tests in phases:
+        command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+        try:
+            done = subprocess.run(
+                command,
+                cwd=base,
+                env=env,
+                capture_output=True,
+                timeout=max(1.0, deadline - time.monotonic()),
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            return "timeout"
+        if done.returncode == 1:
+            return "killed"
+        if done.returncode != 0:  # interrupted, internal error, usage, nothing collected
+            return "killed" if b"Error" in done.stdout + done.stderr else "error"
+    return "survived"
+
+
+def _job(
+    base: Path,
+    module: str,
+    source: str,
+    tests: tuple[tuple[str, ...], ...],
+    timeout: float,
+    scale: str,
+) -> str:
+    target = base / MODULES[module][0]
+    original = target.read_text()
+    target.write_text(source)
+    try:
+        return _run_tests(base, tests, timeout, scale)
+    finally:
+        target.write_text(original)
+
+
+def _rank(function: str, first: list[str]) -> int:
+    return next((i for i, name in enumerate(first) if name in function), len(first))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("modules", nargs="*", help=f"any of {', '.join(MODULES)}")
+    parser.add_argument("--all", action="store_true", help="every module")
+    parser.add_argument("--function", help="only mutants inside functions whose name has this")
+    parser.add_argument("--limit", type=int, help="at most this many mutants per module")
+    parser.add_argument(
+        "--skip",
+        action="append",
+        default=None,
+        help="leave out functions whose name has this (default: check_invariants, __repr__;"
+        " the checkers are test oracles; --skip '' keeps everything)",
+    )
+    parser.add_argument(
+        "--first",
+        default="",
+        help="comma-separated function names whose mutants run first, in this order",
+    )
+    parser.add_argument("--jobs", type=int, default=1, help="mutants run at once (default 1)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds per mutant (a mutant that runs longer, an endless loop, is killed)",
+    )
+    parser.add_argument("--scale", default="0.2", help="TRIO_BROKER_MODEL_SCALE for the runs")
+    parser.add_argument("--report", type=Path, help="also write the report (Markdown) here")
+    parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")
+    args = parser.parse_args()
+    chosen = list(MODULES) if args.all else (args.modules or ["book"])
+    unknown = [m for m in chosen if m not in MODULES]
+    if unknown:
+        parser.error(f"unknown module(s) {unknown}: expected any of {list(MODULES)}")
+
+    lines = [
+        "| module | mutants | killed | survived | kill rate |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    survivors: list[str] = []
+    for module in chosen:
+        # the workspaces first: mutants and tests then come from one snapshot,
+        # whatever happens to the worktree meanwhile
+        bases = [] if args.list else [_workspace() for _ in range(max(1, args.jobs))]
+        skip = [s for s in (args.skip or ["check_invariants", "__repr__"]) if s]
+        todo = [
+            (m, src)
+            for m, src in mutants(module, bases[0] if bases else ROOT)
+            if (not args.function or args.function in m.function)
+            and not any(s in m.function for s in skip)
+        ]
+        first = [name for name in args.first.split(",") if name]
+        todo = sorted(todo, key=lambda item: _rank(item[0].function, first))[: args.limit]
+        if args.list:
+            for m, _ in todo:
+                print(f"{module}#{m.index} line {m.line} {m.function}: {m.what}")
+            continue
+        tests = MODULES[module][1]
+        try:
+            poison = "raise RuntimeError('mutation workspace check')\n"
+            if _job(bases[0], module, poison, tests, args.timeout, args.scale) == "survived":
+                raise SystemExit(f"{module}: the tests do not import the workspace copy")
+            if _run_tests(bases[0], tests, args.timeout, args.scale) != "survived":
+                raise SystemExit(f"{module}: the tests fail without any mutant")
+            print(f"{module}: workspace checked, {len(todo)} mutants to run", flush=True)
+            outcomes: dict[Mutant, str] = {}
+            started = time.monotonic()
+            with concurrent.futures.ThreadPoolExecutor(len(bases)) as pool:
+                free = list(bases)
+                pending: dict[concurrent.futures.Future[str], tuple[Mutant, Path]] = {}
+                queue = list(todo)
+                while queue or pending:
+                    while queue and free:
+                        mutant, source = queue.pop(0)
+                        base = free.pop()
+                        future = pool.submit(
+                            _job, base, module, source, tests, args.timeout, args.scale
+                        )
+                        pending[future] = (mutant, base)
+                    done, _ = concurrent.futures.wait(
+                        pending, return_when=concurrent.futures.FIRST_COMPLETED
+                    )
+                    for future in done:
+                        mutant, base = pending.pop(future)
+                        free.append(base)
+                        outcomes[mutant] = future.result()
+                        print(
+                            f"{module}#{mutant.index} line {mutant.line} {mutant.function}: "
+                            f"{mutant.what}: {outcomes[mutant]}",
+                            flush=True,
+                        )
+        finally:
+            for base in bases:
+                shutil.rmtree(base, ignore_errors=True)
+        killed = sum(1 for o in outcomes.values() if o in ("killed", "timeout"))
+        alive = sorted((m for m, o in outcomes.items() if o == "survived"), key=lambda m: m.index)
+        total = killed + len(alive)
+        rate = f"{100 * killed / total:.1f} %" if total else "-"
+        lines.append(f"| {module} | {total} | {killed} | {len(alive)} | {rate} |")
+        survivors += [f"- `{m.module}` line {m.line} (`{m.function}`): {m.what}" for m in alive]
+        errors = [m for m, o in outcomes.items() if o == "error"]
+        survivors += [f"- `{m.module}` line {m.line}: {m.what} (test run error)" for m in errors]
+        print(f"{module}: {killed}/{total} killed in {time.monotonic() - started:.0f} s")
+    if args.list:
+        return 0
+    report = "\n".join([*lines, "", "Survivors:", "", *(survivors or ["- none"]), ""])
+    print(report)
+    if args.report:
+        args.report.write_text(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
