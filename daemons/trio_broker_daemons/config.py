@@ -84,10 +84,11 @@ Top-level keys (:class:`ExecserverConfig`):
 ``priority_aging`` (null)
     A parked want rises one priority band (2) per this much waiting, up to the
     top band (4, or 5 for the high variants); null or ``"0"`` = strict priority.
-``turn_hold`` (0.25s, >= 0)
+``turn_hold`` (0.05s, >= 0)
     How long a slot freed by a connection owed the next turn waits for that
     connection's next ``WANT`` (the *turn hold* of PROTOCOL.md section 10);
-    ``"0"`` offers every freed slot at once.
+    ``"0"`` offers every freed slot at once. A client that does not come back
+    leaves the slot idle this long: raise it for distant clients only.
 ``stall_timeout`` (10m)
     A job without progress this long is stalled; ``"0"`` = no stall supervision.
 ``temp_dir`` (null)
@@ -528,7 +529,7 @@ class ExecserverConfig:
     ping_interval: _Positive = 5.0
     ping_timeout: _Positive = 15.0
     drain_timeout: _Drain = 60.0
-    turn_hold: _Drain = 0.25
+    turn_hold: _Drain = 0.05
     priority_aging: _Timeout = None
     stall_timeout: _Stall = 600.0
     temp_dir: _OptionalPath = None

@@ -738,3 +738,27 @@ def test_book_fallback_skips_wants_removed_behind_a_service_head() -> None:
     assert picked is not None
     assert picked.job_id == "l3"
     book.check_invariants()
+
+
+def test_a_redeemed_or_declined_offer_leaves_no_timer_behind() -> None:
+    """Once an offer is redeemed or declined its expiry timer is disarmed: the driver is not
+    woken at the time it would have expired (stale timers cost CPU after a burst)."""
+    tokens = itertools.count()
+    config = BrokerConfig(
+        instance_id="inst",
+        name="exec",
+        pool=PoolConfig(size=2, max_slots={"s": 0}, unknown_share=1.0),
+        token_factory=lambda: f"token-{next(tokens):016d}",
+        offer_ttl=6.5,
+    )
+    h = Harness(Broker(config, now=100.0), "a")
+    h.start("a", "j1")  # offered and redeemed at 100: it would expire at 106.5
+    declined = h.want("a", "j2")
+    assert isinstance(declined, p.Offer)
+    h.send("a", p.Decline(token=declined.token))
+    deadlines = []
+    while (due := h.broker.next_deadline()) is not None and due < 110.0:
+        deadlines.append(due)
+        h.at(due)
+    assert 106.5 not in deadlines
+    assert deadlines  # the liveness and figure timers still run

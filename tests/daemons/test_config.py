@@ -957,12 +957,12 @@ def test_pool_size_zero_is_the_hosts_cpus(tmp_path: Path) -> None:
 
 
 def test_turn_hold_and_priority_aging_keys(tmp_path: Path) -> None:
-    """turn_hold (0.25 s, "0" = off) and priority_aging (null = strict) load as durations."""
+    """turn_hold (0.05 s, "0" = off) and priority_aging (null = strict) load as durations."""
     services = "services:\n  probe: {builtin: noop}\n"
     default = load(tmp_path, services)
-    assert (default.turn_hold, default.priority_aging) == (0.25, None)
-    config = load(tmp_path, "turn_hold: 50ms\npriority_aging: 5m\n" + services)
-    assert (config.turn_hold, config.priority_aging) == (0.05, 300.0)
+    assert (default.turn_hold, default.priority_aging) == (0.05, None)
+    config = load(tmp_path, "turn_hold: 200ms\npriority_aging: 5m\n" + services)
+    assert (config.turn_hold, config.priority_aging) == (0.2, 300.0)
     off = load(tmp_path, 'turn_hold: "0"\npriority_aging: "0"\n' + services)
     assert (off.turn_hold, off.priority_aging) == (0.0, None)
     assert "priority_aging" in yaml_error(tmp_path, "priority_aging: soon\n" + services)

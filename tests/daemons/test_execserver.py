@@ -52,7 +52,7 @@ def test_broker_config_takes_the_turn_hold_and_priority_aging() -> None:
     wired = broker_config_from(config(turn_hold="10ms", priority_aging="2m"), HOST)
     assert (wired.turn_hold, wired.pool.priority_aging) == (0.01, 120.0)
     default = broker_config_from(config(), HOST)
-    assert (default.turn_hold, default.pool.priority_aging) == (0.25, None)
+    assert (default.turn_hold, default.pool.priority_aging) == (0.05, None)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the runner reads /proc")

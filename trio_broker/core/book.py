@@ -29,7 +29,7 @@ after its slot freed; were the freed slot offered at once, it would go to a
 flooding connection every time, and with equal job lengths (the slots free
 together) the client would lose every other wave: an eighth of 4 slots instead
 of a quarter. So the broker (:mod:`trio_broker.core.broker`) keeps the slot a
-job frees for its connection X for ``turn_hold`` seconds (0.25 by default) when
+job frees for its connection X for ``turn_hold`` seconds (0.05 by default) when
 X is *owed the turn* at the job's priority P, that is when all of these hold:
 
 * X has no want parked at P, and no want at all is parked above P;

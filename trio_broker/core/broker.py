@@ -137,7 +137,7 @@ class BrokerConfig:
     ping_interval: float = 5.0
     ping_timeout: float = 15.0
     drain_timeout: float = 60.0
-    turn_hold: float = 0.25
+    turn_hold: float = 0.05
     recent_receipts: int = 100
     token_factory: Callable[[], str] = new_token
 
@@ -279,6 +279,7 @@ class _Offer:
         "priority",
         "reserved",
         "service",
+        "timer",
         "token",
     )
 
@@ -301,6 +302,7 @@ class _Offer:
         self.expires_at = expires_at
         self.reserved = reserved
         self.grant_no = grant_no
+        self.timer: int | None = None  # the handle of its expiry timer while armed
 
 
 class _Hold:
@@ -804,7 +806,7 @@ class Broker(SansIOCore[Effect, _TimerKind]):
                 job_id,
             )
             return
-        del self._offers[offer.token]
+        self._forget_offer(offer)
         del conn.offers[offer.job_id]
         run = _Run(
             next(self._run_ids),
@@ -925,7 +927,7 @@ class Broker(SansIOCore[Effect, _TimerKind]):
         self._offers[token] = offer
         conn.offers[want.job_id] = offer
         self.counters["offers"] += 1
-        self._push_timer(offer.expires_at, "offer", token)
+        offer.timer = self._push_timer(offer.expires_at, "offer", token)
         self._send(conn, p.Offer(job_id=want.job_id, token=token))
 
     def _maybe_hold(self, conn: _Conn, run: _Run) -> None:
@@ -965,8 +967,15 @@ class Broker(SansIOCore[Effect, _TimerKind]):
             if hold.priority < highest:
                 self._release_hold(conn_id)
 
-    def _release_offer(self, offer: _Offer) -> None:
+    def _forget_offer(self, offer: _Offer) -> None:
+        """Drop an offer and disarm its expiry timer (a stale one never wakes the driver)."""
         del self._offers[offer.token]
+        if offer.timer is not None:
+            self._cancel_timer(offer.timer)
+            offer.timer = None
+
+    def _release_offer(self, offer: _Offer) -> None:
+        self._forget_offer(offer)
         conn = self._conns.get(offer.conn)
         if conn is not None:
             del conn.offers[offer.job_id]
@@ -1008,6 +1017,7 @@ class Broker(SansIOCore[Effect, _TimerKind]):
         if kind == "offer":
             offer = self._offers.get(key)
             if offer is not None and offer.expires_at <= now:
+                offer.timer = None  # it fired: nothing to disarm
                 self._release_offer(offer)
                 self.counters["offers_expired"] += 1
                 self._error(
