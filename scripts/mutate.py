@@ -138,31 +138,36 @@ def _points(tree: ast.Module) -> Iterator[tuple[ast.AST, str, object]]:
     nodes = [n for n in ast.walk(tree) if hasattr(n, "lineno") and id(n) not in in_annotation]
     nodes.sort(key=lambda n: (getattr(n, "lineno", 0), getattr(n, "col_offset", 0)))
     for node in nodes:
-        if isinstance(node, ast.Compare):
-            for pos, op in enumerate(node.ops):
-                for new in _COMPARE_SWAPS.get(type(op), ()):
-                    yield node, f"{type(op).__name__} -> {new.__name__}", ("cmp", pos, new)
-        elif isinstance(node, ast.BoolOp):
-            new_op = ast.Or if isinstance(node.op, ast.And) else ast.And
-            yield node, f"{type(node.op).__name__} -> {new_op.__name__}", ("bool", new_op)
-        elif isinstance(node, ast.BinOp) and type(node.op) in _BINOP_SWAPS:
-            new_bin = _BINOP_SWAPS[type(node.op)]
-            yield node, f"{type(node.op).__name__} -> {new_bin.__name__}", ("bin", new_bin)
-        elif isinstance(node, ast.AugAssign) and type(node.op) in _BINOP_SWAPS:
-            new_aug = _BINOP_SWAPS[type(node.op)]
-            yield node, f"{type(node.op).__name__}= -> {new_aug.__name__}=", ("aug", new_aug)
-        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-            yield node, "not dropped", ("not",)
-        elif isinstance(node, ast.Constant) and id(node) not in skip:
-            value = node.value
-            if isinstance(value, bool):
-                yield node, f"{value} -> {not value}", ("const", not value)
-            elif isinstance(value, int):
-                yield node, f"{value} -> {value + 1}", ("const", value + 1)
-        elif isinstance(node, ast.Break):
-            yield node, "break -> continue", ("break",)
-        elif isinstance(node, ast.Continue):
-            yield node, "continue -> break", ("continue",)
+        yield from _node_points(node, skip)
+
+
+def _node_points(node: ast.AST, skip: set[int]) -> Iterator[tuple[ast.AST, str, object]]:
+    """The mutations of one node (none for most nodes)."""
+    if isinstance(node, ast.Compare):
+        for pos, op in enumerate(node.ops):
+            for new in _COMPARE_SWAPS.get(type(op), ()):
+                yield node, f"{type(op).__name__} -> {new.__name__}", ("cmp", pos, new)
+    elif isinstance(node, ast.BoolOp):
+        new_op = ast.Or if isinstance(node.op, ast.And) else ast.And
+        yield node, f"{type(node.op).__name__} -> {new_op.__name__}", ("bool", new_op)
+    elif isinstance(node, ast.BinOp) and type(node.op) in _BINOP_SWAPS:
+        new_bin = _BINOP_SWAPS[type(node.op)]
+        yield node, f"{type(node.op).__name__} -> {new_bin.__name__}", ("bin", new_bin)
+    elif isinstance(node, ast.AugAssign) and type(node.op) in _BINOP_SWAPS:
+        new_aug = _BINOP_SWAPS[type(node.op)]
+        yield node, f"{type(node.op).__name__}= -> {new_aug.__name__}=", ("aug", new_aug)
+    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        yield node, "not dropped", ("not",)
+    elif isinstance(node, ast.Constant) and id(node) not in skip:
+        value = node.value
+        if isinstance(value, bool):
+            yield node, f"{value} -> {not value}", ("const", not value)
+        elif isinstance(value, int):
+            yield node, f"{value} -> {value + 1}", ("const", value + 1)
+    elif isinstance(node, ast.Break):
+        yield node, "break -> continue", ("break",)
+    elif isinstance(node, ast.Continue):
+        yield node, "continue -> break", ("continue",)
 
 
 def _annotations(node: ast.AST) -> list[ast.AST]:

@@ -21,8 +21,9 @@ reference that drifted from the protocol would fail loudly rather than agree.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
@@ -340,113 +341,135 @@ class ReferenceBroker:
         elif isinstance(message, p.Pong):
             pass
         elif isinstance(message, p.Register):
-            if state.registered:
-                self.error(conn, "already_registered")
-            else:
-                state.registered = True
-                if message.callback_url is not None:
-                    self.effects.append(
-                        CheckCallback(
-                            conn=conn, url=message.callback_url, backend_id=message.backend_id
-                        )
-                    )
+            self._on_register(conn, state, message, job_id)
         elif not state.registered:
             self.error(conn, "not_registered", job_id)
-        elif isinstance(message, p.Want):
-            if self.draining:
-                self.error(conn, "draining", job_id)
-            elif message.service not in self.pool.max_slots:
-                self.error(conn, "unknown_service", job_id)
-            elif self.live(conn, job_id):
-                self.error(conn, "duplicate_job", job_id)
-            else:
-                self._seq += 1
-                want = _Want(conn, message.job_id, message.service, message.priority, self._seq)
-                self.park(want)
-                hold = next((h for h in self.holds if h.conn == conn), None)
-                if hold is not None:
-                    # the connection kept its turn
-                    self.holds.remove(hold)
-                    if want.priority >= hold.priority and self.fits(want.service):
-                        self.offer(want)
-                self.grant_all()
-                if want in self.book:
-                    self.frames.append((conn, p.Queued(job_id=job_id)))
-        elif isinstance(message, p.Job):
-            offer = next((h for h in self.held if h.token == message.token), None)
-            if self.draining:
-                self.error(conn, "draining", job_id)
-            elif message.service not in self.pool.max_slots:
-                self.error(conn, "unknown_service", job_id)
-            elif offer is None or offer.conn != conn:
-                self.error(conn, "unknown_token", job_id)
-            elif offer.job_id != message.job_id or offer.service != message.service:
-                self.error(conn, "token_mismatch", job_id)
-            else:
-                offer.token = None
-                offer.run_id = self._next_run
-                self._next_run += 1
-                self.effects.append(
-                    StartJob(
-                        run_id=offer.run_id,
-                        conn=conn,
-                        job_id=message.job_id,
-                        service=offer.service,
-                        subject=message.subject,
-                        job=message.job,
-                    )
-                )
-        elif isinstance(message, p.Unwant):
-            self.withdraw(conn, message.job_id)
-        elif isinstance(message, p.Decline):
-            for h in self.held:
-                if h.token == message.token and h.conn == conn:
-                    self.held.remove(h)
-                    break
-        elif isinstance(message, p.Cancel):
-            held = self.find_held(conn, message.job_id)
-            if held is not None and held.run_id is not None:
-                if held.aborting is None:
-                    held.aborting = "cancelled"
-                    self.effects.append(AbortJob(run_id=held.run_id, status="cancelled", reason=""))
-            elif not self.withdraw(conn, message.job_id):
-                self.error(conn, "unknown_job", job_id)
-        elif isinstance(message, p.Query):
-            parked = next((w for w in self.book if w.conn == conn and w.job_id == job_id), None)
-            held = self.find_held(conn, message.job_id)
-            if parked is not None:
-                ahead = self.ahead(parked)
-                mean = self.mean(parked.service)
-                capacity = self.capacity(parked.service)
-                eta = None if mean is None or capacity == 0 else mean * (ahead // capacity + 1)
-                self.frames.append(
-                    (
-                        conn,
-                        p.Position(
-                            job_id=job_id,
-                            running=len(self.busy()),
-                            ahead=ahead,
-                            capacity=capacity,
-                            eta_s=eta,
-                        ),
-                    )
-                )
-            elif held is not None:
-                self.frames.append(
-                    (
-                        conn,
-                        p.Position(
-                            job_id=job_id,
-                            running=len(self.busy()),
-                            ahead=0,
-                            capacity=self.capacity(held.service),
-                            eta_s=0.0,
-                        ),
-                    )
-                )
-            else:
-                self.error(conn, "unknown_job", job_id)
+        else:
+            handler = self._HANDLERS.get(type(message))
+            if handler is not None:
+                handler(self, conn, message, job_id)
         self.finish()
+
+    def _on_register(self, conn: int, state: _Conn, message: p.Register, job_id: Any) -> None:
+        if state.registered:
+            self.error(conn, "already_registered")
+        else:
+            state.registered = True
+            if message.callback_url is not None:
+                self.effects.append(
+                    CheckCallback(
+                        conn=conn, url=message.callback_url, backend_id=message.backend_id
+                    )
+                )
+
+    def _on_want(self, conn: int, message: p.Want, job_id: Any) -> None:
+        if self.draining:
+            self.error(conn, "draining", job_id)
+        elif message.service not in self.pool.max_slots:
+            self.error(conn, "unknown_service", job_id)
+        elif self.live(conn, job_id):
+            self.error(conn, "duplicate_job", job_id)
+        else:
+            self._seq += 1
+            want = _Want(conn, message.job_id, message.service, message.priority, self._seq)
+            self.park(want)
+            hold = next((h for h in self.holds if h.conn == conn), None)
+            if hold is not None:
+                # the connection kept its turn
+                self.holds.remove(hold)
+                if want.priority >= hold.priority and self.fits(want.service):
+                    self.offer(want)
+            self.grant_all()
+            if want in self.book:
+                self.frames.append((conn, p.Queued(job_id=job_id)))
+
+    def _on_job(self, conn: int, message: p.Job, job_id: Any) -> None:
+        offer = next((h for h in self.held if h.token == message.token), None)
+        if self.draining:
+            self.error(conn, "draining", job_id)
+        elif message.service not in self.pool.max_slots:
+            self.error(conn, "unknown_service", job_id)
+        elif offer is None or offer.conn != conn:
+            self.error(conn, "unknown_token", job_id)
+        elif offer.job_id != message.job_id or offer.service != message.service:
+            self.error(conn, "token_mismatch", job_id)
+        else:
+            offer.token = None
+            offer.run_id = self._next_run
+            self._next_run += 1
+            self.effects.append(
+                StartJob(
+                    run_id=offer.run_id,
+                    conn=conn,
+                    job_id=message.job_id,
+                    service=offer.service,
+                    subject=message.subject,
+                    job=message.job,
+                )
+            )
+
+    def _on_unwant(self, conn: int, message: p.Unwant, job_id: Any) -> None:
+        self.withdraw(conn, message.job_id)
+
+    def _on_decline(self, conn: int, message: p.Decline, job_id: Any) -> None:
+        for h in self.held:
+            if h.token == message.token and h.conn == conn:
+                self.held.remove(h)
+                break
+
+    def _on_cancel(self, conn: int, message: p.Cancel, job_id: Any) -> None:
+        held = self.find_held(conn, message.job_id)
+        if held is not None and held.run_id is not None:
+            if held.aborting is None:
+                held.aborting = "cancelled"
+                self.effects.append(AbortJob(run_id=held.run_id, status="cancelled", reason=""))
+        elif not self.withdraw(conn, message.job_id):
+            self.error(conn, "unknown_job", job_id)
+
+    def _on_query(self, conn: int, message: p.Query, job_id: Any) -> None:
+        parked = next((w for w in self.book if w.conn == conn and w.job_id == job_id), None)
+        held = self.find_held(conn, message.job_id)
+        if parked is not None:
+            ahead = self.ahead(parked)
+            mean = self.mean(parked.service)
+            capacity = self.capacity(parked.service)
+            eta = None if mean is None or capacity == 0 else mean * (ahead // capacity + 1)
+            self.frames.append(
+                (
+                    conn,
+                    p.Position(
+                        job_id=job_id,
+                        running=len(self.busy()),
+                        ahead=ahead,
+                        capacity=capacity,
+                        eta_s=eta,
+                    ),
+                )
+            )
+        elif held is not None:
+            self.frames.append(
+                (
+                    conn,
+                    p.Position(
+                        job_id=job_id,
+                        running=len(self.busy()),
+                        ahead=0,
+                        capacity=self.capacity(held.service),
+                        eta_s=0.0,
+                    ),
+                )
+            )
+        else:
+            self.error(conn, "unknown_job", job_id)
+
+    _HANDLERS: ClassVar[dict[type[p.Message], Callable[..., None]]] = {
+        p.Want: _on_want,
+        p.Job: _on_job,
+        p.Unwant: _on_unwant,
+        p.Decline: _on_decline,
+        p.Cancel: _on_cancel,
+        p.Query: _on_query,
+    }
 
     def withdraw(self, conn: int, job_id: str) -> bool:
         for w in self.book:
