@@ -114,10 +114,7 @@ class Sizes:
     idle: float  # seconds of idleness counted
 
 
-# 4,000 at once, not 5,000: with 5,000 WANTs queued in one go the client's outbox
-# (trio_broker.trio.driver.OUTBOX_FRAMES, 4,096) overflows, and the client closes and
-# redials its own connection again and again.
-FULL = Sizes(rounds=3, warm=200, callers_jobs=3000, at_once=4000, gap_backlog=40,
+FULL = Sizes(rounds=3, warm=200, callers_jobs=3000, at_once=5000, gap_backlog=40,
              backlog=500, flood=2000, idle=20.0)  # fmt: skip
 QUICK = Sizes(rounds=1, warm=50, callers_jobs=300, at_once=500, gap_backlog=15,
               backlog=100, flood=200, idle=4.0)  # fmt: skip
