@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -130,23 +130,11 @@ def execserver_config() -> str:
     )
 
 
-@contextmanager
-def execserver_process(folder: Path, index: int) -> Iterator[str]:
-    """A real execserver daemon; yields host:port."""
-    config = folder / f"execserver{index}.yml"
-    config.write_text(execserver_config())
-    ready = folder / f"ready{index}"
-    os.mkfifo(ready)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trio_broker_daemons", "--log-level", "warning", "execserver",
-         "--config", str(config), "--ready-file", str(ready)],
-    )  # fmt: skip
-    try:
-        host, port = ready.read_text().split()
-        yield f"{host}:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+def execserver_process() -> AbstractContextManager[str]:
+    """A real execserver daemon with the ``hold`` service; yields host:port."""
+    from dispatcher import execserver_daemon  # benchmarks/dispatcher.py, beside this file
+
+    return execserver_daemon(execserver_config())
 
 
 @contextmanager
@@ -244,8 +232,7 @@ def main() -> None:
             cluster = PgCluster(folder).start()
             stack.callback(cluster.stop)
             admin = cluster.dsn
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        addresses = [stack.enter_context(execserver_process(tmp, i)) for i in range(EXECSERVERS)]
+        addresses = [stack.enter_context(execserver_process()) for _ in range(EXECSERVERS)]
         print(f"{'tree':44}  utilisation  steps/s  exec limit at the end")
         for index, (label, tree) in enumerate(trees):
             with database(admin, f"bench_admission_{index}") as dsn:

@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -221,18 +221,11 @@ def measure(dsn: str, workers: int, items: int, argv: list[str]) -> float:
 
 
 @contextmanager
-def execserver_process() -> Iterator[str]:
-    """A real execserver daemon with 16 slots and a no-op service; yields host:port."""
+def execserver_daemon(config_text: str) -> Iterator[str]:
+    """A real execserver daemon on this configuration (YAML text); yields host:port."""
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "execserver.yml"
-        config.write_text(
-            "listen: 127.0.0.1:0\n"
-            f"slots: {SLOTS}\n"
-            "fast_reserve: 0\n"
-            "unknown_share: 1.0\n"
-            "services:\n"
-            "  noop: {builtin: noop}\n"
-        )
+        config.write_text(config_text)
         ready = Path(tmp) / "ready"
         os.mkfifo(ready)
         proc = subprocess.Popen(
@@ -245,6 +238,18 @@ def execserver_process() -> Iterator[str]:
         finally:
             proc.terminate()
             proc.wait(timeout=60)
+
+
+def execserver_process() -> AbstractContextManager[str]:
+    """A real execserver daemon with 16 slots and a no-op service; yields host:port."""
+    return execserver_daemon(
+        "listen: 127.0.0.1:0\n"
+        f"slots: {SLOTS}\n"
+        "fast_reserve: 0\n"
+        "unknown_share: 1.0\n"
+        "services:\n"
+        "  noop: {builtin: noop}\n"
+    )
 
 
 def main() -> None:
