@@ -15,6 +15,7 @@ from trio_broker.core.admission import (
     AdmissionConfig,
     ClaimPlan,
     InstanceLoad,
+    Limits,
     auto_max_in_flight,
     exec_limit,
     fair_share,
@@ -386,3 +387,63 @@ def test_plan_when_even_items_fill_the_local_slots() -> None:
             local_in_flight=1,
             local_even_in_flight=2,
         )
+
+
+def test_documented_defaults() -> None:
+    """The defaults the docstrings promise: two odd-only claims, a pool of 10, empty plans."""
+    config = AdmissionConfig()
+    assert (config.cpus, config.odd_reserve, config.max_in_flight, config.db_pool) == (
+        None,
+        2,
+        0,
+        10,
+    )
+    assert ClaimPlan() == ClaimPlan(general=0, odd_only=0, local=0, local_odd_only=0)
+    assert ClaimPlan().total == 0
+    assert Limits() == Limits(base=0, limit=0, reserve=0, cap=0, rise=0)
+
+
+def test_plan_with_every_count_positive() -> None:
+    """Positive limits and counts everywhere are accepted (only negative ones are refused)."""
+    plan = plan_claims(
+        exec_limit=6,
+        reserve=1,
+        exec_in_flight=2,
+        even_in_flight=1,
+        local_limit=3,
+        local_in_flight=1,
+        local_reserve=1,
+        local_even_in_flight=1,
+    )
+    assert (plan.general, plan.odd_only, plan.local) == (4, 0, 2)
+    with pytest.raises(ValueError, match="at least 0"):
+        plan_claims(
+            exec_limit=6,
+            reserve=1,
+            exec_in_flight=2,
+            even_in_flight=1,
+            local_limit=3,
+            local_in_flight=1,
+            local_reserve=-1,
+        )
+
+
+def test_a_one_slot_fleet_keeps_its_rise() -> None:
+    """A fleet of one slot is a fleet: its rise accumulates like any other."""
+    adm = Admission(CONFIG)
+    loads = [load(1, 1, idle=1)]  # base 1 + 2
+    adm.update(0.0, loads, waiting=0, queue_deep=True)
+    adm.update(1.0, loads, waiting=0, queue_deep=True)
+    assert adm.rise == 2
+    assert adm.update(2.0, loads, waiting=0, queue_deep=True).limit == 3 + 3
+
+
+def test_after_the_fleet_returns_the_rise_starts_from_zero() -> None:
+    """Execservers gone and back: the limit is the base again until the rise grows anew."""
+    adm = Admission(CONFIG)
+    loads = [load(4, 1, idle=4)]
+    for second in range(3):
+        adm.update(float(second), loads, waiting=0, queue_deep=True)
+    adm.update(3.0, [], waiting=0, queue_deep=True)
+    back = adm.update(3.5, [load(4, 1)], waiting=0, queue_deep=False)
+    assert (back.rise, back.limit) == (0, 6)
