@@ -123,6 +123,7 @@ _WRONG_BY_KIND: dict[str, list[Any]] = {
     "number": ["1", True, [], {}],
     "bool": [0, 1, "true", [], {}],
     "object": ["x", 1, True, []],
+    "array": ["x", 1, True, {}],
 }
 
 
@@ -145,6 +146,8 @@ def _member_kinds(cls: type[Any]) -> dict[str, tuple[str, bool]]:
             kind = "int"
         elif base is float:
             kind = "number"
+        elif base in (tuple, list):
+            kind = "array"
         else:
             kind = "object"
         result[field.name] = (kind, nullable)
