@@ -277,6 +277,7 @@ class _Run:
         self.phase = "start"
         self.errors: collections.Counter[tuple[str, str, int]] = collections.Counter()
         self.uploads_done = trio.Event()
+        self.ids_changed = trio.Event()  # set, and replaced, when an upload gets its id
         self.settled = trio.Event()
         self.started = time.monotonic()
         self.config = FylrConfig.from_yaml(inst.fylrs[0].config)
@@ -315,6 +316,7 @@ class _Run:
                     nursery.start_soon(self._follower, index, half)
                 uploads.start_soon(self._chaos)
             self.uploads_done.set()
+            self._ids_changed()
             self.phase = "end"
             if await self._wait_settled():
                 self.report.notes.append(
@@ -354,6 +356,7 @@ class _Run:
                 continue
             self.ids[sample.name] = int(document["id"])
             self.uploaded += 1
+            self._ids_changed()
             return
         self.report.violations.append(
             f"{sample.name}: not uploaded after {UPLOAD_ATTEMPTS} attempts: {last}"
@@ -368,9 +371,9 @@ class _Run:
         while not self.settled.is_set():
             waiting = [n for n in names if n in self.ids and n not in ended]
             if not waiting:
-                if self.uploads_done.is_set() and len(ended) == len(names):
-                    return
-                await trio.sleep(PROBE_INTERVAL)
+                if self.uploads_done.is_set():
+                    return  # no upload is left to get an id
+                await self.ids_changed.wait()  # a new id, or the uploads are over
                 continue
             for name in waiting:
                 turn += 1
@@ -409,6 +412,10 @@ class _Run:
             await self._event(event, number)
             self.phase = f"after event {number}"
             last = time.monotonic()
+
+    def _ids_changed(self) -> None:
+        self.ids_changed.set()
+        self.ids_changed = trio.Event()
 
     async def _wait_progress(self, threshold: float) -> bool:
         async def reached() -> bool:
