@@ -29,6 +29,7 @@ import argparse
 import ast
 import concurrent.futures
 import copy
+import json
 import os
 import shutil
 import subprocess
@@ -38,6 +39,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import coverage
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,6 +99,7 @@ class Mutant:
     module: str
     index: int
     line: int
+    end_line: int
     function: str
     what: str
 
@@ -249,7 +254,8 @@ def mutants(module: str, root: Path = ROOT) -> list[tuple[Mutant, str]]:
         assert replace.count == 1
         ast.fix_missing_locations(mutated_tree)
         line = getattr(node, "lineno", 0)
-        mutant = Mutant(module, index, line, owner.get(line, "<module>"), what)
+        end = getattr(node, "end_lineno", None) or line
+        mutant = Mutant(module, index, line, end, owner.get(line, "<module>"), what)
         result.append((mutant, ast.unparse(mutated_tree)))
     return result
 
@@ -263,48 +269,195 @@ def _workspace() -> Path:
     return base
 
 
-def _run_tests(base: Path, phases: tuple[tuple[str, ...], ...], timeout: float, scale: str) -> str:
-    env = dict(os.environ, TRIO_BROKER_MODEL_SCALE=scale, PYTHONDONTWRITEBYTECODE="1")
-    deadline = time.monotonic() + timeout
-    for tests in phases:
-        command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
-        try:
-            done = subprocess.run(
-                command,
-                cwd=base,
-                env=env,
-                capture_output=True,
-                timeout=max(1.0, deadline - time.monotonic()),
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
-            return "timeout"
-        if done.returncode == 1:
-            return "killed"
-        if done.returncode != 0:  # interrupted, internal error, usage, nothing collected
-            return "killed" if b"Error" in done.stdout + done.stderr else "error"
-    return "survived"
+_ENV = {
+    "HYPOTHESIS_PROFILE": "mutation",  # tests/conftest.py: fixed examples, no shrinking
+    "PYTHONHASHSEED": "0",
+    "PYTHONDONTWRITEBYTECODE": "1",
+}
+
+
+def _pytest(base: Path, args: list[str], timeout: float, scale: str) -> str:
+    """Run pytest in the workspace: "passed", "failed", "timeout" or "error"."""
+    env = dict(os.environ, TRIO_BROKER_MODEL_SCALE=scale, **_ENV)
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args]
+    try:
+        done = subprocess.run(
+            command, cwd=base, env=env, capture_output=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return "timeout"
+    if done.returncode == 0:
+        return "passed"
+    if done.returncode == 1:
+        return "failed"
+    # interrupted, internal error, usage, nothing collected: a mutant that breaks
+    # the import fails collection (an Error), anything else is the script's fault
+    return "failed" if b"Error" in done.stdout + done.stderr else "error"
+
+
+# -- which tests reach which line --------------------------------------------------------
+
+
+class LineRecorder:
+    """A pytest plugin: each test's coverage context, and how long the test takes.
+
+    Lines run outside a test (imports, decorators, default arguments, module
+    constants) land in the empty context: a mutant there can change every test.
+    """
+
+    def __init__(self, cov: coverage.Coverage) -> None:
+        self.cov = cov
+        self.seconds: dict[str, float] = {}
+        self.failed: list[str] = []
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item) -> Iterator[None]:
+        self.cov.switch_context(item.nodeid)
+        started = time.perf_counter()
+        yield
+        self.seconds[item.nodeid] = time.perf_counter() - started
+        self.cov.switch_context("")
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.failed:
+            self.failed.append(report.nodeid)
+
+
+def _record(target: str, out: str, pytest_args: list[str]) -> int:
+    """The child side of :func:`_cover`: run pytest under coverage, one context per test."""
+    target = os.path.realpath(target)
+    cov = coverage.Coverage(data_file=None, include=[target], config_file=False)
+    recorder = LineRecorder(cov)
+    cov.start()
+    try:
+        code = pytest.main(["-q", "-p", "no:cacheprovider", *pytest_args], plugins=[recorder])
+    finally:
+        cov.stop()
+    by_line = cov.get_data().contexts_by_lineno(target)
+    tests: dict[str, tuple[list[int], float]] = {n: ([], s) for n, s in recorder.seconds.items()}
+    import_lines = []
+    for line, contexts in sorted(by_line.items()):
+        for context in contexts:
+            if context in tests:
+                tests[context][0].append(line)
+            else:
+                import_lines.append(line)
+    data = {"import": import_lines, "tests": tests, "failed": recorder.failed}
+    Path(out).write_text(json.dumps(data))
+    return int(code)
+
+
+@dataclass
+class Coverage:
+    """Which of a module's guard tests reach each line, from one traced run."""
+
+    import_lines: set[int]
+    tests: dict[str, tuple[set[int], float]]
+
+    def select(self, mutant: Mutant) -> list[str]:
+        """The tests that can notice the mutant, quickest first (none: no test reaches it).
+
+        The tests run with fixed examples, so a test that never ran the mutated
+        lines before the mutant runs them the same way under the mutant: the
+        selection loses no kill.
+        """
+        span = set(range(mutant.line, mutant.end_line + 1))
+        if span & self.import_lines:
+            chosen = list(self.tests)
+        else:
+            chosen = [name for name, (lines, _) in self.tests.items() if span & lines]
+        return sorted(chosen, key=lambda name: self.tests[name][1])
+
+    def seconds(self, names: list[str]) -> float:
+        return sum(self.tests[name][1] for name in names)
+
+
+def _cover(base: Path, module: str, scale: str) -> Coverage:
+    """Run the module's guard tests once, traced, in the workspace (no mutant)."""
+    target = str(base / MODULES[module][0])
+    env = dict(os.environ, TRIO_BROKER_MODEL_SCALE=scale, **_ENV)
+    coverage = Coverage(set(), {})
+    for phase in MODULES[module][1]:
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            command = [sys.executable, __file__, "--record", target, out.name, "--", *phase]
+            done = subprocess.run(command, cwd=base, env=env, capture_output=True, check=False)
+            text = Path(out.name).read_text() if Path(out.name).stat().st_size else ""
+        if done.returncode != 0 or not text:
+            tail = (done.stdout + done.stderr).decode(errors="replace")[-2000:]
+            raise SystemExit(f"{module}: the tests fail without any mutant ({phase}):\n{tail}")
+        data = json.loads(text)
+        coverage.import_lines.update(data["import"])
+        for name, (lines, seconds) in data["tests"].items():
+            coverage.tests[name] = (set(lines), seconds)
+    return coverage
 
 
 def _job(
-    base: Path,
-    module: str,
-    source: str,
-    tests: tuple[tuple[str, ...], ...],
-    timeout: float,
-    scale: str,
+    base: Path, mutant: Mutant, source: str, tests: list[str], timeout: float, scale: str
 ) -> str:
-    target = base / MODULES[module][0]
+    if not tests:
+        return "unreached"
+    target = base / MODULES[mutant.module][0]
     original = target.read_text()
     target.write_text(source)
     try:
-        return _run_tests(base, tests, timeout, scale)
+        outcome = _pytest(base, tests, timeout, scale)
     finally:
         target.write_text(original)
+    return {"passed": "survived", "failed": "killed"}.get(outcome, outcome)
 
 
 def _rank(function: str, first: list[str]) -> int:
     return next((i for i, name in enumerate(first) if name in function), len(first))
+
+
+def _campaign(
+    module: str, todo: list[tuple[Mutant, str]], bases: list[Path], timeout: float, scale: str
+) -> dict[Mutant, str]:
+    """Run the mutants over the workspaces, printing each outcome as it comes."""
+    poison = Mutant(module, -1, 1, 1, "<module>", "raise at import")
+    raising = "raise RuntimeError('mutation workspace check')\n"
+    everything = [name for phase in MODULES[module][1] for name in phase if "::" not in name]
+    if _job(bases[0], poison, raising, everything[:1], timeout, scale) == "survived":
+        raise SystemExit(f"{module}: the tests do not import the workspace copy")
+    started = time.monotonic()
+    coverage = _cover(bases[0], module, scale)
+    print(
+        f"{module}: {len(coverage.tests)} guard tests traced in {time.monotonic() - started:.0f} s,"
+        f" {len(todo)} mutants to run",
+        flush=True,
+    )
+    text = (bases[0] / MODULES[module][0]).read_text().splitlines()
+    outcomes: dict[Mutant, str] = {}
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(len(bases)) as pool:
+        free = list(bases)
+        pending: dict[concurrent.futures.Future[str], tuple[Mutant, Path, int]] = {}
+        queue = list(todo)
+        while queue or pending:
+            while queue and free:
+                mutant, source = queue.pop(0)
+                tests = coverage.select(mutant)
+                # a traced run is slower than a plain one: its time is a generous bound
+                limit = min(timeout, 60 + 3 * coverage.seconds(tests))
+                base = free.pop()
+                future = pool.submit(_job, base, mutant, source, tests, limit, scale)
+                pending[future] = (mutant, base, len(tests))
+            done, _ = concurrent.futures.wait(
+                pending, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            for future in done:
+                mutant, base, count = pending.pop(future)
+                free.append(base)
+                outcomes[mutant] = future.result()
+                print(
+                    f"{module}#{mutant.index} line {mutant.line} {mutant.function}: {mutant.what}"
+                    f" [{count} tests]: {outcomes[mutant]}  | {text[mutant.line - 1].strip()}",
+                    flush=True,
+                )
+    killed = sum(1 for o in outcomes.values() if o in ("killed", "timeout"))
+    print(f"{module}: {killed}/{len(outcomes)} killed in {time.monotonic() - started:.0f} s")
+    return outcomes
 
 
 def main() -> int:
@@ -335,6 +488,7 @@ def main() -> int:
     parser.add_argument("--scale", default="0.2", help="TRIO_BROKER_MODEL_SCALE for the runs")
     parser.add_argument("--report", type=Path, help="also write the report (Markdown) here")
     parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")
+    parser.add_argument("--only", help="comma-separated mutant numbers (as printed) to run")
     args = parser.parse_args()
     chosen = list(MODULES) if args.all else (args.modules or ["book"])
     unknown = [m for m in chosen if m not in MODULES]
@@ -342,7 +496,7 @@ def main() -> int:
         parser.error(f"unknown module(s) {unknown}: expected any of {list(MODULES)}")
 
     lines = [
-        "| module | mutants | killed | survived | kill rate |",
+        "| module | mutants | killed | survived (of which no test reaches) | kill rate |",
         "| --- | --- | --- | --- | --- |",
     ]
     survivors: list[str] = []
@@ -355,6 +509,7 @@ def main() -> int:
             (m, src)
             for m, src in mutants(module, bases[0] if bases else ROOT)
             if (not args.function or args.function in m.function)
+            and (not args.only or str(m.index) in args.only.split(","))
             and not any(s in m.function for s in skip)
         ]
         first = [name for name in args.first.split(",") if name]
@@ -363,52 +518,27 @@ def main() -> int:
             for m, _ in todo:
                 print(f"{module}#{m.index} line {m.line} {m.function}: {m.what}")
             continue
-        tests = MODULES[module][1]
         try:
-            poison = "raise RuntimeError('mutation workspace check')\n"
-            if _job(bases[0], module, poison, tests, args.timeout, args.scale) == "survived":
-                raise SystemExit(f"{module}: the tests do not import the workspace copy")
-            if _run_tests(bases[0], tests, args.timeout, args.scale) != "survived":
-                raise SystemExit(f"{module}: the tests fail without any mutant")
-            print(f"{module}: workspace checked, {len(todo)} mutants to run", flush=True)
-            outcomes: dict[Mutant, str] = {}
-            started = time.monotonic()
-            with concurrent.futures.ThreadPoolExecutor(len(bases)) as pool:
-                free = list(bases)
-                pending: dict[concurrent.futures.Future[str], tuple[Mutant, Path]] = {}
-                queue = list(todo)
-                while queue or pending:
-                    while queue and free:
-                        mutant, source = queue.pop(0)
-                        base = free.pop()
-                        future = pool.submit(
-                            _job, base, module, source, tests, args.timeout, args.scale
-                        )
-                        pending[future] = (mutant, base)
-                    done, _ = concurrent.futures.wait(
-                        pending, return_when=concurrent.futures.FIRST_COMPLETED
-                    )
-                    for future in done:
-                        mutant, base = pending.pop(future)
-                        free.append(base)
-                        outcomes[mutant] = future.result()
-                        print(
-                            f"{module}#{mutant.index} line {mutant.line} {mutant.function}: "
-                            f"{mutant.what}: {outcomes[mutant]}",
-                            flush=True,
-                        )
+            outcomes = _campaign(module, todo, bases, args.timeout, args.scale)
         finally:
             for base in bases:
                 shutil.rmtree(base, ignore_errors=True)
         killed = sum(1 for o in outcomes.values() if o in ("killed", "timeout"))
-        alive = sorted((m for m, o in outcomes.items() if o == "survived"), key=lambda m: m.index)
+        alive = sorted(
+            (m for m, o in outcomes.items() if o in ("survived", "unreached")),
+            key=lambda m: m.index,
+        )
+        unreached = sum(1 for o in outcomes.values() if o == "unreached")
         total = killed + len(alive)
         rate = f"{100 * killed / total:.1f} %" if total else "-"
-        lines.append(f"| {module} | {total} | {killed} | {len(alive)} | {rate} |")
-        survivors += [f"- `{m.module}` line {m.line} (`{m.function}`): {m.what}" for m in alive]
+        lines.append(f"| {module} | {total} | {killed} | {len(alive)} ({unreached}) | {rate} |")
+        survivors += [
+            f"- `{m.module}` #{m.index} line {m.line} (`{m.function}`): {m.what}"
+            + (" (no test reaches it)" if outcomes[m] == "unreached" else "")
+            for m in alive
+        ]
         errors = [m for m, o in outcomes.items() if o == "error"]
         survivors += [f"- `{m.module}` line {m.line}: {m.what} (test run error)" for m in errors]
-        print(f"{module}: {killed}/{total} killed in {time.monotonic() - started:.0f} s")
     if args.list:
         return 0
     report = "\n".join([*lines, "", "Survivors:", "", *(survivors or ["- none"]), ""])
@@ -419,4 +549,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--record"]:  # the traced child of _cover
+        sys.exit(_record(sys.argv[2], sys.argv[3], sys.argv[5:]))
     sys.exit(main())

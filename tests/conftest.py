@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 # These 2-core machines are noisy: no per-example deadlines, ever.
 settings.register_profile(
@@ -13,6 +13,17 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile("thorough", parent=settings.get_profile("default"), max_examples=2000)
+# scripts/mutate.py: the same examples on every run (so a test that never reached a
+# mutated line behaves the same under the mutant), and no shrinking: a kill needs
+# one failing example, not the smallest.
+settings.register_profile(
+    "mutation",
+    parent=settings.get_profile("default"),
+    derandomize=True,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],
+    report_multiple_bugs=False,
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 # PostgreSQL fixtures (pg_cluster, pg_dsn) for the queue store and dispatcher tests.

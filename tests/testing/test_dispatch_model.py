@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 from hypothesis import settings
 
 from trio_broker.core.admission import AdmissionConfig
 from trio_broker.testing.dispatch import dispatch_machine
 
-_STEPS = settings(max_examples=300, stateful_step_count=50)
+# TRIO_BROKER_MODEL_SCALE (default 1) scales the budget, as in test_model.py
+_SCALE = float(os.environ.get("TRIO_BROKER_MODEL_SCALE", "1"))
+_STEPS = settings(max_examples=max(5, round(300 * _SCALE)), stateful_step_count=50)
 
 TestSmallFleet = dispatch_machine().TestCase
 TestSmallFleet.settings = _STEPS
