@@ -403,6 +403,13 @@ def test_documented_defaults() -> None:
     assert Limits() == Limits(base=0, limit=0, reserve=0, cap=0, rise=0)
 
 
+@pytest.mark.parametrize("value_class", [InstanceLoad, AdmissionConfig, ClaimPlan, Limits])
+def test_value_classes_are_keyword_only(value_class: type) -> None:
+    """Positional construction is refused, so fields may be added or reordered."""
+    with pytest.raises(TypeError):
+        value_class(1)
+
+
 def test_plan_with_every_count_positive() -> None:
     """Positive limits and counts everywhere are accepted (only negative ones are refused)."""
     plan = plan_claims(
