@@ -56,7 +56,10 @@ MODULES: dict[str, tuple[str, tuple[tuple[str, ...], ...]]] = {
         "trio_broker/core/book.py",
         ((_MODEL, "-k", "Book"), _BROKER_TESTS, _BROKER_MODELS),
     ),
-    "pool": ("trio_broker/core/pool.py", (_BROKER_TESTS, _BROKER_MODELS)),
+    "pool": (
+        "trio_broker/core/pool.py",
+        (("tests/core/test_pool.py",), _BROKER_TESTS, _BROKER_MODELS),
+    ),
     "broker": ("trio_broker/core/broker.py", (_BROKER_TESTS, _BROKER_MODELS)),
     "client_core": (
         "trio_broker/core/client.py",
