@@ -5,10 +5,14 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import math
+import re
 from typing import Any
 
 import pytest
 
+from tests.support.values import assert_keyword_only
+from trio_broker.core import broker as broker_module
 from trio_broker.core import protocol as p
 from trio_broker.core.book import WantBook
 from trio_broker.core.broker import (
@@ -19,6 +23,7 @@ from trio_broker.core.broker import (
     CloseConnection,
     Drained,
     StartJob,
+    new_token,
 )
 from trio_broker.core.pool import PoolConfig, SlotPool
 from trio_broker.testing.values import receipt as make_receipt
@@ -762,3 +767,177 @@ def test_a_redeemed_or_declined_offer_leaves_no_timer_behind() -> None:
         h.at(due)
     assert 106.5 not in deadlines
     assert deadlines  # the liveness and figure timers still run
+
+
+# -- configuration ----------------------------------------------------------------------
+
+
+def config_with(**values: Any) -> BrokerConfig:
+    return BrokerConfig(instance_id="inst", name="exec", pool=PoolConfig(size=1), **values)
+
+
+def test_config_defaults_are_the_documented_ones() -> None:
+    config = config_with()
+    assert (config.offer_ttl, config.ping_interval, config.ping_timeout) == (10.0, 5.0, 15.0)
+    assert (config.drain_timeout, config.turn_hold, config.recent_receipts) == (60.0, 0.05, 100)
+    assert config.token_factory is new_token
+
+
+@pytest.mark.parametrize("name", ["offer_ttl", "ping_interval", "ping_timeout"])
+def test_config_durations_must_be_positive(name: str) -> None:
+    assert getattr(config_with(**{name: 0.5}), name) == 0.5
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match=f"{name} must be positive, got {bad}"):
+            config_with(**{name: bad})
+
+
+@pytest.mark.parametrize("name", ["drain_timeout", "turn_hold"])
+def test_config_waits_may_be_zero_but_not_negative(name: str) -> None:
+    assert getattr(config_with(**{name: 0.0}), name) == 0.0
+    for bad in (-0.001, math.nan):
+        with pytest.raises(ValueError, match=f"{name} must be >= 0"):
+            config_with(**{name: bad})
+
+
+def test_offer_tokens_carry_128_random_bits() -> None:
+    tokens = {new_token() for _ in range(200)}
+    assert len(tokens) == 200
+    assert all(re.fullmatch(r"[A-Za-z0-9_-]{22}", token) for token in tokens)
+
+
+def test_value_classes_are_keyword_only() -> None:
+    assert_keyword_only(broker_module)
+
+
+def test_statistics_keep_the_last_recent_receipts() -> None:
+    tokens = itertools.count()
+    config = BrokerConfig(
+        instance_id="inst",
+        name="exec",
+        pool=PoolConfig(size=1, max_slots={"s": 0}, unknown_share=1.0),
+        token_factory=lambda: f"token-{next(tokens):016d}",
+        recent_receipts=2,
+    )
+    h = Harness(Broker(config, now=100.0), "a")
+    for job in ("j1", "j2", "j3"):
+        h.broker.job_ended(h.start("a", job), receipt(), now=h.now)
+        h.frames()
+    assert [f.job_id for f in h.broker.statistics().recent] == ["j2", "j3"]
+
+
+# -- statistics and counters -----------------------------------------------------------
+
+
+def test_counters_start_at_zero_and_count_each_event_once() -> None:
+    broker = make_broker(size=2)
+    assert set(broker.statistics().counters.values()) == {0}
+    h = Harness(broker, "a", "b")
+    run = h.start("a", "j1")
+    declined = h.want("b", "j2")
+    assert isinstance(declined, p.Offer)
+    h.send("b", p.Decline(token=declined.token))
+    unwanted = h.want("b", "j4")
+    assert isinstance(unwanted, p.Offer)
+    h.send("b", p.Unwant(job_id="j4"))  # releasing an offer declines it
+    broker.job_ended(run, receipt(), now=h.now)
+    h.frames()
+    assert broker.statistics().counters["wants"] == 3
+    withdrawn = h.want("a", "j3")
+    assert isinstance(withdrawn, p.Offer)
+    broker.drain(now=h.now)
+    broker.close_connection(h.conns["b"], now=h.now)
+    counters = broker.statistics().counters
+    assert counters["connections_opened"] == 2
+    assert counters["connections_closed"] == 1
+    assert (counters["offers"], counters["offers_redeemed"]) == (4, 1)
+    assert (counters["offers_declined"], counters["offers_withdrawn"]) == (2, 1)
+    assert (counters["jobs_started"], counters["jobs_ended"]) == (1, 1)
+    assert counters["wants"] == 4
+
+
+def test_drained_only_once_draining_and_no_job_runs() -> None:
+    h = Harness(make_broker(size=2), "a")
+    assert not h.broker.drained  # nothing runs, but no drain was asked
+    run = h.start("a", "j1")
+    h.broker.drain(now=h.now)
+    assert not h.broker.drained  # draining, one job still runs
+    h.broker.job_ended(run, receipt(), now=h.now)
+    assert h.broker.drained
+
+
+def test_a_draining_execserver_is_never_idle() -> None:
+    h = Harness(make_broker(size=3), "a")
+    h.at(101.0)
+    assert h.broker.idle() == 3
+    h.broker.drain(now=101.5)
+    assert h.broker.idle() == 0
+    assert h.broker.statistics().idle == 0
+    h.at(103.0)
+    assert h.broker.idle() == 0
+
+
+def test_service_statistics_split_busy_slots_into_running_offered_and_held() -> None:
+    tokens = itertools.count()
+    config = BrokerConfig(
+        instance_id="inst",
+        name="exec",
+        pool=PoolConfig(size=3, max_slots={"s": 0, "t": 0}, unknown_share=1.0),
+        token_factory=lambda: f"token-{next(tokens):016d}",
+        turn_hold=5.0,
+    )
+    h = Harness(Broker(config, now=100.0), "a", "b")
+    a1 = h.start("a", "a1")
+    b1 = h.start("b", "b1")
+    h.want("a", "t1", service="t")  # offered, not redeemed: the pool is full now
+    for job in ("a2", "a3"):
+        h.send("a", p.Want(job_id=job, service="s", priority=0))  # parked
+    h.frames()
+
+    def row(name: str) -> tuple[int, int, int]:
+        (snap,) = [s for s in h.broker.statistics().services if s.name == name]
+        return snap.running, snap.offered, snap.parked
+
+    assert (row("s"), row("t")) == ((2, 0, 2), (0, 1, 0))
+    h.broker.job_ended(a1, receipt(), now=h.now)  # a's slot goes to a's next want
+    assert [m.job_id for m in h.frames() if isinstance(m, p.Offer)] == ["a2"]
+    assert (row("s"), row("t")) == ((1, 1, 1), (0, 1, 0))
+    # b is owed the next turn now: the slot its job frees is held for it, busy
+    # but neither running nor offered
+    h.broker.job_ended(b1, receipt(), now=h.now)
+    assert not [m for m in h.frames() if isinstance(m, p.Offer)]
+    assert h.broker.statistics().busy == 3
+    assert (row("s"), row("t")) == ((0, 1, 1), (0, 1, 0))
+
+
+def test_a_held_slot_goes_to_its_connection_only_at_the_held_priority_or_above() -> None:
+    tokens = itertools.count()
+    config = BrokerConfig(
+        instance_id="inst",
+        name="exec",
+        pool=PoolConfig(size=2, max_slots={"s": 0}, unknown_share=1.0),
+        token_factory=lambda: f"token-{next(tokens):016d}",
+        turn_hold=5.0,
+    )
+    h = Harness(Broker(config, now=100.0), "a", "b")
+    a1, b1 = h.start("a", "a1"), h.start("b", "b1")
+    for job in ("a2", "a3"):
+        h.send("a", p.Want(job_id=job, service="s", priority=0))
+    h.broker.job_ended(a1, receipt(), now=h.now)
+    h.broker.job_ended(b1, receipt(), now=h.now)  # held for b, owed the turn
+    assert [m.job_id for m in h.frames() if isinstance(m, p.Offer)] == ["a2"]
+    # b comes back below the held priority: the hold ends and the rule decides
+    h.send("b", p.Want(job_id="low", service="s", priority=-1))
+    assert [m.job_id for m in h.frames() if isinstance(m, p.Offer)] == ["a3"]
+    h.broker.check_invariants()
+
+
+def test_an_idle_change_wakes_the_driver_at_the_end_of_its_second() -> None:
+    """Followed only through next_deadline(), the new idle figure goes out within the
+    second after it settles, not with the next ping."""
+    h = Harness(make_broker(size=2), "a")
+    h.frames()
+    told: list[tuple[float, int]] = []
+    while (due := h.broker.next_deadline()) is not None and due < 104.0:
+        h.at(due)
+        told += [(due, m.idle) for m in h.frames("a") if isinstance(m, p.Hello)]
+    assert told[:1] == [(101.0, 2)]

@@ -292,7 +292,7 @@ class _Offer:
         priority: int,
         expires_at: float,
         reserved: int,
-        grant_no: int = 0,
+        grant_no: int,
     ) -> None:
         self.token = token
         self.conn = conn
@@ -344,10 +344,10 @@ class _Run:
         subject: str | None,
         reserved: int,
         *,
-        wait_s: float = 0.0,
-        client: str | None = None,
-        priority: int = 0,
-        grant_no: int = 0,
+        wait_s: float,
+        client: str | None,
+        priority: int,
+        grant_no: int,
     ) -> None:
         self.run_id = run_id
         self.conn = conn
@@ -447,7 +447,6 @@ class Broker(SansIOCore[Effect, _TimerKind]):
             0,
         )
         self.draining = False
-        self._stopping = False
         self._drained_sent = False
         # idle: the smallest free count of each second, minus the fast reserve
         self._idle = 0
