@@ -909,25 +909,70 @@ def test_service_statistics_split_busy_slots_into_running_offered_and_held() -> 
     assert (row("s"), row("t")) == ((0, 1, 1), (0, 1, 0))
 
 
-def test_a_held_slot_goes_to_its_connection_only_at_the_held_priority_or_above() -> None:
+def held_for_b(turn_hold: float = 5.0, b_jobs: int = 1) -> tuple[Harness, list[int]]:
+    """a floods one service at priority 0 and was served there after b's jobs started;
+    b's jobs run (returned) and b has no want parked: b is owed the next turn."""
     tokens = itertools.count()
     config = BrokerConfig(
         instance_id="inst",
         name="exec",
-        pool=PoolConfig(size=2, max_slots={"s": 0}, unknown_share=1.0),
+        pool=PoolConfig(size=1 + b_jobs, max_slots={"s": 0}, unknown_share=1.0),
         token_factory=lambda: f"token-{next(tokens):016d}",
-        turn_hold=5.0,
+        turn_hold=turn_hold,
     )
     h = Harness(Broker(config, now=100.0), "a", "b")
-    a1, b1 = h.start("a", "a1"), h.start("b", "b1")
-    for job in ("a2", "a3"):
+    a1 = h.start("a", "a1")
+    b_runs = [h.start("b", f"b{n}") for n in range(1, b_jobs + 1)]
+    for job in ("a2", "a3", "a4"):
         h.send("a", p.Want(job_id=job, service="s", priority=0))
     h.broker.job_ended(a1, receipt(), now=h.now)
-    h.broker.job_ended(b1, receipt(), now=h.now)  # held for b, owed the turn
     assert [m.job_id for m in h.frames() if isinstance(m, p.Offer)] == ["a2"]
+    return h, b_runs
+
+
+def offered(h: Harness) -> list[str]:
+    return [m.job_id for m in h.frames() if isinstance(m, p.Offer)]
+
+
+def test_a_held_slot_goes_to_its_connection_only_at_the_held_priority_or_above() -> None:
+    h, (b1,) = held_for_b()
+    h.broker.job_ended(b1, receipt(), now=h.now)
+    assert offered(h) == []  # held for b
     # b comes back below the held priority: the hold ends and the rule decides
     h.send("b", p.Want(job_id="low", service="s", priority=-1))
-    assert [m.job_id for m in h.frames() if isinstance(m, p.Offer)] == ["a3"]
+    assert offered(h) == ["a3"]
+    h.broker.check_invariants()
+
+
+def test_a_connection_holds_one_slot_at_most() -> None:
+    h, (b1, b2) = held_for_b(b_jobs=2)
+    h.broker.job_ended(b1, receipt(), now=h.now)
+    assert offered(h) == []  # held for b
+    h.broker.job_ended(b2, receipt(), now=h.now)
+    assert offered(h) == ["a3"]  # b holds one already: this one is dealt
+    h.broker.check_invariants()
+
+
+def test_a_zero_turn_hold_holds_nothing() -> None:
+    h, (b1,) = held_for_b(turn_hold=0.0)
+    h.broker.job_ended(b1, receipt(), now=h.now)
+    assert offered(h) == ["a3"]  # at once, without waiting for a tick
+
+
+def test_no_hold_while_a_want_waits_above_its_priority() -> None:
+    h, (b1,) = held_for_b()
+    h.send("a", p.Want(job_id="urgent", service="s", priority=2))  # parked: no slot
+    assert offered(h) == []
+    h.broker.job_ended(b1, receipt(), now=h.now)
+    assert offered(h) == ["urgent"]
+
+
+def test_a_want_parked_above_a_hold_ends_it() -> None:
+    h, (b1,) = held_for_b()
+    h.broker.job_ended(b1, receipt(), now=h.now)
+    assert offered(h) == []  # held for b
+    h.send("a", p.Want(job_id="urgent", service="s", priority=2))
+    assert offered(h) == ["urgent"]
     h.broker.check_invariants()
 
 
