@@ -839,9 +839,13 @@ def test_counters_start_at_zero_and_count_each_event_once() -> None:
     unwanted = h.want("b", "j4")
     assert isinstance(unwanted, p.Offer)
     h.send("b", p.Unwant(job_id="j4"))  # releasing an offer declines it
+    expiring = h.want("b", "j5")
+    assert isinstance(expiring, p.Offer)
+    h.at(h.now + 10.0)  # the default offer_ttl: it expires, with an error frame
+    assert [m.code for m in h.frames("b") if isinstance(m, p.Error)] == ["offer_expired"]
     broker.job_ended(run, receipt(), now=h.now)
     h.frames()
-    assert broker.statistics().counters["wants"] == 3
+    assert broker.statistics().counters["wants"] == 4
     withdrawn = h.want("a", "j3")
     assert isinstance(withdrawn, p.Offer)
     broker.drain(now=h.now)
@@ -849,10 +853,11 @@ def test_counters_start_at_zero_and_count_each_event_once() -> None:
     counters = broker.statistics().counters
     assert counters["connections_opened"] == 2
     assert counters["connections_closed"] == 1
-    assert (counters["offers"], counters["offers_redeemed"]) == (4, 1)
+    assert (counters["offers"], counters["offers_redeemed"]) == (5, 1)
     assert (counters["offers_declined"], counters["offers_withdrawn"]) == (2, 1)
+    assert (counters["offers_expired"], counters["errors_sent"]) == (1, 1)
     assert (counters["jobs_started"], counters["jobs_ended"]) == (1, 1)
-    assert counters["wants"] == 4
+    assert counters["wants"] == 5
 
 
 def test_drained_only_once_draining_and_no_job_runs() -> None:
