@@ -991,3 +991,30 @@ def test_an_idle_change_wakes_the_driver_at_the_end_of_its_second() -> None:
         h.at(due)
         told += [(due, m.idle) for m in h.frames("a") if isinstance(m, p.Hello)]
     assert told[:1] == [(101.0, 2)]
+
+
+def test_a_hold_ends_when_its_time_is_up() -> None:
+    h, (b1,) = held_for_b(turn_hold=5.0)
+    h.broker.job_ended(b1, receipt(), now=h.now)
+    ends = h.now + 5.0
+    while (due := h.broker.next_deadline()) is not None and due < ends:
+        h.at(due)
+        h.send("a", p.Pong(nonce="x"))
+        h.send("b", p.Pong(nonce="x"))
+    assert offered(h) == []
+    h.at(ends)
+    assert offered(h) == ["a3"]
+
+
+def test_every_window_sends_its_changes() -> None:
+    """The HELLO timer fires once per window and is armed again by the next change."""
+    h = Harness(make_broker(), "a")
+    h.frames()
+    told: list[tuple[float, int]] = []
+    for second in (100, 101, 102):
+        h.now = second + 0.3
+        h.open(f"x{second}", register=False)  # one more client, inside each window
+        while (due := h.broker.next_deadline()) is not None and due <= second + 1.0:
+            h.at(due)
+        told += [(h.now, m.clients) for m in h.frames("a") if isinstance(m, p.Hello)]
+    assert [clients for _, clients in told] == [2, 3, 4]
