@@ -1018,3 +1018,20 @@ def test_every_window_sends_its_changes() -> None:
             h.at(due)
         told += [(h.now, m.clients) for m in h.frames("a") if isinstance(m, p.Hello)]
     assert [clients for _, clients in told] == [2, 3, 4]
+
+
+def test_each_idle_change_wakes_the_driver_in_its_second() -> None:
+    """Not only the first: after the per-second timer fired once it is armed again."""
+    h = Harness(make_broker(size=2), "a")
+    h.frames()
+    told: list[tuple[float, int]] = []
+    while (due := h.broker.next_deadline()) is not None and due < 101.5:
+        h.at(due)
+        told += [(due, m.idle) for m in h.frames("a") if isinstance(m, p.Hello)]
+    h.now = 101.5
+    h.start("a", "j1")  # one slot busy from 101.5: the second ending at 102 saw 1 free
+    h.frames()
+    while (due := h.broker.next_deadline()) is not None and due < 104.5:
+        h.at(due)
+        told += [(due, m.idle) for m in h.frames("a") if isinstance(m, p.Hello)]
+    assert told == [(101.0, 2), (102.0, 1)]
