@@ -1127,9 +1127,9 @@ class Broker(SansIOCore[Effect, _TimerKind]):
 
     def _shared_hello(self) -> Hashable:
         """The HELLO members every connection shares (all but addr)."""
-        if self.draining:
-            return ((), 0, 0, len(self._conns), True)
-        return (self.pool.kinds(), self.pool.size, self._idle, len(self._conns), False)
+        if self.draining:  # no services, no processes, idle 0: only the client count
+            return ("draining", len(self._conns))
+        return (self.pool.kinds(), self.pool.size, self._idle, len(self._conns))
 
     def _hello(self, conn: _Conn) -> p.Hello:
         if self.draining:
