@@ -1035,3 +1035,100 @@ def test_each_idle_change_wakes_the_driver_in_its_second() -> None:
         h.at(due)
         told += [(due, m.idle) for m in h.frames("a") if isinstance(m, p.Hello)]
     assert told == [(101.0, 2), (102.0, 1)]
+
+
+def test_a_quiet_execserver_asks_for_no_wake_but_liveness() -> None:
+    """Once the idle figure is settled and nothing changes, the per-second timer is off:
+    the next deadline is liveness, with or without a fast reserve, full or free."""
+    for size, reserve, busy in ((2, 0, 0), (3, 1, 0), (2, 1, 2)):
+        h = Harness(make_broker(size=size, fast_reserve=reserve), "a")
+        for n in range(busy):
+            h.start("a", f"j{n}")
+        h.at(101.0)
+        h.frames()
+        h.at(102.0)  # the figure settled in the second before
+        h.frames()
+        sent = h.broker.statistics().idle
+        assert sent == max(0, size - busy - reserve)
+        due = h.broker.next_deadline()
+        assert due is not None
+        assert due >= 105.0, (size, reserve, busy)  # a ping's, not the second's (103)
+
+
+def test_a_job_inside_one_second_lowers_that_seconds_idle_only() -> None:
+    """The figure is the smallest free count of the second: a job that starts and ends
+    inside one second shows for that second, and the next second is free again."""
+    h = Harness(make_broker(size=2), "a")
+    h.frames()
+    told: list[tuple[float, int]] = []
+
+    def follow(until: float) -> None:
+        while (due := h.broker.next_deadline()) is not None and due < until:
+            h.at(due)
+            h.send("a", p.Pong(nonce="x"))
+            told.extend((due, m.idle) for m in h.frames("a") if isinstance(m, p.Hello))
+
+    follow(101.2)
+    h.now = 101.3
+    run = h.start("a", "j1")
+    h.now = 101.6
+    h.broker.job_ended(run, receipt(), now=h.now)
+    h.frames()
+    follow(104.5)
+    assert told == [(101.0, 2), (102.0, 1), (103.0, 2)]
+
+
+def test_idle_after_one_second_with_every_slot_busy_is_zero() -> None:
+    h = Harness(make_broker(size=2, fast_reserve=1), "a")
+    h.start("a", "j1")
+    h.start("a", "j2")
+    h.at(101.0)
+    assert h.broker.idle() == 0
+
+
+def test_after_quiet_seconds_idle_is_the_free_count_not_the_last_busy_second() -> None:
+    h = Harness(make_broker(size=2), "a")
+    h.now = 100.3
+    h.broker.job_ended(h.start("a", "j1"), receipt(), now=100.6)
+    h.at(105.0)  # four quiet seconds: the last one saw both slots free
+    assert h.broker.idle() == 2
+
+
+def test_a_job_across_a_second_boundary_shows_in_both_seconds() -> None:
+    """The slot frees inside a second that started busy: that second still counts it
+    busy, and the driver is woken to tell the free one after it."""
+    h = Harness(make_broker(size=2), "a")
+    h.broker.job_ended(h.start("a", "j0"), receipt(), now=100.0)  # the service is measured
+    h.frames()
+    told: list[tuple[float, int]] = []
+
+    def follow(until: float) -> None:
+        while (due := h.broker.next_deadline()) is not None and due < until:
+            h.at(due)
+            h.send("a", p.Pong(nonce="x"))
+            told.extend((due, m.idle) for m in h.frames("a") if isinstance(m, p.Hello))
+
+    follow(101.2)
+    h.now = 101.3
+    run = h.start("a", "j1")
+    h.frames()
+    follow(102.3)
+    h.now = 102.3
+    h.broker.job_ended(run, receipt(), now=h.now)
+    h.frames()
+    follow(104.5)
+    # busy for part of every second from 100 to 103: idle 1 until the second to 104
+    assert told == [(101.0, 1), (104.0, 2)]
+
+
+def test_a_draining_execserver_asks_for_no_per_second_wake() -> None:
+    h = Harness(make_broker(size=2), "a")
+    run = h.start("a", "j1")
+    h.at(101.0)
+    h.at(102.0)
+    h.frames()
+    h.broker.drain(now=102.5)
+    h.broker.job_ended(run, receipt(), now=102.7)
+    due = h.broker.next_deadline()
+    assert due is not None
+    assert due >= 105.0  # liveness or the drain, never the end of the second (103)
