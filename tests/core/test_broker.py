@@ -274,6 +274,17 @@ def test_position_replays_the_grant_rule() -> None:
     ]
 
 
+def test_position_of_an_offered_job_is_at_the_front() -> None:
+    h = Harness(make_broker(size=2, unknown_share=1.0), "a")
+    h.start("a", "running")
+    offer = h.want("a", "offered")
+    assert isinstance(offer, p.Offer)
+    h.send("a", p.Query(job_id="offered"))
+    assert h.frames("a") == [
+        p.Position(job_id="offered", running=2, ahead=0, capacity=2, eta_s=0.0)
+    ]
+
+
 def test_eta_uses_the_rolling_mean_runtime() -> None:
     h = Harness(make_broker(size=1, unknown_share=1.0, heavy_threshold=100.0), "a")
     run = h.start("a", "first")
@@ -1086,11 +1097,14 @@ def test_idle_after_one_second_with_every_slot_busy_is_zero() -> None:
     assert h.broker.idle() == 0
 
 
-def test_after_quiet_seconds_idle_is_the_free_count_not_the_last_busy_second() -> None:
+@pytest.mark.parametrize("later", [102.0, 105.0])
+def test_after_quiet_seconds_idle_is_the_free_count_not_the_last_busy_second(
+    later: float,
+) -> None:
     h = Harness(make_broker(size=2), "a")
     h.now = 100.3
     h.broker.job_ended(h.start("a", "j1"), receipt(), now=100.6)
-    h.at(105.0)  # four quiet seconds: the last one saw both slots free
+    h.at(later)  # one or more quiet seconds: the last one saw both slots free
     assert h.broker.idle() == 2
 
 
@@ -1132,3 +1146,22 @@ def test_a_draining_execserver_asks_for_no_per_second_wake() -> None:
     due = h.broker.next_deadline()
     assert due is not None
     assert due >= 105.0  # liveness or the drain, never the end of the second (103)
+
+
+def test_connection_ids_never_issued_are_usage_errors_closed_ones_are_ignored() -> None:
+    h = Harness(make_broker(), "a", "b")
+    first, last = h.conns["a"], h.conns["b"]
+    assert (first, last) == (1, 2)
+    for never in (0, last + 1):
+        with pytest.raises(BrokerUsageError, match=f"connection {never} was never opened"):
+            h.broker.receive(never, p.Unwant(job_id="x"), now=h.now)
+        with pytest.raises(BrokerUsageError, match="was never opened"):
+            h.broker.receive_text(never, "not json", now=h.now)
+        with pytest.raises(BrokerUsageError, match="was never opened"):
+            h.broker.close_connection(never, now=h.now)
+    for closed in (first, last):  # both ends of the issued range
+        h.broker.close_connection(closed, now=h.now)
+        h.broker.receive(closed, p.Unwant(job_id="x"), now=h.now)
+        h.broker.receive_text(closed, "not json", now=h.now)
+        h.broker.close_connection(closed, now=h.now)
+    assert h.frames() == []
