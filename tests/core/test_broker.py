@@ -5,10 +5,14 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import math
+import re
 from typing import Any
 
 import pytest
 
+from tests.support.values import assert_keyword_only
+from trio_broker.core import broker as broker_module
 from trio_broker.core import protocol as p
 from trio_broker.core.book import WantBook
 from trio_broker.core.broker import (
@@ -19,6 +23,7 @@ from trio_broker.core.broker import (
     CloseConnection,
     Drained,
     StartJob,
+    new_token,
 )
 from trio_broker.core.pool import PoolConfig, SlotPool
 from trio_broker.testing.values import receipt as make_receipt
@@ -266,6 +271,17 @@ def test_position_replays_the_grant_rule() -> None:
     h.send("a", p.Query(job_id="running"))
     assert h.frames("a") == [
         p.Position(job_id="running", running=1, ahead=0, capacity=1, eta_s=0.0)
+    ]
+
+
+def test_position_of_an_offered_job_is_at_the_front() -> None:
+    h = Harness(make_broker(size=2, unknown_share=1.0), "a")
+    h.start("a", "running")
+    offer = h.want("a", "offered")
+    assert isinstance(offer, p.Offer)
+    h.send("a", p.Query(job_id="offered"))
+    assert h.frames("a") == [
+        p.Position(job_id="offered", running=2, ahead=0, capacity=2, eta_s=0.0)
     ]
 
 
@@ -762,3 +778,390 @@ def test_a_redeemed_or_declined_offer_leaves_no_timer_behind() -> None:
         h.at(due)
     assert 106.5 not in deadlines
     assert deadlines  # the liveness and figure timers still run
+
+
+# -- configuration ----------------------------------------------------------------------
+
+
+def config_with(**values: Any) -> BrokerConfig:
+    return BrokerConfig(instance_id="inst", name="exec", pool=PoolConfig(size=1), **values)
+
+
+def test_config_defaults_are_the_documented_ones() -> None:
+    config = config_with()
+    assert (config.offer_ttl, config.ping_interval, config.ping_timeout) == (10.0, 5.0, 15.0)
+    assert (config.drain_timeout, config.turn_hold, config.recent_receipts) == (60.0, 0.05, 100)
+    assert config.token_factory is new_token
+
+
+@pytest.mark.parametrize("name", ["offer_ttl", "ping_interval", "ping_timeout"])
+def test_config_durations_must_be_positive(name: str) -> None:
+    assert getattr(config_with(**{name: 0.5}), name) == 0.5
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match=f"{name} must be positive, got {bad}"):
+            config_with(**{name: bad})
+
+
+@pytest.mark.parametrize("name", ["drain_timeout", "turn_hold"])
+def test_config_waits_may_be_zero_but_not_negative(name: str) -> None:
+    assert getattr(config_with(**{name: 0.0}), name) == 0.0
+    for bad in (-0.001, math.nan):
+        with pytest.raises(ValueError, match=f"{name} must be >= 0"):
+            config_with(**{name: bad})
+
+
+def test_offer_tokens_carry_128_random_bits() -> None:
+    tokens = {new_token() for _ in range(200)}
+    assert len(tokens) == 200
+    assert all(re.fullmatch(r"[A-Za-z0-9_-]{22}", token) for token in tokens)
+
+
+def test_value_classes_are_keyword_only() -> None:
+    assert_keyword_only(broker_module)
+
+
+def test_statistics_keep_the_last_recent_receipts() -> None:
+    tokens = itertools.count()
+    config = BrokerConfig(
+        instance_id="inst",
+        name="exec",
+        pool=PoolConfig(size=1, max_slots={"s": 0}, unknown_share=1.0),
+        token_factory=lambda: f"token-{next(tokens):016d}",
+        recent_receipts=2,
+    )
+    h = Harness(Broker(config, now=100.0), "a")
+    for job in ("j1", "j2", "j3"):
+        h.broker.job_ended(h.start("a", job), receipt(), now=h.now)
+        h.frames()
+    assert [f.job_id for f in h.broker.statistics().recent] == ["j2", "j3"]
+
+
+# -- statistics and counters -----------------------------------------------------------
+
+
+def test_counters_start_at_zero_and_count_each_event_once() -> None:
+    broker = make_broker(size=2)
+    assert set(broker.statistics().counters.values()) == {0}
+    h = Harness(broker, "a", "b")
+    run = h.start("a", "j1")
+    declined = h.want("b", "j2")
+    assert isinstance(declined, p.Offer)
+    h.send("b", p.Decline(token=declined.token))
+    unwanted = h.want("b", "j4")
+    assert isinstance(unwanted, p.Offer)
+    h.send("b", p.Unwant(job_id="j4"))  # releasing an offer declines it
+    expiring = h.want("b", "j5")
+    assert isinstance(expiring, p.Offer)
+    h.at(h.now + 10.0)  # the default offer_ttl: it expires, with an error frame
+    assert [m.code for m in h.frames("b") if isinstance(m, p.Error)] == ["offer_expired"]
+    broker.job_ended(run, receipt(), now=h.now)
+    h.frames()
+    assert broker.statistics().counters["wants"] == 4
+    withdrawn = h.want("a", "j3")
+    assert isinstance(withdrawn, p.Offer)
+    broker.drain(now=h.now)
+    broker.close_connection(h.conns["b"], now=h.now)
+    counters = broker.statistics().counters
+    assert counters["connections_opened"] == 2
+    assert counters["connections_closed"] == 1
+    assert (counters["offers"], counters["offers_redeemed"]) == (5, 1)
+    assert (counters["offers_declined"], counters["offers_withdrawn"]) == (2, 1)
+    assert (counters["offers_expired"], counters["errors_sent"]) == (1, 1)
+    assert (counters["jobs_started"], counters["jobs_ended"]) == (1, 1)
+    assert counters["wants"] == 5
+
+
+def test_drained_only_once_draining_and_no_job_runs() -> None:
+    h = Harness(make_broker(size=2), "a")
+    assert not h.broker.drained  # nothing runs, but no drain was asked
+    run = h.start("a", "j1")
+    h.broker.drain(now=h.now)
+    assert not h.broker.drained  # draining, one job still runs
+    h.broker.job_ended(run, receipt(), now=h.now)
+    assert h.broker.drained
+
+
+def test_a_draining_execserver_is_never_idle() -> None:
+    h = Harness(make_broker(size=3), "a")
+    h.at(101.0)
+    assert h.broker.idle() == 3
+    h.broker.drain(now=101.5)
+    assert h.broker.idle() == 0
+    assert h.broker.statistics().idle == 0
+    h.at(103.0)
+    assert h.broker.idle() == 0
+
+
+def test_service_statistics_split_busy_slots_into_running_offered_and_held() -> None:
+    tokens = itertools.count()
+    config = BrokerConfig(
+        instance_id="inst",
+        name="exec",
+        pool=PoolConfig(size=3, max_slots={"s": 0, "t": 0}, unknown_share=1.0),
+        token_factory=lambda: f"token-{next(tokens):016d}",
+        turn_hold=5.0,
+    )
+    h = Harness(Broker(config, now=100.0), "a", "b")
+    a1 = h.start("a", "a1")
+    b1 = h.start("b", "b1")
+    h.want("a", "t1", service="t")  # offered, not redeemed: the pool is full now
+    for job in ("a2", "a3"):
+        h.send("a", p.Want(job_id=job, service="s", priority=0))  # parked
+    h.frames()
+
+    def row(name: str) -> tuple[int, int, int]:
+        (snap,) = [s for s in h.broker.statistics().services if s.name == name]
+        return snap.running, snap.offered, snap.parked
+
+    assert (row("s"), row("t")) == ((2, 0, 2), (0, 1, 0))
+    h.broker.job_ended(a1, receipt(), now=h.now)  # a's slot goes to a's next want
+    assert [m.job_id for m in h.frames() if isinstance(m, p.Offer)] == ["a2"]
+    assert (row("s"), row("t")) == ((1, 1, 1), (0, 1, 0))
+    # b is owed the next turn now: the slot its job frees is held for it, busy
+    # but neither running nor offered
+    h.broker.job_ended(b1, receipt(), now=h.now)
+    assert not [m for m in h.frames() if isinstance(m, p.Offer)]
+    assert h.broker.statistics().busy == 3
+    assert (row("s"), row("t")) == ((0, 1, 1), (0, 1, 0))
+
+
+def held_for_b(turn_hold: float = 5.0, b_jobs: int = 1) -> tuple[Harness, list[int]]:
+    """a floods one service at priority 0 and was served there after b's jobs started;
+    b's jobs run (returned) and b has no want parked: b is owed the next turn."""
+    tokens = itertools.count()
+    config = BrokerConfig(
+        instance_id="inst",
+        name="exec",
+        pool=PoolConfig(size=1 + b_jobs, max_slots={"s": 0}, unknown_share=1.0),
+        token_factory=lambda: f"token-{next(tokens):016d}",
+        turn_hold=turn_hold,
+    )
+    h = Harness(Broker(config, now=100.0), "a", "b")
+    a1 = h.start("a", "a1")
+    b_runs = [h.start("b", f"b{n}") for n in range(1, b_jobs + 1)]
+    for job in ("a2", "a3", "a4"):
+        h.send("a", p.Want(job_id=job, service="s", priority=0))
+    h.broker.job_ended(a1, receipt(), now=h.now)
+    assert [m.job_id for m in h.frames() if isinstance(m, p.Offer)] == ["a2"]
+    return h, b_runs
+
+
+def offered(h: Harness) -> list[str]:
+    return [m.job_id for m in h.frames() if isinstance(m, p.Offer)]
+
+
+def test_a_held_slot_goes_to_its_connection_only_at_the_held_priority_or_above() -> None:
+    h, (b1,) = held_for_b()
+    h.broker.job_ended(b1, receipt(), now=h.now)
+    assert offered(h) == []  # held for b
+    # b comes back below the held priority: the hold ends and the rule decides
+    h.send("b", p.Want(job_id="low", service="s", priority=-1))
+    assert offered(h) == ["a3"]
+    h.broker.check_invariants()
+
+
+def test_a_connection_holds_one_slot_at_most() -> None:
+    h, (b1, b2) = held_for_b(b_jobs=2)
+    h.broker.job_ended(b1, receipt(), now=h.now)
+    assert offered(h) == []  # held for b
+    h.broker.job_ended(b2, receipt(), now=h.now)
+    assert offered(h) == ["a3"]  # b holds one already: this one is dealt
+    h.broker.check_invariants()
+
+
+def test_a_zero_turn_hold_holds_nothing() -> None:
+    h, (b1,) = held_for_b(turn_hold=0.0)
+    h.broker.job_ended(b1, receipt(), now=h.now)
+    assert offered(h) == ["a3"]  # at once, without waiting for a tick
+
+
+def test_no_hold_while_a_want_waits_above_its_priority() -> None:
+    h, (b1,) = held_for_b()
+    h.send("a", p.Want(job_id="urgent", service="s", priority=2))  # parked: no slot
+    assert offered(h) == []
+    h.broker.job_ended(b1, receipt(), now=h.now)
+    assert offered(h) == ["urgent"]
+
+
+def test_a_want_parked_above_a_hold_ends_it() -> None:
+    h, (b1,) = held_for_b()
+    h.broker.job_ended(b1, receipt(), now=h.now)
+    assert offered(h) == []  # held for b
+    h.send("a", p.Want(job_id="urgent", service="s", priority=2))
+    assert offered(h) == ["urgent"]
+    h.broker.check_invariants()
+
+
+def test_an_idle_change_wakes_the_driver_at_the_end_of_its_second() -> None:
+    """Followed only through next_deadline(), the new idle figure goes out within the
+    second after it settles, not with the next ping."""
+    h = Harness(make_broker(size=2), "a")
+    h.frames()
+    told: list[tuple[float, int]] = []
+    while (due := h.broker.next_deadline()) is not None and due < 104.0:
+        h.at(due)
+        told += [(due, m.idle) for m in h.frames("a") if isinstance(m, p.Hello)]
+    assert told[:1] == [(101.0, 2)]
+
+
+def test_a_hold_ends_when_its_time_is_up() -> None:
+    h, (b1,) = held_for_b(turn_hold=5.0)
+    h.broker.job_ended(b1, receipt(), now=h.now)
+    ends = h.now + 5.0
+    while (due := h.broker.next_deadline()) is not None and due < ends:
+        h.at(due)
+        h.send("a", p.Pong(nonce="x"))
+        h.send("b", p.Pong(nonce="x"))
+    assert offered(h) == []
+    h.at(ends)
+    assert offered(h) == ["a3"]
+
+
+def test_every_window_sends_its_changes() -> None:
+    """The HELLO timer fires once per window and is armed again by the next change."""
+    h = Harness(make_broker(), "a")
+    h.frames()
+    told: list[tuple[float, int]] = []
+    for second in (100, 101, 102):
+        h.now = second + 0.3
+        h.open(f"x{second}", register=False)  # one more client, inside each window
+        while (due := h.broker.next_deadline()) is not None and due <= second + 1.0:
+            h.at(due)
+        told += [(h.now, m.clients) for m in h.frames("a") if isinstance(m, p.Hello)]
+    assert [clients for _, clients in told] == [2, 3, 4]
+
+
+def test_each_idle_change_wakes_the_driver_in_its_second() -> None:
+    """Not only the first: after the per-second timer fired once it is armed again."""
+    h = Harness(make_broker(size=2), "a")
+    h.frames()
+    told: list[tuple[float, int]] = []
+    while (due := h.broker.next_deadline()) is not None and due < 101.5:
+        h.at(due)
+        told += [(due, m.idle) for m in h.frames("a") if isinstance(m, p.Hello)]
+    h.now = 101.5
+    h.start("a", "j1")  # one slot busy from 101.5: the second ending at 102 saw 1 free
+    h.frames()
+    while (due := h.broker.next_deadline()) is not None and due < 104.5:
+        h.at(due)
+        told += [(due, m.idle) for m in h.frames("a") if isinstance(m, p.Hello)]
+    assert told == [(101.0, 2), (102.0, 1)]
+
+
+def test_a_quiet_execserver_asks_for_no_wake_but_liveness() -> None:
+    """Once the idle figure is settled and nothing changes, the per-second timer is off:
+    the next deadline is liveness, with or without a fast reserve, full or free."""
+    for size, reserve, busy in ((2, 0, 0), (3, 1, 0), (2, 1, 2)):
+        h = Harness(make_broker(size=size, fast_reserve=reserve), "a")
+        for n in range(busy):
+            h.start("a", f"j{n}")
+        h.at(101.0)
+        h.frames()
+        h.at(102.0)  # the figure settled in the second before
+        h.frames()
+        sent = h.broker.statistics().idle
+        assert sent == max(0, size - busy - reserve)
+        due = h.broker.next_deadline()
+        assert due is not None
+        assert due >= 105.0, (size, reserve, busy)  # a ping's, not the second's (103)
+
+
+def test_a_job_inside_one_second_lowers_that_seconds_idle_only() -> None:
+    """The figure is the smallest free count of the second: a job that starts and ends
+    inside one second shows for that second, and the next second is free again."""
+    h = Harness(make_broker(size=2), "a")
+    h.frames()
+    told: list[tuple[float, int]] = []
+
+    def follow(until: float) -> None:
+        while (due := h.broker.next_deadline()) is not None and due < until:
+            h.at(due)
+            h.send("a", p.Pong(nonce="x"))
+            told.extend((due, m.idle) for m in h.frames("a") if isinstance(m, p.Hello))
+
+    follow(101.2)
+    h.now = 101.3
+    run = h.start("a", "j1")
+    h.now = 101.6
+    h.broker.job_ended(run, receipt(), now=h.now)
+    h.frames()
+    follow(104.5)
+    assert told == [(101.0, 2), (102.0, 1), (103.0, 2)]
+
+
+def test_idle_after_one_second_with_every_slot_busy_is_zero() -> None:
+    h = Harness(make_broker(size=2, fast_reserve=1), "a")
+    h.start("a", "j1")
+    h.start("a", "j2")
+    h.at(101.0)
+    assert h.broker.idle() == 0
+
+
+@pytest.mark.parametrize("later", [102.0, 105.0])
+def test_after_quiet_seconds_idle_is_the_free_count_not_the_last_busy_second(
+    later: float,
+) -> None:
+    h = Harness(make_broker(size=2), "a")
+    h.now = 100.3
+    h.broker.job_ended(h.start("a", "j1"), receipt(), now=100.6)
+    h.at(later)  # one or more quiet seconds: the last one saw both slots free
+    assert h.broker.idle() == 2
+
+
+def test_a_job_across_a_second_boundary_shows_in_both_seconds() -> None:
+    """The slot frees inside a second that started busy: that second still counts it
+    busy, and the driver is woken to tell the free one after it."""
+    h = Harness(make_broker(size=2), "a")
+    h.broker.job_ended(h.start("a", "j0"), receipt(), now=100.0)  # the service is measured
+    h.frames()
+    told: list[tuple[float, int]] = []
+
+    def follow(until: float) -> None:
+        while (due := h.broker.next_deadline()) is not None and due < until:
+            h.at(due)
+            h.send("a", p.Pong(nonce="x"))
+            told.extend((due, m.idle) for m in h.frames("a") if isinstance(m, p.Hello))
+
+    follow(101.2)
+    h.now = 101.3
+    run = h.start("a", "j1")
+    h.frames()
+    follow(102.3)
+    h.now = 102.3
+    h.broker.job_ended(run, receipt(), now=h.now)
+    h.frames()
+    follow(104.5)
+    # busy for part of every second from 100 to 103: idle 1 until the second to 104
+    assert told == [(101.0, 1), (104.0, 2)]
+
+
+def test_a_draining_execserver_asks_for_no_per_second_wake() -> None:
+    h = Harness(make_broker(size=2), "a")
+    run = h.start("a", "j1")
+    h.at(101.0)
+    h.at(102.0)
+    h.frames()
+    h.broker.drain(now=102.5)
+    h.broker.job_ended(run, receipt(), now=102.7)
+    due = h.broker.next_deadline()
+    assert due is not None
+    assert due >= 105.0  # liveness or the drain, never the end of the second (103)
+
+
+def test_connection_ids_never_issued_are_usage_errors_closed_ones_are_ignored() -> None:
+    h = Harness(make_broker(), "a", "b")
+    first, last = h.conns["a"], h.conns["b"]
+    assert (first, last) == (1, 2)
+    for never in (0, last + 1):
+        with pytest.raises(BrokerUsageError, match=f"connection {never} was never opened"):
+            h.broker.receive(never, p.Unwant(job_id="x"), now=h.now)
+        with pytest.raises(BrokerUsageError, match="was never opened"):
+            h.broker.receive_text(never, "not json", now=h.now)
+        with pytest.raises(BrokerUsageError, match="was never opened"):
+            h.broker.close_connection(never, now=h.now)
+    for closed in (first, last):  # both ends of the issued range
+        h.broker.close_connection(closed, now=h.now)
+        h.broker.receive(closed, p.Unwant(job_id="x"), now=h.now)
+        h.broker.receive_text(closed, "not json", now=h.now)
+        h.broker.close_connection(closed, now=h.now)
+    assert h.frames() == []

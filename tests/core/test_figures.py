@@ -292,3 +292,32 @@ def test_a_job_within_one_second_shows_up_at_the_next_look() -> None:
     h.at(101.0)
     (stats,) = stats_of(h.frames("a"))
     assert (stats.running, stats.finished) == (0, 1)
+
+
+def test_the_first_look_after_subscribing_is_a_second_later() -> None:
+    """A change right after SUBSCRIBE waits for the look a second after the first frame."""
+    h = subscribed("a", "b", size=1)
+    h.now = 100.2
+    h.want("b", "j1")
+    h.at(100.5)
+    assert stats_of(h.frames("a")) == []
+    h.at(101.0)
+    (stats,) = stats_of(h.frames("a"))
+    assert stats.offered == 1
+
+
+def test_stats_count_waiting_and_running_jobs_per_service() -> None:
+    h = Harness(make_broker(1, services={"s": 0, "t": 0}), "a")
+    h.start("a", "j1", service="t")
+    for job in ("j2", "j3"):
+        h.send("a", p.Want(job_id=job, service="s", priority=0))
+    h.send("a", p.Want(job_id="j4", service="t", priority=1))
+    stats = h.broker.stats_for(h.conns["a"])
+    assert {name: (f.running, f.waiting) for name, f in stats.services.items()} == {
+        "s": (0, 2),
+        "t": (1, 1),
+    }
+    assert stats.waiting_by_priority == (
+        p.PriorityCount(priority=1, waiting=1),
+        p.PriorityCount(priority=0, waiting=2),
+    )

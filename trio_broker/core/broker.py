@@ -292,7 +292,7 @@ class _Offer:
         priority: int,
         expires_at: float,
         reserved: int,
-        grant_no: int = 0,
+        grant_no: int,
     ) -> None:
         self.token = token
         self.conn = conn
@@ -344,10 +344,10 @@ class _Run:
         subject: str | None,
         reserved: int,
         *,
-        wait_s: float = 0.0,
-        client: str | None = None,
-        priority: int = 0,
-        grant_no: int = 0,
+        wait_s: float,
+        client: str | None,
+        priority: int,
+        grant_no: int,
     ) -> None:
         self.run_id = run_id
         self.conn = conn
@@ -447,7 +447,6 @@ class Broker(SansIOCore[Effect, _TimerKind]):
             0,
         )
         self.draining = False
-        self._stopping = False
         self._drained_sent = False
         # idle: the smallest free count of each second, minus the fast reserve
         self._idle = 0
@@ -1128,9 +1127,9 @@ class Broker(SansIOCore[Effect, _TimerKind]):
 
     def _shared_hello(self) -> Hashable:
         """The HELLO members every connection shares (all but addr)."""
-        if self.draining:
-            return ((), 0, 0, len(self._conns), True)
-        return (self.pool.kinds(), self.pool.size, self._idle, len(self._conns), False)
+        if self.draining:  # no services, no processes, idle 0: only the client count
+            return ("draining", len(self._conns))
+        return (self.pool.kinds(), self.pool.size, self._idle, len(self._conns))
 
     def _hello(self, conn: _Conn) -> p.Hello:
         if self.draining:
