@@ -63,7 +63,11 @@ MODULES: dict[str, tuple[str, tuple[tuple[str, ...], ...]]] = {
     "broker": ("trio_broker/core/broker.py", (_BROKER_TESTS, _BROKER_MODELS)),
     "client_core": (
         "trio_broker/core/client.py",
-        (("tests/core/test_client.py",), (_MODEL, "-k", "Race")),
+        (
+            ("tests/core/test_client.py", "tests/core/test_client_rules.py"),
+            ("tests/core/test_figures.py",),
+            (_MODEL, "-k", "Race"),
+        ),
     ),
     "admission": ("trio_broker/core/admission.py", (("tests/core/test_admission.py",),)),
     "dispatch": (
