@@ -181,6 +181,26 @@ def test_a_plan_takes_the_limit_plus_the_odd_reserve() -> None:
     assert c.plan(LOADS) == ClaimPlan(general=0, odd_only=0, local=2, local_odd_only=1)
 
 
+def test_config_defaults_are_the_documented_ones() -> None:
+    config = DispatchConfig()
+    assert (config.exec_actions, config.local_actions) == (frozenset(), frozenset())
+    assert (config.local_limit, config.retry_delay) == (1, 60.0)
+    assert config.admission == AdmissionConfig()
+
+
+def test_without_local_actions_there_is_no_local_reserve() -> None:
+    c = core(local_actions=frozenset(), local_limit=3)
+    assert c.config.local_reserve == 0
+    assert c.statistics().local_reserve == 0
+    assert core(local_limit=3).statistics().local_reserve > 0
+
+
+def test_value_classes_are_keyword_only() -> None:
+    # Rule is a table row, built by position on purpose; the rest take keywords
+    for cls in (Verdict, dispatch.Decision, DispatchConfig, dispatch.DispatchStatistics):
+        assert all(field.kw_only for field in attrs.fields(cls)), cls
+
+
 def test_no_exec_action_means_no_exec_claim() -> None:
     """A core without exec-bound actions plans nothing exec-bound, whatever the loads."""
     c = core(exec_actions=frozenset())

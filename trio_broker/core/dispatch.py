@@ -199,7 +199,6 @@ OUTCOMES: Final[tuple[Rule, ...]] = (
 )
 """The outcome table of the module docstring, row by row."""
 
-_OK: Final = OUTCOMES[0]
 _FAILED: Final = OUTCOMES[-1]
 _RAISED: Final = tuple(rule for rule in OUTCOMES if rule.raised)
 
