@@ -207,6 +207,11 @@ def test_no_exec_action_means_no_exec_claim() -> None:
     assert c.plan(LOADS) == ClaimPlan(general=0, odd_only=0, local=2, local_odd_only=1)
 
 
+def test_no_local_action_means_no_local_claim() -> None:
+    c = core(local_actions=frozenset(), local_limit=3)
+    assert c.plan(LOADS) == ClaimPlan(general=6, odd_only=2, local=0, local_odd_only=0)
+
+
 def test_local_slots_held_by_even_items_leave_the_reserve_to_odd_ones() -> None:
     """With every local slot held by even items, the next plan still asks for an odd local
     item, and refuses an even one in its place."""
