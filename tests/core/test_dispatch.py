@@ -374,6 +374,28 @@ def test_a_known_claim_a_second_batch_and_stopping_while_running_are_misuse() ->
         running.stopped(0)
 
 
+def test_a_stopped_core_claims_and_writes_nothing() -> None:
+    """stopped() without close() first still ends the claims, and a batch taken before
+    it cannot be written after it."""
+    c = core()
+    c.plan(LOADS)
+    item = Item(1, "exec")
+    c.claimed([item])
+    c.finished(item, None)
+    assert c.take_outcomes()
+    c.stopped(returned=None)
+    assert c.plan(LOADS) == ClaimPlan()
+    with pytest.raises(DispatchUsageError, match="without a batch"):
+        c.written([1])
+    assert c.statistics().returned == 0
+
+
+@pytest.mark.parametrize(("low", "high"), [(0.0, 1.0), (1.0, 0.0), (-1.0, 1.0), (1.0, -1.0)])
+def test_backoff_needs_positive_delays(low: float, high: float) -> None:
+    with pytest.raises(ValueError, match="expected delays above 0"):
+        Backoff(low, high)
+
+
 def test_backoff_doubles_to_its_ceiling_and_resets() -> None:
     """A failing call waits low, 2·low, … up to high; a success starts over at low."""
     backoff = Backoff(0.1, 0.5)
