@@ -181,10 +181,35 @@ def test_a_plan_takes_the_limit_plus_the_odd_reserve() -> None:
     assert c.plan(LOADS) == ClaimPlan(general=0, odd_only=0, local=2, local_odd_only=1)
 
 
+def test_config_defaults_are_the_documented_ones() -> None:
+    config = DispatchConfig()
+    assert (config.exec_actions, config.local_actions) == (frozenset(), frozenset())
+    assert (config.local_limit, config.retry_delay) == (1, 60.0)
+    assert config.admission == AdmissionConfig()
+
+
+def test_without_local_actions_there_is_no_local_reserve() -> None:
+    c = core(local_actions=frozenset(), local_limit=3)
+    assert c.config.local_reserve == 0
+    assert c.statistics().local_reserve == 0
+    assert core(local_limit=3).statistics().local_reserve > 0
+
+
+def test_value_classes_are_keyword_only() -> None:
+    # Rule is a table row, built by position on purpose; the rest take keywords
+    for cls in (Verdict, dispatch.Decision, DispatchConfig, dispatch.DispatchStatistics):
+        assert all(field.kw_only for field in attrs.fields(cls)), cls
+
+
 def test_no_exec_action_means_no_exec_claim() -> None:
     """A core without exec-bound actions plans nothing exec-bound, whatever the loads."""
     c = core(exec_actions=frozenset())
     assert c.plan(LOADS) == ClaimPlan(general=0, odd_only=0, local=2, local_odd_only=1)
+
+
+def test_no_local_action_means_no_local_claim() -> None:
+    c = core(local_actions=frozenset(), local_limit=3)
+    assert c.plan(LOADS) == ClaimPlan(general=6, odd_only=2, local=0, local_odd_only=0)
 
 
 def test_local_slots_held_by_even_items_leave_the_reserve_to_odd_ones() -> None:
@@ -347,6 +372,28 @@ def test_a_known_claim_a_second_batch_and_stopping_while_running_are_misuse() ->
     running.claimed([Item(5, "exec")])
     with pytest.raises(DispatchUsageError, match="items run"):
         running.stopped(0)
+
+
+def test_a_stopped_core_claims_and_writes_nothing() -> None:
+    """stopped() without close() first still ends the claims, and a batch taken before
+    it cannot be written after it."""
+    c = core()
+    c.plan(LOADS)
+    item = Item(1, "exec")
+    c.claimed([item])
+    c.finished(item, None)
+    assert c.take_outcomes()
+    c.stopped(returned=None)
+    assert c.plan(LOADS) == ClaimPlan()
+    with pytest.raises(DispatchUsageError, match="without a batch"):
+        c.written([1])
+    assert c.statistics().returned == 0
+
+
+@pytest.mark.parametrize(("low", "high"), [(0.0, 1.0), (1.0, 0.0), (-1.0, 1.0), (1.0, -1.0)])
+def test_backoff_needs_positive_delays(low: float, high: float) -> None:
+    with pytest.raises(ValueError, match="expected delays above 0"):
+        Backoff(low, high)
 
 
 def test_backoff_doubles_to_its_ceiling_and_resets() -> None:

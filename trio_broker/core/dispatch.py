@@ -199,7 +199,6 @@ OUTCOMES: Final[tuple[Rule, ...]] = (
 )
 """The outcome table of the module docstring, row by row."""
 
-_OK: Final = OUTCOMES[0]
 _FAILED: Final = OUTCOMES[-1]
 _RAISED: Final = tuple(rule for rule in OUTCOMES if rule.raised)
 
@@ -655,7 +654,8 @@ class DispatchCore:
         # can have applied (the row's attempts moved past the older one).
         latest: dict[int, int] = {}
         for decision in self._writing:
-            latest[decision.item_id] = max(latest.get(decision.item_id, 0), decision.attempts)
+            item_id, attempts = decision.key
+            latest[item_id] = max(latest.get(item_id, attempts), attempts)
         for decision in self._writing:
             self._unwritten.discard(decision.key)
             if decision.item_id not in applied or decision.attempts != latest[decision.item_id]:
