@@ -136,7 +136,7 @@ def ready_with_two() -> Raw:
     return raw
 
 
-# -- usage errors and forgotten connections ---------------------------------------------------
+# -- usage errors and forgotten connections ------------------------------------------------
 
 
 def test_connected_twice_or_after_the_close_is_a_usage_error() -> None:
@@ -204,7 +204,7 @@ def test_connected_needs_the_local_address_when_the_callback_port_is_set() -> No
     raw.core.connected(1, local_addr=LOCAL, now=0.0)
 
 
-# -- callback bases ---------------------------------------------------------------------------
+# -- callback bases ------------------------------------------------------------------------
 
 
 def register_of(raw: Raw) -> p.Register:
@@ -234,7 +234,7 @@ def test_the_callback_port_goes_with_each_connections_local_host() -> None:
     assert register_of(fixed).callback_url == "https://me.example"
 
 
-# -- submit, query, counts ----------------------------------------------------------------------
+# -- submit, query, counts -----------------------------------------------------------------
 
 
 def test_a_want_has_priority_zero_unless_told() -> None:
@@ -307,7 +307,7 @@ def test_surplus_offers_are_declined_and_counted() -> None:
     assert raw.of(Accepted) == [Accepted(job_id="j", conn=1)]
 
 
-# -- ERROR ----------------------------------------------------------------------------------------
+# -- ERROR ---------------------------------------------------------------------------------
 
 
 def test_an_expired_offer_parks_the_want_again_and_other_codes_unpark_or_leave_it() -> None:
@@ -342,7 +342,7 @@ def test_a_refused_job_waits_again_everywhere_but_other_errors_leave_it_running(
     assert raw.take() == [(1, "WANT"), (2, "WANT")]
 
 
-# -- SUBSCRIBE and STATS --------------------------------------------------------------------------
+# -- SUBSCRIBE and STATS -------------------------------------------------------------------
 
 
 def test_subscribe_asks_ready_execservers_keeps_stats_and_unsubscribe_ends_it() -> None:
@@ -380,7 +380,7 @@ def test_subscribe_asks_ready_execservers_keeps_stats_and_unsubscribe_ends_it() 
     assert raw.take() == [(conn, "REGISTER")]  # unsubscribed: new connections are not asked
 
 
-# -- HELLO ------------------------------------------------------------------------------------------
+# -- HELLO ---------------------------------------------------------------------------------
 
 
 def test_a_figures_only_hello_leaves_a_probing_job_waiting_for_the_dial_in_flight() -> None:
@@ -424,7 +424,7 @@ def test_a_duplicate_is_found_behind_connections_to_other_instances() -> None:
     assert raw.core.ready_connections() == [1, 2]
 
 
-# -- timers: connect_timeout, liveness, redial, growth ----------------------------------------------
+# -- timers: connect_timeout, liveness, redial, growth -------------------------------------
 
 
 def test_connect_timeout_fails_at_the_deadline_or_at_a_later_tick() -> None:
@@ -537,3 +537,22 @@ def test_an_address_that_just_grew_does_not_stop_another_from_growing() -> None:
     raw.up(2, "b", "s", now=2.0)
     assert raw.dialled() == [(4, "B")]
     assert raw.core.next_deadline() == 11.0  # A may grow again 10 s after it grew
+
+
+def test_growth_is_retimed_when_the_oldest_waiting_job_gets_its_slot() -> None:
+    """The growth timer follows the oldest job still waiting: j (from 0) gets its slot at 2,
+    so growth is due a retry tick after k (from 1), at 5, and not at 4. (With these times
+    the armed timer's handle is 5 as well: comparing the handle, not the time, would keep
+    the timer at 4.)"""
+    raw = Raw("A", retry_tick=4.0, pool_max=2)
+    raw.up(1, "a", "s")
+    raw.dialled()
+    raw.submit("j")
+    raw.submit("k", now=1.0)
+    assert raw.core.next_deadline() == 4.0
+    raw.receive(1, p.Offer(job_id="j", token="t"), now=2.0)
+    assert raw.core.next_deadline() == 5.0
+    raw.tick(4.9)
+    assert raw.dialled() == []
+    raw.tick(5.0)
+    assert raw.dialled() == [(2, "A")]
