@@ -75,6 +75,7 @@ class Raw:
         self.take()
 
     def _collect(self) -> None:
+        self.core.check_invariants()
         self._frames += self.core.frames_to_send()
         for effect in self.core.effects():
             if isinstance(effect, Dial):
