@@ -279,3 +279,14 @@ def test_kinds_follow_the_configuration_order_and_each_record() -> None:
     assert slots.kinds() == (("z", "unknown"), ("a", "heavy"))
     classify(slots, "z", 1.0)
     assert slots.kinds() == (("z", "light"), ("a", "heavy"))
+
+
+def test_a_full_pool_refuses_even_a_measured_service_without_limits() -> None:
+    slots = pool(1, max_slots={"s": 0})
+    classify(slots, "s", 1.0)  # light, no cap, no memory: only the pool bounds it
+    slots.acquire("s")
+    assert not slots.fits("s")
+    assert slots.fitting() == []
+    with pytest.raises(RuntimeError, match="does not fit"):
+        slots.acquire("s")
+    assert slots.busy == 1

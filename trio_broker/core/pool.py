@@ -264,7 +264,7 @@ class SlotPool:
     def release(self, service: str, reserved: int) -> None:
         """Free a slot taken by :meth:`acquire` (with what it returned)."""
         stats = self.services[service]
-        if stats.busy <= 0 or self.busy <= 0:
+        if stats.busy <= 0:  # the pool's count is the sum of the services'
             raise RuntimeError(f"release of {service!r} without a busy slot")
         stats.busy -= 1
         self.busy -= 1
