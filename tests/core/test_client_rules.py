@@ -23,9 +23,9 @@ from trio_broker.testing.values import receipt
 
 from .test_client import config
 
-SERVER = "10.0.0.1:7000"  # an execserver's own address (HELLO.addr)
-BALANCER = "10.0.0.3:80"  # the socket's peer when a balancer fronts the fleet
-LOCAL = "10.0.0.2:40000"  # the client's side of every socket
+SERVER = "127.0.0.1:7000"  # an execserver's own address (HELLO.addr)
+BALANCER = "127.0.0.3:80"  # the socket's peer when a balancer fronts the fleet
+LOCAL = "127.0.0.2:40000"  # the client's side of every socket
 
 
 def hello(instance: str, *services: str, draining: bool = False, idle: int = 1) -> p.Hello:
@@ -227,8 +227,8 @@ def test_the_callback_port_goes_with_each_connections_local_host() -> None:
     raw = Raw("A", "B", callback_port=8123)
     raw.core.connected(1, local_addr="[::1]:40000", now=0.0)
     assert register_of(raw).callback_url == "http://[::1]:8123"
-    raw.core.connected(2, local_addr="192.168.1.7:5", now=0.0)
-    assert register_of(raw).callback_url == "http://192.168.1.7:8123"
+    raw.core.connected(2, local_addr="127.0.0.7:5", now=0.0)
+    assert register_of(raw).callback_url == "http://127.0.0.7:8123"
     assert raw.core.callback_base(1) == "http://[::1]:8123"
     fixed = Raw("A", callback_url="https://me.example", callback_port=8123)
     fixed.core.connected(1, local_addr="[::1]:40000", now=0.0)
