@@ -74,3 +74,20 @@ def test_age_lifts_every_due_want_in_one_call_past_removed_ones() -> None:
     assert book.age(12.0) == 2
     assert {w.job_id: w.priority for w in book.wants()} == {"first": 2, "second": 2}
     book.check_invariants()
+
+
+def test_aging_forgets_removed_wants_in_bulk_and_keeps_the_live_ones() -> None:
+    """Removed wants stay in the aging queue until it outgrows the book; the clean-up
+    then keeps every live want's due time."""
+    book: WantBook[str] = WantBook(aging=10.0)
+    for n in range(100):
+        book.add("c", f"w{n}", "s", 0, now=float(n) / 100)
+    for n in range(95):
+        book.remove("c", f"w{n}")
+    book.add("d", "late", "s", 0, now=5.0)  # the queue holds 101 entries for 6 wants
+    assert len(book._aging_heap) == len(book)
+    assert book.age(10.9) == 0  # the live ones were parked at 0.95..0.99
+    assert book.age(11.0) == 5
+    assert book.age(15.0) == 1
+    assert {w.priority for w in book.wants()} == {2}
+    book.check_invariants()
