@@ -54,7 +54,7 @@ _BROKER_MODELS = (_MODEL, "-k", "not Race")
 MODULES: dict[str, tuple[str, tuple[tuple[str, ...], ...]]] = {
     "book": (
         "trio_broker/core/book.py",
-        ((_MODEL, "-k", "Book"), _BROKER_TESTS, _BROKER_MODELS),
+        (("tests/core/test_book.py",), (_MODEL, "-k", "Book"), _BROKER_TESTS, _BROKER_MODELS),
     ),
     "pool": (
         "trio_broker/core/pool.py",
