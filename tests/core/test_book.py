@@ -91,3 +91,19 @@ def test_aging_forgets_removed_wants_in_bulk_and_keeps_the_live_ones() -> None:
     assert book.age(15.0) == 1
     assert {w.priority for w in book.wants()} == {2}
     book.check_invariants()
+
+
+def test_a_want_that_leaves_the_book_is_no_longer_live() -> None:
+    """Whoever keeps a ParkedWant can tell it left: removed, granted, gone with its
+    connection, or cleared by a drain."""
+    book: WantBook[str] = WantBook()
+    wants = {job: book.add("c", job, "s", 0) for job in ("removed", "granted", "cleared")}
+    gone = book.add("d", "closed", "s", 0)
+    assert all(w.live for w in [*wants.values(), gone])
+    book.remove("c", "removed")
+    book.grant("c", "granted")
+    book.remove_connection("d")
+    assert [w.live for w in [*wants.values(), gone]] == [False, False, True, False]
+    assert book.clear() == [wants["cleared"]]
+    assert not wants["cleared"].live
+    assert len(book) == 0
