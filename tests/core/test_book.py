@@ -107,3 +107,25 @@ def test_a_want_that_leaves_the_book_is_no_longer_live() -> None:
     assert book.clear() == [wants["cleared"]]
     assert not wants["cleared"].live
     assert len(book) == 0
+
+
+def test_a_wide_rotation_keeps_its_order_through_renumbering() -> None:
+    """Seventeen connections dealt round-robin past the renumbering point (more than
+    two bytes of rotation bits) keep their order."""
+    book: WantBook[int] = WantBook()
+    conns = list(range(17))
+    jobs = 0
+    for conn in conns:
+        for _ in range(2):
+            jobs += 1
+            book.add(conn, f"j{jobs}", "s", 0)
+    for turn in range(1_300):
+        want = book.pick({"s"})
+        assert want is not None
+        assert want.conn == conns[turn % len(conns)]
+        jobs += 1
+        book.add(want.conn, f"j{jobs}", "s", 0)
+    assert book._levels[0].base > 0  # renumbered on the way
+    done = 1_300 % len(conns)
+    assert book.rotation(0) == [*conns[done:], *conns[:done]]
+    book.check_invariants()
