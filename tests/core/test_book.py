@@ -91,3 +91,41 @@ def test_aging_forgets_removed_wants_in_bulk_and_keeps_the_live_ones() -> None:
     assert book.age(15.0) == 1
     assert {w.priority for w in book.wants()} == {2}
     book.check_invariants()
+
+
+def test_a_want_that_leaves_the_book_is_no_longer_live() -> None:
+    """Whoever keeps a ParkedWant can tell it left: removed, granted, gone with its
+    connection, or cleared by a drain."""
+    book: WantBook[str] = WantBook()
+    wants = {job: book.add("c", job, "s", 0) for job in ("removed", "granted", "cleared")}
+    gone = book.add("d", "closed", "s", 0)
+    assert all(w.live for w in [*wants.values(), gone])
+    book.remove("c", "removed")
+    book.grant("c", "granted")
+    book.remove_connection("d")
+    assert [w.live for w in [*wants.values(), gone]] == [False, False, True, False]
+    assert book.clear() == [wants["cleared"]]
+    assert not wants["cleared"].live
+    assert len(book) == 0
+
+
+def test_a_wide_rotation_keeps_its_order_through_renumbering() -> None:
+    """Seventeen connections dealt round-robin past the renumbering point (more than
+    two bytes of rotation bits) keep their order."""
+    book: WantBook[int] = WantBook()
+    conns = list(range(17))
+    jobs = 0
+    for conn in conns:
+        for _ in range(2):
+            jobs += 1
+            book.add(conn, f"j{jobs}", "s", 0)
+    for turn in range(1_300):
+        want = book.pick({"s"})
+        assert want is not None
+        assert want.conn == conns[turn % len(conns)]
+        jobs += 1
+        book.add(want.conn, f"j{jobs}", "s", 0)
+    assert book._levels[0].base > 0  # renumbered on the way
+    done = 1_300 % len(conns)
+    assert book.rotation(0) == [*conns[done:], *conns[:done]]
+    book.check_invariants()
