@@ -11,7 +11,7 @@ from trio_broker.core.book import WantBook
 from trio_broker.testing.book import BookModel
 
 CONNS = (1, 2, 3)
-SERVICES = ("a", "b")
+SERVICES = ("a", "b", "c")
 PRIORITIES = (0, 2)
 
 
