@@ -1066,6 +1066,15 @@ def test_a_quiet_execserver_asks_for_no_wake_but_liveness() -> None:
         assert due >= 105.0, (size, reserve, busy)  # a ping's, not the second's (103)
 
 
+def follow(h: Harness, until: float, told: list[tuple[float, int]]) -> None:
+    """Advance through the broker's own deadlines only (connection "a" answers each
+    ping), noting the idle figure of every HELLO "a" is sent."""
+    while (due := h.broker.next_deadline()) is not None and due < until:
+        h.at(due)
+        h.send("a", p.Pong(nonce="x"))
+        told.extend((due, m.idle) for m in h.frames("a") if isinstance(m, p.Hello))
+
+
 def test_a_job_inside_one_second_lowers_that_seconds_idle_only() -> None:
     """The figure is the smallest free count of the second: a job that starts and ends
     inside one second shows for that second, and the next second is free again."""
@@ -1073,19 +1082,13 @@ def test_a_job_inside_one_second_lowers_that_seconds_idle_only() -> None:
     h.frames()
     told: list[tuple[float, int]] = []
 
-    def follow(until: float) -> None:
-        while (due := h.broker.next_deadline()) is not None and due < until:
-            h.at(due)
-            h.send("a", p.Pong(nonce="x"))
-            told.extend((due, m.idle) for m in h.frames("a") if isinstance(m, p.Hello))
-
-    follow(101.2)
+    follow(h, 101.2, told)
     h.now = 101.3
     run = h.start("a", "j1")
     h.now = 101.6
     h.broker.job_ended(run, receipt(), now=h.now)
     h.frames()
-    follow(104.5)
+    follow(h, 104.5, told)
     assert told == [(101.0, 2), (102.0, 1), (103.0, 2)]
 
 
@@ -1116,21 +1119,15 @@ def test_a_job_across_a_second_boundary_shows_in_both_seconds() -> None:
     h.frames()
     told: list[tuple[float, int]] = []
 
-    def follow(until: float) -> None:
-        while (due := h.broker.next_deadline()) is not None and due < until:
-            h.at(due)
-            h.send("a", p.Pong(nonce="x"))
-            told.extend((due, m.idle) for m in h.frames("a") if isinstance(m, p.Hello))
-
-    follow(101.2)
+    follow(h, 101.2, told)
     h.now = 101.3
     run = h.start("a", "j1")
     h.frames()
-    follow(102.3)
+    follow(h, 102.3, told)
     h.now = 102.3
     h.broker.job_ended(run, receipt(), now=h.now)
     h.frames()
-    follow(104.5)
+    follow(h, 104.5, told)
     # busy for part of every second from 100 to 103: idle 1 until the second to 104
     assert told == [(101.0, 1), (104.0, 2)]
 
