@@ -29,6 +29,19 @@ from trio_broker.core.pool import PoolConfig, SlotPool
 from trio_broker.testing.values import receipt as make_receipt
 
 
+def broker_with(pool: PoolConfig, **settings: Any) -> Broker:
+    """A broker at 100.0 with deterministic offer tokens and these BrokerConfig settings."""
+    tokens = itertools.count()
+    config = BrokerConfig(
+        instance_id="inst",
+        name="exec",
+        pool=pool,
+        token_factory=lambda: f"token-{next(tokens):016d}",
+        **settings,
+    )
+    return Broker(config, now=100.0)
+
+
 def make_broker(
     size: int = 2,
     *,
@@ -759,15 +772,9 @@ def test_book_fallback_skips_wants_removed_behind_a_service_head() -> None:
 def test_a_redeemed_or_declined_offer_leaves_no_timer_behind() -> None:
     """Once an offer is redeemed or declined its expiry timer is disarmed: the driver is not
     woken at the time it would have expired (stale timers cost CPU after a burst)."""
-    tokens = itertools.count()
-    config = BrokerConfig(
-        instance_id="inst",
-        name="exec",
-        pool=PoolConfig(size=2, max_slots={"s": 0}, unknown_share=1.0),
-        token_factory=lambda: f"token-{next(tokens):016d}",
-        offer_ttl=6.5,
+    h = Harness(
+        broker_with(PoolConfig(size=2, max_slots={"s": 0}, unknown_share=1.0), offer_ttl=6.5), "a"
     )
-    h = Harness(Broker(config, now=100.0), "a")
     h.start("a", "j1")  # offered and redeemed at 100: it would expire at 106.5
     declined = h.want("a", "j2")
     assert isinstance(declined, p.Offer)
@@ -821,15 +828,10 @@ def test_value_classes_are_keyword_only() -> None:
 
 
 def test_statistics_keep_the_last_recent_receipts() -> None:
-    tokens = itertools.count()
-    config = BrokerConfig(
-        instance_id="inst",
-        name="exec",
-        pool=PoolConfig(size=1, max_slots={"s": 0}, unknown_share=1.0),
-        token_factory=lambda: f"token-{next(tokens):016d}",
-        recent_receipts=2,
+    h = Harness(
+        broker_with(PoolConfig(size=1, max_slots={"s": 0}, unknown_share=1.0), recent_receipts=2),
+        "a",
     )
-    h = Harness(Broker(config, now=100.0), "a")
     for job in ("j1", "j2", "j3"):
         h.broker.job_ended(h.start("a", job), receipt(), now=h.now)
         h.frames()
@@ -893,15 +895,13 @@ def test_a_draining_execserver_is_never_idle() -> None:
 
 
 def test_service_statistics_split_busy_slots_into_running_offered_and_held() -> None:
-    tokens = itertools.count()
-    config = BrokerConfig(
-        instance_id="inst",
-        name="exec",
-        pool=PoolConfig(size=3, max_slots={"s": 0, "t": 0}, unknown_share=1.0),
-        token_factory=lambda: f"token-{next(tokens):016d}",
-        turn_hold=5.0,
+    h = Harness(
+        broker_with(
+            PoolConfig(size=3, max_slots={"s": 0, "t": 0}, unknown_share=1.0), turn_hold=5.0
+        ),
+        "a",
+        "b",
     )
-    h = Harness(Broker(config, now=100.0), "a", "b")
     a1 = h.start("a", "a1")
     b1 = h.start("b", "b1")
     h.want("a", "t1", service="t")  # offered, not redeemed: the pool is full now
@@ -928,15 +928,13 @@ def test_service_statistics_split_busy_slots_into_running_offered_and_held() -> 
 def held_for_b(turn_hold: float = 5.0, b_jobs: int = 1) -> tuple[Harness, list[int]]:
     """a floods one service at priority 0 and was served there after b's jobs started;
     b's jobs run (returned) and b has no want parked: b is owed the next turn."""
-    tokens = itertools.count()
-    config = BrokerConfig(
-        instance_id="inst",
-        name="exec",
-        pool=PoolConfig(size=1 + b_jobs, max_slots={"s": 0}, unknown_share=1.0),
-        token_factory=lambda: f"token-{next(tokens):016d}",
-        turn_hold=turn_hold,
+    h = Harness(
+        broker_with(
+            PoolConfig(size=1 + b_jobs, max_slots={"s": 0}, unknown_share=1.0), turn_hold=turn_hold
+        ),
+        "a",
+        "b",
     )
-    h = Harness(Broker(config, now=100.0), "a", "b")
     a1 = h.start("a", "a1")
     b_runs = [h.start("b", f"b{n}") for n in range(1, b_jobs + 1)]
     for job in ("a2", "a3", "a4"):
