@@ -33,13 +33,13 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from trio_broker.core import protocol as p
 from trio_broker.core.book import aging_ceiling
-from trio_broker.core.broker import Broker, BrokerConfig, StartJob
+from trio_broker.core.broker import StartJob
 from trio_broker.core.pool import PoolConfig
+from trio_broker.testing.machines import registered_broker
 from trio_broker.testing.values import receipt
 
 __all__ = ["AgingMachine", "aging_machine"]
 
-_NEVER = 1e12
 _BANDS = (-2, 0, 2, 4)
 
 
@@ -53,29 +53,10 @@ class AgingMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.now = 0.0
-        self.broker = Broker(
-            BrokerConfig(
-                instance_id="aging",
-                name="aging",
-                pool=PoolConfig(
-                    size=self.size,
-                    unknown_share=1.0,
-                    max_slots={"s": 0},
-                    priority_aging=self.interval,
-                ),
-                offer_ttl=_NEVER,
-                ping_interval=_NEVER,
-                ping_timeout=_NEVER,
-            ),
-            now=0.0,
+        pool = PoolConfig(
+            size=self.size, unknown_share=1.0, max_slots={"s": 0}, priority_aging=self.interval
         )
-        self.conns = [
-            self.broker.open_connection("127.0.0.1:1", now=0.0)
-            for _ in range(self.connection_count)
-        ]
-        for conn in self.conns:
-            self.broker.receive(conn, p.Register(backend_id="b", name="n", version="1"), now=0.0)
-        self.broker.frames_to_send()
+        self.broker, self.conns = registered_broker("aging", pool, self.connection_count)
         self.jobs = itertools.count()
         # (conn, job_id) -> when it reaches its ceiling
         self.parked: dict[tuple[int, str], float] = {}

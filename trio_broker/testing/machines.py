@@ -104,6 +104,30 @@ _STATUSES: tuple[p.Status, ...] = (
 )
 
 
+def registered_broker(
+    name: str, pool: PoolConfig, connections: int, **settings: Any
+) -> tuple[Broker, list[int]]:
+    """A broker at time 0 whose offers never expire and which never pings, with
+    ``connections`` registered client connections (their first frames read)."""
+    broker = Broker(
+        BrokerConfig(
+            instance_id=name,
+            name=name,
+            pool=pool,
+            offer_ttl=_NEVER,
+            ping_interval=_NEVER,
+            ping_timeout=_NEVER,
+            **settings,
+        ),
+        now=0.0,
+    )
+    conns = [broker.open_connection("127.0.0.1:1", now=0.0) for _ in range(connections)]
+    for conn in conns:
+        broker.receive(conn, p.Register(backend_id="b", name="n", version="1"), now=0.0)
+    broker.frames_to_send()
+    return broker, conns
+
+
 def check_pick(
     wants: list[tuple[int, str, str, int, int]],
     rotations: dict[int, list[Any]],
@@ -600,25 +624,9 @@ class RoundRobinMachine(RuleBasedStateMachine):
         super().__init__()
         self.now = 0.0
         pool = PoolConfig(size=self.size, fast_reserve=0, unknown_share=1.0, max_slots={"s": 0})
-        self.broker = Broker(
-            BrokerConfig(
-                instance_id="rr",
-                turn_hold=self.turn_hold,
-                name="rr",
-                pool=pool,
-                offer_ttl=_NEVER,
-                ping_interval=_NEVER,
-                ping_timeout=_NEVER,
-            ),
-            now=0.0,
+        self.broker, self.conns = registered_broker(
+            "rr", pool, self.connection_count, turn_hold=self.turn_hold
         )
-        self.conns = [
-            self.broker.open_connection("127.0.0.1:1", now=0.0)
-            for _ in range(self.connection_count)
-        ]
-        for conn in self.conns:
-            self.broker.receive(conn, p.Register(backend_id="b", name="n", version="1"), now=0.0)
-        self.broker.frames_to_send()
         watch_picks(self.broker.book)
         self.job_counter = itertools.count()
         self.parked: dict[tuple[int, int], int] = {}  # (conn, priority) -> parked count
