@@ -207,7 +207,8 @@ def test_a_waiting_job_survives_losing_one_of_two_execservers() -> None:
     assert not net.of(Finished) or net.client.waiting_count() == 0
 
 
-def test_all_draining_fails_waiting_jobs_at_once() -> None:
+def running_and_waiting() -> tuple[Broker, Net]:
+    """One one-slot execserver running job ``running``, with job ``waiting`` parked."""
     a = broker("a")
     net = Net(config("A"), {"A": [a]})
     net.dial_all()
@@ -216,6 +217,11 @@ def test_all_draining_fails_waiting_jobs_at_once() -> None:
     net.flush()
     net.submit("waiting")
     net.flush()
+    return a, net
+
+
+def test_all_draining_fails_waiting_jobs_at_once() -> None:
+    a, net = running_and_waiting()
     a.drain(now=net.now)
     net.route()
     net.flush()
@@ -271,14 +277,7 @@ def test_growth_is_capped_by_pool_max() -> None:
 
 
 def test_cancel_waiting_and_running() -> None:
-    a = broker("a")
-    net = Net(config("A"), {"A": [a]})
-    net.dial_all()
-    net.flush()
-    net.submit("running")
-    net.flush()
-    net.submit("waiting")
-    net.flush()
+    a, net = running_and_waiting()
     net.client.cancel("waiting", now=net.now)
     net.route()
     net.flush()
