@@ -44,7 +44,7 @@ from typing import Any
 import psycopg
 import trio
 import yaml
-from trio_broker_daemons.pgcluster import PgCluster
+from trio_broker_daemons.fylr.pgcluster import PgCluster
 
 EXECSERVERS = 2
 SLOTS_EACH = 2

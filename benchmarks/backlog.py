@@ -32,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+import bench_checkout  # noqa: F401  (tests.support is this checkout's)
 import trio
 
 HERE = Path(__file__).resolve().parent
@@ -135,7 +136,7 @@ async def main(
     slots: int,
     compare: str | None,
 ) -> None:
-    from trio_broker_daemons.processes import open_execserver_process
+    from tests.support.processes import open_execserver_process
 
     trees: list[tuple[str, str | None]] = [("this", None)]
     if compare is not None:

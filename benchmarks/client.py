@@ -26,11 +26,12 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
+import bench_checkout  # noqa: F401  (tests.support is this checkout's)
 import trio
 from execserver import throughput
-from trio_broker_daemons.haproxy import open_haproxy
-from trio_broker_daemons.processes import DaemonProcess, open_execserver_process
 
+from tests.support.haproxy import open_haproxy
+from tests.support.processes import DaemonProcess, open_execserver_process
 from trio_broker.core.client import ClientConfig
 from trio_broker.trio.client import BrokerClient, open_broker_client
 

@@ -44,7 +44,7 @@ from typing import Any
 
 import psycopg
 import trio
-from trio_broker_daemons.pgcluster import PgCluster
+from trio_broker_daemons.fylr.pgcluster import PgCluster
 
 from trio_broker.core.admission import AdmissionConfig, InstanceLoad
 from trio_broker.trio.dispatcher import Action, Dispatcher, DispatcherConfig

@@ -39,11 +39,12 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import bench_checkout  # noqa: F401  (tests.support is this checkout's)
 import psutil
 import trio
-from trio_broker_daemons.processes import DaemonProcess, open_execserver_process
 from trio_websocket import WebSocketConnection, open_websocket_url
 
+from tests.support.processes import DaemonProcess, open_execserver_process
 from trio_broker.core import protocol as p
 from trio_broker.trio.websocket import WebsocketConnection, connect
 

@@ -39,14 +39,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import bench_checkout  # noqa: F401  (tests.support is this checkout's)
 import httpx
 import psutil
 import trio
 import yaml
 from PIL import Image, ImageDraw
 from rich.console import Console
-from trio_broker_daemons.processes import open_execserver_process, open_fylr_process
-from trio_broker_daemons.upload import upload_files
+from trio_broker_daemons.commands.upload import upload_files
+
+from tests.support.processes import open_execserver_process, open_fylr_process
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 CONVERTER = REPOSITORY / "examples" / "convert_image.py"

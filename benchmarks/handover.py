@@ -34,9 +34,10 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import bench_checkout  # noqa: F401  (tests.support is this checkout's)
 import trio
-from trio_broker_daemons.processes import open_execserver_process
 
+from tests.support.processes import open_execserver_process
 from trio_broker.core import protocol as p
 from trio_broker.core.client import ClientConfig
 from trio_broker.trio.client import BrokerClient, open_broker_client

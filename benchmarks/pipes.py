@@ -32,11 +32,12 @@ import subprocess
 import time
 from collections.abc import AsyncIterator
 
+import bench_checkout  # noqa: F401  (tests.support is this checkout's)
 import psutil
 import trio
-from trio_broker_daemons.processes import open_execserver_process
 from trio_websocket import WebSocketConnection, open_websocket_url
 
+from tests.support.processes import open_execserver_process
 from trio_broker.core import protocol as p
 from trio_broker.trio.pipes import PipeRegistry, serve_pipes
 

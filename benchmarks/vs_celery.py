@@ -80,10 +80,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import attrs
+import bench_checkout  # noqa: F401  (tests.support is this checkout's)
 import psutil
 import trio
-from trio_broker_daemons.processes import DaemonProcess, open_execserver_process
 
+from tests.support.processes import DaemonProcess, open_execserver_process
 from trio_broker.core.client import ClientConfig
 from trio_broker.trio.client import BrokerClient, open_broker_client
 

@@ -34,14 +34,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import demo_checkout  # noqa: F401  (tests.support is this checkout's)
 import httpx
 import trio
 import yaml
 from make_samples import localize_execserver_config, make_samples
 from rich.console import Console
-from trio_broker_daemons.pgcluster import PgCluster, PostgresNotFound, find_pg_bin
-from trio_broker_daemons.processes import open_execserver_process, open_fylr_process
-from trio_broker_daemons.upload import FileOutcome, upload_files
+from trio_broker_daemons.commands.upload import FileOutcome, upload_files
+from trio_broker_daemons.fylr.pgcluster import PgCluster, PostgresNotFound, find_pg_bin
+
+from tests.support.processes import open_execserver_process, open_fylr_process
 
 EXAMPLES = Path(__file__).resolve().parent
 TIMEOUT = 300.0

@@ -19,6 +19,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def _load() -> ModuleType:
+    sys.path.append(str(BENCHMARKS))  # its own folder's modules, as when it is run
     spec = importlib.util.spec_from_file_location("vs_celery", BENCHMARKS / "vs_celery.py")
     assert spec is not None
     assert spec.loader is not None

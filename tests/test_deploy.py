@@ -23,10 +23,11 @@ from typing import Any
 
 import pytest
 import yaml
-from trio_broker_daemons.cli import build_parser
-from trio_broker_daemons.config import ExecserverConfig, load_config
+from trio_broker_daemons.commands.cli import build_parser
+from trio_broker_daemons.config.sources import ENV_PREFIX, keys_of
+from trio_broker_daemons.config.structure import load_config
+from trio_broker_daemons.execserver.config import ExecserverConfig
 from trio_broker_daemons.fylr.config import FylrConfig
-from trio_broker_daemons.sources import ENV_PREFIX, _keys_of
 
 from trio_broker.trio.pages import health_pages
 
@@ -61,7 +62,7 @@ def filled(environ: Mapping[str, Any]) -> dict[str, str]:
 
 def check_environment(command: str, environ: Mapping[str, str]) -> None:
     """Every TRIO_BROKER_ variable names a key of the daemon's configuration."""
-    keys = {key.lower() for key in _keys_of(CLASSES[command])}
+    keys = {key.lower() for key in keys_of(CLASSES[command])}
     for name in environ:
         if name.startswith(ENV_PREFIX):
             first = name.removeprefix(ENV_PREFIX).split("__")[0].lower()

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_daemons_layout import ROOMS
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -61,3 +63,16 @@ def test_the_library_alone_does_not_pull_the_daemons_stack(wheel: zipfile.ZipFil
     assert "trio" in unconditional
     assert not unconditional & {"pyyaml", "rich", "psycopg", "psycopg-pool"}
     assert {"postgres", "daemons", "testing"} <= set(message.get_all("Provides-Extra") or [])
+
+
+def test_the_wheel_ships_the_daemons_rooms_and_no_test_fixture(wheel: zipfile.ZipFile) -> None:
+    """The daemons' package holds its rooms only: the test fixtures (HAProxy, the daemons
+    as processes) stay in tests/support, and the command's entry point is in the wheel."""
+    names = set(wheel.namelist())
+    rooms = {name.split("/")[1] for name in names if name.startswith("trio_broker_daemons/")}
+    assert rooms == ROOMS
+    assert [name for name in names if name.endswith(("/haproxy.py", "/processes.py"))] == []
+    (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    scripts = wheel.read(entry_points).decode()
+    assert "trio-broker = trio_broker_daemons.commands.cli:main" in scripts
+    assert "trio_broker_daemons/commands/cli.py" in names

@@ -37,8 +37,9 @@ import attrs
 import psutil
 import trio
 import yaml
-from trio_broker_daemons.haproxy import HAProxy, open_haproxy
-from trio_broker_daemons.pgcluster import PgCluster, free_port
+from trio_broker_daemons.fylr.pgcluster import PgCluster, free_port
+
+from tests.support.haproxy import HAProxy, open_haproxy
 
 __all__ = [
     "EXAMPLES",

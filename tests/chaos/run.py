@@ -45,8 +45,8 @@ import httpx
 import psycopg
 import trio
 from psycopg.rows import dict_row
+from trio_broker_daemons.commands.upload import UploadError, upload
 from trio_broker_daemons.fylr.config import FylrConfig
-from trio_broker_daemons.upload import UploadError, upload
 
 from tests.chaos.checks import FileRecord, check_file, check_rows
 from tests.chaos.installation import (

@@ -42,7 +42,7 @@ class Blocker:
         if name.split(".")[0] in ("yaml", "rich", "psycopg", "psycopg_pool"):
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 sys.meta_path.insert(0, Blocker())
-from trio_broker_daemons.cli import main
+from trio_broker_daemons.commands.cli import main
 raise SystemExit(main(sys.argv[1:]))
 """
 

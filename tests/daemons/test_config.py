@@ -14,8 +14,9 @@ import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from trio_broker_daemons import config as c
-from trio_broker_daemons.config import ConfigError, ExecserverConfig, ServiceConfig
+from trio_broker_daemons.config import values as c
+from trio_broker_daemons.config.values import ConfigError
+from trio_broker_daemons.execserver.config import ExecserverConfig, ServiceConfig, TlsConfig
 
 from tests.support.hosts import v2_tree
 from trio_broker.core.argv import ArgvTemplate, TemplateError
@@ -197,7 +198,7 @@ def test_full_configuration(tmp_path: Path) -> None:
     assert (config.host, config.port) == ("::1", 0)
     assert (config.name, config.broker_token) == ("exec-b", "s3cret")
     # a relative path is relative to the file's folder, an absolute one is kept
-    assert config.tls == c.TlsConfig(cert=tmp_path / "certs/a.pem", key=Path("/etc/k.pem"))
+    assert config.tls == TlsConfig(cert=tmp_path / "certs/a.pem", key=Path("/etc/k.pem"))
     assert (config.slots, config.fast_reserve, config.heavy_threshold) == (6, 2, 1.5)
     assert config.unknown_share == 1.0
     assert type(config.unknown_share) is float

@@ -8,7 +8,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
-from trio_broker_daemons.config import ConfigError, ExecserverConfig, TlsConfig, load_config
+from trio_broker_daemons.config.structure import load_config
+from trio_broker_daemons.config.values import ConfigError
+from trio_broker_daemons.execserver.config import ExecserverConfig, TlsConfig
 from trio_broker_daemons.fylr.config import FylrConfig
 
 NOOP = "services:\n  probe: {builtin: noop}\n"

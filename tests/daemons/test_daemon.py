@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import trio
-from trio_broker_daemons.processes import open_execserver_process
 from trio_websocket import ConnectionClosed
 
+from tests.support.processes import open_execserver_process
 from tests.support.wire import WAIT, Peer, connect
 from trio_broker.core import protocol as p
 

@@ -20,7 +20,7 @@ import attrs
 import pytest
 import trio
 from PIL import Image
-from trio_broker_daemons.config import ExecserverConfig
+from trio_broker_daemons.execserver.config import ExecserverConfig
 from trio_broker_daemons.fylr import produce
 from trio_broker_daemons.fylr.config import FylrConfig, MetadataConfig, VersionConfig
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import trio
-from trio_broker_daemons.config import ExecserverConfig
-from trio_broker_daemons.execserver import (
+from trio_broker_daemons.execserver.app import (
     broker_config_from,
     command_runner_from,
     serve_from_config,
 )
+from trio_broker_daemons.execserver.config import ExecserverConfig
 
 from tests.support.wire import WAIT, connect
 from trio_broker.trio.execserver import ExecserverHandle

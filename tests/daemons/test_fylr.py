@@ -27,14 +27,14 @@ import psycopg
 import pytest
 import trio
 import yaml
-from trio_broker_daemons.config import ExecserverConfig
-from trio_broker_daemons.execserver import serve_from_config
+from trio_broker_daemons.commands.upload import FileOutcome, ended_done, follow, summary
+from trio_broker_daemons.execserver.app import serve_from_config
+from trio_broker_daemons.execserver.config import ExecserverConfig
 from trio_broker_daemons.fylr.app import FylrHandle, serve_fylr
 from trio_broker_daemons.fylr.config import FylrConfig
 from trio_broker_daemons.fylr.state import STEP_OUTCOMES
-from trio_broker_daemons.processes import open_execserver_process, open_fylr_process
-from trio_broker_daemons.upload import FileOutcome, ended_done, follow, summary
 
+from tests.support.processes import open_execserver_process, open_fylr_process
 from trio_broker.trio.execserver import ExecserverHandle
 from trio_broker.trio.inspection import OUTCOMES
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from trio_broker_daemons.config import ConfigError
+from trio_broker_daemons.config.values import ConfigError
 from trio_broker_daemons.fylr.app import dispatcher_config
 from trio_broker_daemons.fylr.config import (
     FileClass,

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import httpx
 import trio
-from trio_broker_daemons.execserver import serve_from_config
+from trio_broker_daemons.execserver.app import serve_from_config
 from trio_broker_daemons.fylr.config import FylrConfig
-from trio_broker_daemons.haproxy import open_haproxy
 
 from tests.daemons.test_fylr import (
     SERVICES,
@@ -25,6 +24,7 @@ from tests.daemons.test_fylr import (
     put,
     running_fylr,
 )
+from tests.support.haproxy import open_haproxy
 from trio_broker.trio.execserver import ExecserverHandle
 
 

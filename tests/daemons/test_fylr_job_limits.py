@@ -7,8 +7,9 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
-from trio_broker_daemons.config import ConfigError, ExecserverConfig
-from trio_broker_daemons.execserver import serve_from_config
+from trio_broker_daemons.config.values import ConfigError
+from trio_broker_daemons.execserver.app import serve_from_config
+from trio_broker_daemons.execserver.config import ExecserverConfig
 from trio_broker_daemons.fylr.config import FylrConfig, VersionConfig, job_limits
 
 from tests.daemons.test_fylr import WAIT, ended, fylr_mapping, put, running_fylr

@@ -26,14 +26,13 @@ from typing import Any
 import httpx
 import trio
 import yaml
-from trio_broker_daemons.config import ExecserverConfig
-from trio_broker_daemons.execserver import serve_from_config
+from trio_broker_daemons.commands.upload import follow, upload
+from trio_broker_daemons.execserver.app import serve_from_config
+from trio_broker_daemons.execserver.config import ExecserverConfig
 from trio_broker_daemons.fylr.api import RETRY_AFTER
 from trio_broker_daemons.fylr.app import FylrHandle
 from trio_broker_daemons.fylr.config import FylrConfig
-from trio_broker_daemons.pgcluster import PgCluster
-from trio_broker_daemons.processes import open_fylr_process
-from trio_broker_daemons.upload import follow, upload
+from trio_broker_daemons.fylr.pgcluster import PgCluster
 
 from tests.daemons.test_fylr import (
     WAIT,
@@ -47,6 +46,7 @@ from tests.daemons.test_fylr import (
     sha256_line,
     stored_files,
 )
+from tests.support.processes import open_fylr_process
 from trio_broker.trio.execserver import ExecserverHandle
 
 REPOSITORY = Path(__file__).resolve().parents[2]

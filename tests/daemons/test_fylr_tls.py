@@ -19,8 +19,10 @@ import pytest
 import trio
 import trustme
 import yaml
-from trio_broker_daemons.config import ConfigError, ExecserverConfig, load_config
-from trio_broker_daemons.execserver import serve_from_config
+from trio_broker_daemons.config.structure import load_config
+from trio_broker_daemons.config.values import ConfigError
+from trio_broker_daemons.execserver.app import serve_from_config
+from trio_broker_daemons.execserver.config import ExecserverConfig
 from trio_broker_daemons.fylr.config import FylrConfig
 
 from tests.daemons.test_fylr import (

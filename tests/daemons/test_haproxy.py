@@ -16,10 +16,10 @@ import httpx
 import psutil
 import pytest
 import trio
-from trio_broker_daemons.execserver import serve_from_config
-from trio_broker_daemons.haproxy import HAProxy, HAProxyError, HAProxyNotFound, open_haproxy
+from trio_broker_daemons.execserver.app import serve_from_config
 from trio_websocket import ConnectionClosed
 
+from tests.support.haproxy import HAProxy, HAProxyError, HAProxyNotFound, open_haproxy
 from tests.support.wire import WAIT, connect, execserver_config
 from trio_broker.core import protocol as p
 from trio_broker.trio.execserver import ExecserverHandle

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from trio_broker_daemons.pgcluster import (
+from trio_broker_daemons.fylr.pgcluster import (
     PgCluster,
     PgClusterError,
     PostgresNotFound,

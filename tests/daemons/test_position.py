@@ -20,8 +20,8 @@ import httpx
 import psycopg
 import trio
 from rich.console import Console
-from trio_broker_daemons.position import eta_text, queue_text
-from trio_broker_daemons.upload import upload_files
+from trio_broker_daemons.commands.position import eta_text, queue_text
+from trio_broker_daemons.commands.upload import upload_files
 
 from tests.support.installation import WAIT, open_installation
 from tests.support.wire import connect

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import trio
 from PIL import Image
-from trio_broker_daemons.processes import _read_fifo
 
+from tests.support.processes import read_fifo
 from tests.support.wire import WAIT
 from trio_broker.core.client import ClientConfig
 from trio_broker.trio.client import open_broker_client
@@ -54,7 +54,7 @@ async def test_the_example_execserver_makes_a_thumbnail_run_from_the_repository_
         )  # fmt: skip
         try:
             with trio.fail_after(WAIT):
-                host, port = (await _read_fifo(ready, process)).split()
+                host, port = (await read_fifo(ready, process)).split()
                 config = ClientConfig(
                     backend_id="quickstart",
                     name="quickstart",

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import trustme
 import yaml
-from trio_broker_daemons.config import ExecserverConfig
-from trio_broker_daemons.execserver import config_warnings, tls_problem
+from trio_broker_daemons.execserver.app import config_warnings, tls_problem
+from trio_broker_daemons.execserver.config import ExecserverConfig
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -21,8 +21,8 @@ import httpx
 import jsonschema  # type: ignore[import-untyped]
 import trio
 from rich.console import Console
-from trio_broker_daemons import top
-from trio_broker_daemons.execserver import serve_from_config
+from trio_broker_daemons.commands import top
+from trio_broker_daemons.execserver.app import serve_from_config
 from trio_broker_daemons.fylr.app import serve_fylr
 from trio_broker_daemons.fylr.topology import Topology, schema, topology_document
 from trio_websocket import WebSocketConnection, open_websocket_url

@@ -23,8 +23,7 @@ import pytest
 import trio
 import yaml
 from PIL import Image
-from trio_broker_daemons.processes import open_execserver_process, open_fylr_process
-from trio_broker_daemons.upload import (
+from trio_broker_daemons.commands.upload import (
     RETRY_AFTER_MAX,
     PositionFollowers,
     UploadError,
@@ -33,6 +32,8 @@ from trio_broker_daemons.upload import (
     server_url,
     upload,
 )
+
+from tests.support.processes import open_execserver_process, open_fylr_process
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 CONVERTER = REPOSITORY / "examples" / "convert_image.py"

@@ -35,11 +35,11 @@ import httpx
 import pytest
 import trio
 import yaml
-from trio_broker_daemons.processes import open_execserver_process, open_fylr_process
-from trio_broker_daemons.upload import follow
+from trio_broker_daemons.commands.upload import follow
 
 from tests.network.conftest import HOSTS
 from tests.support.netns import Host, Network, until
+from tests.support.processes import open_execserver_process, open_fylr_process
 
 FYLR_PORT = 7100
 EXEC_PORT = 7000

@@ -24,12 +24,12 @@ from typing import Any
 
 import attrs
 import trio
-from trio_broker_daemons.config import ExecserverConfig
-from trio_broker_daemons.execserver import serve_from_config
+from trio_broker_daemons.execserver.app import serve_from_config
+from trio_broker_daemons.execserver.config import ExecserverConfig
 from trio_broker_daemons.fylr.app import FylrHandle, serve_fylr
 from trio_broker_daemons.fylr.config import FylrConfig
-from trio_broker_daemons.haproxy import HAProxy, open_haproxy
 
+from tests.support.haproxy import HAProxy, open_haproxy
 from trio_broker.trio.execserver import ExecserverHandle
 
 WAIT = 60.0

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 from psycopg import sql
-from trio_broker_daemons.pgcluster import PgCluster
+from trio_broker_daemons.fylr.pgcluster import PgCluster
 
 TEST_SETTINGS = {
     "fsync": "off",

@@ -8,8 +8,8 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import trio
-from trio_broker_daemons.config import ExecserverConfig
-from trio_broker_daemons.execserver import serve_from_config
+from trio_broker_daemons.execserver.app import serve_from_config
+from trio_broker_daemons.execserver.config import ExecserverConfig
 from trio_websocket import WebSocketConnection, open_websocket_url
 
 from trio_broker.core import protocol as p

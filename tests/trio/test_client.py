@@ -11,8 +11,7 @@ from typing import Any
 
 import pytest
 import trio
-from trio_broker_daemons.execserver import serve_from_config
-from trio_broker_daemons.processes import open_execserver_process
+from trio_broker_daemons.execserver.app import serve_from_config
 from trio_websocket import (
     ConnectionClosed,
     WebSocketConnection,
@@ -20,6 +19,7 @@ from trio_websocket import (
     WebSocketServer,
 )
 
+from tests.support.processes import open_execserver_process
 from tests.support.stalled import flood_pings, small_receive_buffer
 from tests.support.wire import WAIT, execserver_config, start_execserver
 from trio_broker.core import protocol as p

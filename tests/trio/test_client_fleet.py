@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 import trio
-from trio_broker_daemons.haproxy import open_haproxy
-from trio_broker_daemons.processes import open_execserver_process
 
+from tests.support.haproxy import open_haproxy
+from tests.support.processes import open_execserver_process
 from tests.support.wire import WAIT, start_execserver
 from tests.trio.test_client import client_for
 from trio_broker.core.errors import JobLost, UnknownService

@@ -6,8 +6,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 import trio
-from trio_broker_daemons.haproxy import open_haproxy
 
+from tests.support.haproxy import open_haproxy
 from tests.support.wire import WAIT, start_execserver
 from tests.trio.test_client import client_config
 from trio_broker.trio.client import open_broker_client

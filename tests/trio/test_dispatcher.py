@@ -17,7 +17,7 @@ import attrs
 import psycopg
 import pytest
 import trio
-from trio_broker_daemons.pgcluster import PgCluster
+from trio_broker_daemons.fylr.pgcluster import PgCluster
 
 from tests.support.wire import WAIT, start_execserver
 from trio_broker.core import protocol as p

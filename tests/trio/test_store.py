@@ -10,7 +10,7 @@ import attrs
 import psycopg
 import pytest
 import trio
-from trio_broker_daemons.pgcluster import PgCluster
+from trio_broker_daemons.fylr.pgcluster import PgCluster
 
 from trio_broker.trio.schema import Migration, apply_migrations, load_migrations
 from trio_broker.trio.store import (
@@ -270,7 +270,7 @@ async def test_unreachable_database_is_a_clear_error(pg_cluster: PgCluster) -> N
 
 
 def _closed_port() -> int:
-    from trio_broker_daemons.pgcluster import free_port
+    from trio_broker_daemons.fylr.pgcluster import free_port
 
     return free_port()
 

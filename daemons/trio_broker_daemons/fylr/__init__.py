@@ -7,5 +7,8 @@ application is wired in :mod:`~trio_broker_daemons.fylr.app` from its HTTP API
 (:mod:`~trio_broker_daemons.fylr.worker`) and its inspection pages
 (:mod:`~trio_broker_daemons.fylr.metrics`), which share one
 :mod:`~trio_broker_daemons.fylr.state`; its configuration, decisions, files
-table and storage are the other modules of this package.
+table, storage and private PostgreSQL cluster
+(:mod:`~trio_broker_daemons.fylr.pgcluster`) are the other modules of this
+package. The process (configuration problems, signals) is
+:mod:`~trio_broker_daemons.fylr.daemon`.
 """

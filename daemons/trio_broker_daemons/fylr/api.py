@@ -62,7 +62,7 @@ from trio_broker_daemons.fylr.produce import api_status, class_of
 from trio_broker_daemons.fylr.state import FylrState
 from trio_broker_daemons.fylr.storage import FileReader, FileTooLarge, StoredFile
 from trio_broker_daemons.fylr.worker import OCTET_STREAM
-from trio_broker_daemons.logfmt import fields
+from trio_broker_daemons.runtime.logfmt import fields
 
 __all__ = [
     "MAX_FILENAME_CHARS",

@@ -6,7 +6,7 @@ Theory of operation
 :func:`serve_fylr` wires one process together, in one trio nursery:
 
 - **the store**: PostgreSQL, either the configured ``database`` or a private
-  cluster in ``state_dir/pg`` (:mod:`trio_broker_daemons.pgcluster`); migrations are
+  cluster in ``state_dir/pg`` (:mod:`trio_broker_daemons.fylr.pgcluster`); migrations are
   applied at start. ``files`` (:mod:`trio_broker_daemons.fylr.files`) sits beside
   ``file_queue``;
 - **the storage**: stored files in ``state_dir/files`` (:mod:`trio_broker_daemons.fylr.storage`),
@@ -54,12 +54,12 @@ from trio_broker_daemons.fylr.brokercheck import broker_ssl_context, check_execs
 from trio_broker_daemons.fylr.config import FylrConfig, new_backend_id
 from trio_broker_daemons.fylr.files import fylr_migrations
 from trio_broker_daemons.fylr.metrics import inspect_document
+from trio_broker_daemons.fylr.pgcluster import open_pg_cluster
 from trio_broker_daemons.fylr.state import FylrState, FylrStatistics
 from trio_broker_daemons.fylr.storage import Storage
 from trio_broker_daemons.fylr.topology import topology_of
 from trio_broker_daemons.fylr.worker import FileWorker
-from trio_broker_daemons.logfmt import fields
-from trio_broker_daemons.pgcluster import open_pg_cluster
+from trio_broker_daemons.runtime.logfmt import fields
 
 __all__ = [
     "EMBEDDED_DATABASE",

@@ -1,9 +1,10 @@
 """The reference fylr daemon's configuration: YAML in, frozen values out.
 
 :meth:`FylrConfig.from_yaml` and :meth:`FylrConfig.from_mapping` follow the
-conventions of :mod:`trio_broker_daemons.config` and share its converter and helpers: strict
-primitives, unknown keys refused, and every problem raised as one
-:class:`~trio_broker_daemons.config.ConfigError` line that starts with the dotted key path::
+conventions of :mod:`trio_broker_daemons.config` and share its converter and field
+rules: strict primitives, unknown keys refused, and every problem raised as one
+:class:`~trio_broker_daemons.config.values.ConfigError` line that starts with the
+dotted key path::
 
     classes.image.versions.small.source: expected the name of another version of
     this class (one of preview, thumb), got 'big'
@@ -152,27 +153,22 @@ from psycopg.conninfo import conninfo_to_dict
 
 from trio_broker.core.job import format_job_duration
 from trio_broker.trio.host import cpu_count
-from trio_broker_daemons.config import (
+from trio_broker_daemons.config.rules import (
     MAX_SERVICE_NAME_CHARS,
-    ConfigError,
-    _integer,
-    _listen,
-    _locate,
-    _nonempty_string,
-    _optional_size,
-    _optional_token,
-    _parse_listen,
-    _path,
-    _positive_duration,
-    _Rule,
-    _show,
-    _string,
-    converter,
-    load_yaml_mapping,
-    parse_duration,
-    structure_config,
+    Rule,
+    config_path,
+    integer,
+    listen_address,
+    nonempty_string,
+    optional_size,
+    optional_token,
+    parse_listen,
+    positive_duration,
+    string,
 )
-from trio_broker_daemons.sources import secret_file
+from trio_broker_daemons.config.sources import load_yaml_mapping, secret_file
+from trio_broker_daemons.config.structure import converter, locate, structure_config
+from trio_broker_daemons.config.values import ConfigError, parse_duration, show
 
 __all__ = [
     "DEFAULT_FYLR_LISTEN",
@@ -225,7 +221,7 @@ def _bounded_name(what: str) -> Callable[[object], str]:
     def check(value: object) -> str:
         if type(value) is not str or not 1 <= len(value) <= MAX_NAME_CHARS:
             raise ConfigError(
-                f"expected {what} of 1 to {MAX_NAME_CHARS} characters, got {_show(value)}"
+                f"expected {what} of 1 to {MAX_NAME_CHARS} characters, got {show(value)}"
             )
         return value
 
@@ -236,7 +232,7 @@ def _service_name(value: object) -> str:
     if type(value) is not str or not 1 <= len(value) <= MAX_SERVICE_NAME_CHARS:
         raise ConfigError(
             f"expected a service name of 1 to {MAX_SERVICE_NAME_CHARS} characters,"
-            f" got {_show(value)}"
+            f" got {show(value)}"
         )
     return value
 
@@ -248,11 +244,11 @@ def _optional_name(value: object) -> str | None:
 def _backend_id(value: object) -> str | None:
     if value is None:
         return None
-    text = _string(value)
+    text = string(value)
     if not 1 <= len(text) <= MAX_BACKEND_ID_CHARS or not _BACKEND_ID.fullmatch(text):
         raise ConfigError(
             f"expected 1 to {MAX_BACKEND_ID_CHARS} printable ASCII characters without"
-            f" spaces, got {_show(value)}"
+            f" spaces, got {show(value)}"
         )
     return text
 
@@ -260,7 +256,7 @@ def _backend_id(value: object) -> str | None:
 def _dsn(value: object) -> str | None:
     if value is None:
         return None
-    text = _nonempty_string(value)
+    text = nonempty_string(value)
     try:
         conninfo_to_dict(text)
     except psycopg.Error as exc:
@@ -274,10 +270,10 @@ def _dsn(value: object) -> str | None:
 
 
 def _address(value: object) -> str:
-    _listen(value)
+    listen_address(value)
     assert isinstance(value, str)
-    if _parse_listen(value)[1] == 0:
-        raise ConfigError(f"expected a port from 1 to 65535, got {_show(value)}")
+    if parse_listen(value)[1] == 0:
+        raise ConfigError(f"expected a port from 1 to 65535, got {show(value)}")
     return value
 
 
@@ -290,7 +286,7 @@ def _broker_address(value: object) -> str:
         scheme, _, rest = value.partition("://")
         if scheme not in BROKER_SCHEMES:
             raise ConfigError(
-                f'expected "host:port", "ws://host:port" or "wss://host:port", got {_show(value)}'
+                f'expected "host:port", "ws://host:port" or "wss://host:port", got {show(value)}'
             )
         _address(rest)
         return value
@@ -306,7 +302,7 @@ def split_broker_address(address: str) -> tuple[bool, str]:
 def _broker_ca_file(value: object) -> Path | None:
     if value is None:
         return None
-    path = _path(value)
+    path = config_path(value)
     try:
         ssl.create_default_context(cafile=str(path))
     except (OSError, ssl.SSLError) as exc:
@@ -316,7 +312,7 @@ def _broker_ca_file(value: object) -> Path | None:
 
 def _addresses(value: object) -> tuple[str, ...]:
     if not isinstance(value, list | tuple):
-        raise ConfigError(f'expected a list of addresses ("host:port"), got {_show(value)}')
+        raise ConfigError(f'expected a list of addresses ("host:port"), got {show(value)}')
     seen: set[str] = set()
     for index, element in enumerate(value):
         try:
@@ -324,7 +320,7 @@ def _addresses(value: object) -> tuple[str, ...]:
         except ConfigError as exc:
             raise ConfigError(exc.reason, keys=(index,)) from None
         if element in seen:
-            raise ConfigError(f"duplicate address {_show(element)}", keys=(index,))
+            raise ConfigError(f"duplicate address {show(element)}", keys=(index,))
         seen.add(element)
     return tuple(value)
 
@@ -332,8 +328,8 @@ def _addresses(value: object) -> tuple[str, ...]:
 def _callback_url(value: object) -> str | None:
     if value is None:
         return None
-    text = _nonempty_string(value)
-    problem = f'expected null or an http(s) URL like "http://10.0.0.5:7100", got {_show(value)}'
+    text = nonempty_string(value)
+    problem = f'expected null or an http(s) URL like "http://10.0.0.5:7100", got {show(value)}'
     try:
         parts = urllib.parse.urlsplit(text)
         parts.port  # noqa: B018 - raises ValueError for a bad port
@@ -342,7 +338,7 @@ def _callback_url(value: object) -> str | None:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(problem)
     if parts.query or parts.fragment or "?" in text or "#" in text:
-        raise ConfigError(f"expected a URL without query or fragment, got {_show(value)}")
+        raise ConfigError(f"expected a URL without query or fragment, got {show(value)}")
     return text
 
 
@@ -352,17 +348,17 @@ def _param_value(value: object) -> ParamValue:
         return value
     if type(value) is float and math.isfinite(value):
         return value
-    raise ConfigError(f"expected a string, number or boolean, got {_show(value)}")
+    raise ConfigError(f"expected a string, number or boolean, got {show(value)}")
 
 
 def _params(value: object) -> dict[str, ParamValue]:
     if not isinstance(value, Mapping):
-        raise ConfigError(f"expected a mapping of parameter names to values, got {_show(value)}")
+        raise ConfigError(f"expected a mapping of parameter names to values, got {show(value)}")
     result: dict[str, ParamValue] = {}
     for name, raw in value.items():
         if type(name) is not str or not 1 <= len(name) <= MAX_NAME_CHARS:
             raise ConfigError(
-                f"expected parameter names of 1 to {MAX_NAME_CHARS} characters, got {_show(name)}"
+                f"expected parameter names of 1 to {MAX_NAME_CHARS} characters, got {show(name)}"
             )
         try:
             result[name] = _param_value(raw)
@@ -373,19 +369,19 @@ def _params(value: object) -> dict[str, ParamValue]:
 
 def _extension(value: object) -> str:
     if type(value) is not str:
-        raise ConfigError(f"expected an extension (a string like jpg), got {_show(value)}")
+        raise ConfigError(f"expected an extension (a string like jpg), got {show(value)}")
     text = value[1:] if value.startswith(".") else value
     if not _EXTENSION.fullmatch(text):
         raise ConfigError(
             f"expected an extension like jpg or tar.gz (no spaces, slashes or empty"
-            f" parts), got {_show(value)}"
+            f" parts), got {show(value)}"
         )
     return text.lower()
 
 
 def _extensions(value: object) -> tuple[str, ...]:
     if not isinstance(value, list | tuple):
-        raise ConfigError(f"expected a list of extensions, got {_show(value)}")
+        raise ConfigError(f"expected a list of extensions, got {show(value)}")
     result: list[str] = []
     for index, element in enumerate(value):
         try:
@@ -401,11 +397,11 @@ def _extensions(value: object) -> tuple[str, ...]:
 def _version_name(value: object) -> str:
     if type(value) is not str or not 1 <= len(value) <= MAX_NAME_CHARS:
         raise ConfigError(
-            f"expected version names of 1 to {MAX_NAME_CHARS} characters, got {_show(value)}"
+            f"expected version names of 1 to {MAX_NAME_CHARS} characters, got {show(value)}"
         )
     if not _VERSION_NAME.fullmatch(value):
         raise ConfigError(
-            f"expected version names of letters, digits, '_', '.' and '-', got {_show(value)}"
+            f"expected version names of letters, digits, '_', '.' and '-', got {show(value)}"
         )
     if value in RESERVED_VERSION_NAMES:
         raise ConfigError(f"the version name {value!r} is reserved for the uploaded file")
@@ -417,7 +413,7 @@ def _structured_mapping(
 ) -> dict[str, Any]:
     """A mapping of names to attrs classes, each structured with its key path."""
     if not isinstance(value, Mapping):
-        raise ConfigError(f"expected a mapping of {what}, got {_show(value)}")
+        raise ConfigError(f"expected a mapping of {what}, got {show(value)}")
     result: dict[str, Any] = {}
     for name, raw in value.items():
         try:
@@ -427,7 +423,7 @@ def _structured_mapping(
         try:
             result[name] = converter.structure(raw, cls)
         except Exception as exc:
-            inner = _locate(exc)
+            inner = locate(exc)
             raise ConfigError(inner.reason, keys=(name, *inner.keys)) from None
     return result
 
@@ -473,31 +469,31 @@ def _connect_timeout(value: object) -> float:
 
 
 def _mimetype(value: object) -> str | None:
-    return None if value is None else _nonempty_string(value)
+    return None if value is None else nonempty_string(value)
 
 
-_Listen = Annotated[str, _Rule(_listen)]
-_Name = Annotated[str, _Rule(_nonempty_string)]
-_BackendId = Annotated[str | None, _Rule(_backend_id)]
-_PathValue = Annotated[Path, _Rule(_path)]
-_Dsn = Annotated[str | None, _Rule(_dsn)]
-_Addresses = Annotated[tuple[str, ...], _Rule(_addresses)]
-_CaFile = Annotated[Path | None, _Rule(_broker_ca_file)]
-_Token = Annotated[str | None, _Rule(_optional_token)]
-_CallbackUrl = Annotated[str | None, _Rule(_callback_url)]
-_Positive = Annotated[float, _Rule(_positive_duration)]
-_ConnectTimeout = Annotated[float, _Rule(_connect_timeout)]
-_Delay = Annotated[float, _Rule(parse_duration)]
-_Count = Annotated[int, _Rule(_integer(0))]
-_AtLeastOne = Annotated[int, _Rule(_integer(1))]
-_FrameBytes = Annotated[int, _Rule(_integer(1024))]
-_UploadLimit = Annotated[int | None, _Rule(_optional_size)]
-_OptionalName = Annotated[str | None, _Rule(_optional_name)]
-_ServiceName = Annotated[str, _Rule(_service_name)]
-_Params = Annotated[Mapping[str, ParamValue], _Rule(_params)]
-_Extensions = Annotated[tuple[str, ...], _Rule(_extensions)]
-_MimeType = Annotated[str | None, _Rule(_mimetype)]
-_JobLimit = Annotated[float | None, _Rule(_job_limit)]
+_Listen = Annotated[str, Rule(listen_address)]
+_Name = Annotated[str, Rule(nonempty_string)]
+_BackendId = Annotated[str | None, Rule(_backend_id)]
+_PathValue = Annotated[Path, Rule(config_path)]
+_Dsn = Annotated[str | None, Rule(_dsn)]
+_Addresses = Annotated[tuple[str, ...], Rule(_addresses)]
+_CaFile = Annotated[Path | None, Rule(_broker_ca_file)]
+_Token = Annotated[str | None, Rule(optional_token)]
+_CallbackUrl = Annotated[str | None, Rule(_callback_url)]
+_Positive = Annotated[float, Rule(positive_duration)]
+_ConnectTimeout = Annotated[float, Rule(_connect_timeout)]
+_Delay = Annotated[float, Rule(parse_duration)]
+_Count = Annotated[int, Rule(integer(0))]
+_AtLeastOne = Annotated[int, Rule(integer(1))]
+_FrameBytes = Annotated[int, Rule(integer(1024))]
+_UploadLimit = Annotated[int | None, Rule(optional_size)]
+_OptionalName = Annotated[str | None, Rule(_optional_name)]
+_ServiceName = Annotated[str, Rule(_service_name)]
+_Params = Annotated[Mapping[str, ParamValue], Rule(_params)]
+_Extensions = Annotated[tuple[str, ...], Rule(_extensions)]
+_MimeType = Annotated[str | None, Rule(_mimetype)]
+_JobLimit = Annotated[float | None, Rule(_job_limit)]
 
 
 # -- the classes ---------------------------------------------------------------
@@ -535,8 +531,8 @@ class VersionConfig:
     stall_timeout: _JobLimit = None
 
 
-_Versions = Annotated[Mapping[str, VersionConfig], _Rule(_versions)]
-_Metadata = Annotated[MetadataConfig | None, _Rule(_metadata)]
+_Versions = Annotated[Mapping[str, VersionConfig], Rule(_versions)]
+_Metadata = Annotated[MetadataConfig | None, Rule(_metadata)]
 
 
 @attrs.frozen(kw_only=True)
@@ -562,7 +558,7 @@ class FileClass:
                 hint = f"one of {others}" if others else "there is none"
                 raise ConfigError(
                     f"expected the name of another version of this class ({hint}),"
-                    f" got {_show(version.source)}",
+                    f" got {show(version.source)}",
                     keys=("versions", name, "source"),
                 )
         for name in self.versions:
@@ -602,7 +598,7 @@ class FileClass:
         return tuple(order)
 
 
-_Classes = Annotated[Mapping[str, FileClass], _Rule(_classes)]
+_Classes = Annotated[Mapping[str, FileClass], Rule(_classes)]
 
 
 @attrs.frozen(kw_only=True)
@@ -657,7 +653,7 @@ class FylrConfig:
         if self.default_class is not None and self.default_class not in self.classes:
             known = ", ".join(sorted(self.classes)) or "none configured"
             raise ConfigError(
-                f"expected null or the name of a class ({known}), got {_show(self.default_class)}",
+                f"expected null or the name of a class ({known}), got {show(self.default_class)}",
                 keys=("default_class",),
             )
         self._check_broker_tls()
@@ -734,12 +730,12 @@ class FylrConfig:
     @property
     def host(self) -> str:
         """The host part of ``listen`` (an IPv6 address without brackets)."""
-        return _parse_listen(self.listen)[0]
+        return parse_listen(self.listen)[0]
 
     @property
     def port(self) -> int:
         """The port part of ``listen``; 0 asks for a free port."""
-        return _parse_listen(self.listen)[1]
+        return parse_listen(self.listen)[1]
 
     @property
     def storage_dir(self) -> Path:

@@ -8,7 +8,8 @@ classifies: :mod:`~trio_broker_daemons.fylr.worker`); its ``file_queue`` row the
 stays ``failed`` with the reason in ``last_error``, and its file ends ``error``.
 :func:`failed_items` lists those rows with the file they belong to (the
 inspection document carries them), and :func:`retry_failed` runs them again once
-the cause is fixed (``trio-broker fylr requeue --failed``, or
+the cause is fixed (``trio-broker fylr requeue --failed``:
+:mod:`trio_broker_daemons.commands.requeue`, or
 ``POST /inspect/system/fylr/requeue``). A retry, in one transaction per call,
 puts each row back to ``new`` and its file back to the state its step starts
 from:
@@ -25,20 +26,17 @@ from:
 
 from __future__ import annotations
 
-import os
-import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, Final
 
 import attrs
-import trio
 from psycopg import Connection
 
 from trio_broker.trio.store import Store
 from trio_broker_daemons.fylr.files import ACTION_METADATA, ACTION_PRODUCE, source_failed
 
-__all__ = ["FAILED_SHOWN", "RetriedItem", "failed_items", "requeue_main", "retry_failed"]
+__all__ = ["FAILED_SHOWN", "RetriedItem", "failed_items", "retry_failed"]
 
 FAILED_SHOWN: Final = 100
 """The most failed rows the inspection document lists (the oldest first)."""
@@ -192,54 +190,3 @@ async def retry_failed(store: Store, *, ids: Sequence[int] | None = None) -> lis
             or everything did: it is one transaction).
     """
     return await store.call(lambda conn: _retry(conn, ids), kind="retry_failed")
-
-
-def requeue_main(
-    config_path: str, *, ids: Sequence[int] | None = None, environ: Mapping[str, str] | None = None
-) -> int:
-    """``trio-broker fylr requeue --failed --config FILE``: returns the exit status.
-
-    Connects to the configured ``database`` (it works while every fylr is down),
-    puts the failed rows back with :func:`retry_failed` and prints one line per
-    row and a total. A fylr on its private cluster is asked over HTTP instead
-    (``POST /inspect/system/fylr/requeue``): its database runs inside it.
-
-    Returns:
-        0 when done (also when nothing had failed); 1 when the database could not
-        be reached; 2 for a configuration problem or a configuration without
-        ``database``.
-    """
-    from trio_broker.trio.store import StoreUnavailable, open_store
-    from trio_broker_daemons.config import ConfigError, load_config
-    from trio_broker_daemons.fylr.config import FylrConfig
-
-    try:
-        config = load_config(
-            config_path, FylrConfig, environ=os.environ if environ is None else environ
-        )
-    except ConfigError as exc:
-        where = "" if exc.file else f"{config_path}: "
-        print(f"trio-broker fylr requeue: {where}{exc}", file=sys.stderr)
-        return 2
-    dsn = config.database
-    if dsn is None:
-        print(
-            "trio-broker fylr requeue: the configuration has no 'database' (the fylr runs"
-            " its private cluster): POST /inspect/system/fylr/requeue on its listener",
-            file=sys.stderr,
-        )
-        return 2
-
-    async def run() -> list[RetriedItem]:
-        async with open_store(dsn, pool_size=1, migrate=False) as store:
-            return await retry_failed(store, ids=ids)
-
-    try:
-        retried = trio.run(run)
-    except StoreUnavailable as exc:
-        print(f"trio-broker fylr requeue: {exc}", file=sys.stderr)
-        return 1
-    for item in retried:
-        print(f"requeued {item.id} {item.action} file {item.file_ref}; it had failed: {item.error}")
-    print(f"{len(retried)} failed item(s) requeued")
-    return 0

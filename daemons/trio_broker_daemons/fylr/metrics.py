@@ -43,7 +43,7 @@ from trio_broker.trio.store import QueueCounts
 from trio_broker_daemons.fylr.failed import failed_items, retry_failed
 from trio_broker_daemons.fylr.state import FileCounts, FylrState, FylrStatistics
 from trio_broker_daemons.fylr.sweep import StorageSweeper, result_document
-from trio_broker_daemons.logfmt import fields
+from trio_broker_daemons.runtime.logfmt import fields
 
 __all__ = ["inspect_document", "metrics_text", "routes"]
 

@@ -43,7 +43,7 @@ from trio_broker.core.errors import StoreUnavailable
 from trio_broker.trio.inspection import iso_time
 from trio_broker.trio.store import Store
 from trio_broker_daemons.fylr.storage import Leftover, Storage, abandoned, writer_tag
-from trio_broker_daemons.logfmt import fields
+from trio_broker_daemons.runtime.logfmt import fields
 
 __all__ = ["GRACE_STALE", "SWEEP_EVERY", "StorageSweeper", "SweepResult"]
 

@@ -95,7 +95,7 @@ from trio_broker_daemons.fylr.produce import (
 )
 from trio_broker_daemons.fylr.state import FylrState
 from trio_broker_daemons.fylr.storage import FileReader, Storage, StoredFile
-from trio_broker_daemons.logfmt import fields
+from trio_broker_daemons.runtime.logfmt import fields
 
 __all__ = ["METADATA_OUTPUT_LIMIT", "OCTET_STREAM", "FileWorker", "ServiceNotOffered"]
 

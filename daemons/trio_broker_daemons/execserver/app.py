@@ -1,6 +1,6 @@
 """The reference execserver daemon's wiring: its YAML configuration as library values.
 
-:class:`~trio_broker_daemons.config.ExecserverConfig` is what an operator writes;
+:class:`~trio_broker_daemons.execserver.config.ExecserverConfig` is what an operator writes;
 the library's :func:`~trio_broker.trio.execserver.serve_execserver` takes a
 :class:`~trio_broker.core.broker.BrokerConfig`, a runner and listener settings.
 This module translates one into the other and serves it.
@@ -34,7 +34,9 @@ from trio_broker.trio.execserver import ExecserverHandle, serve_execserver
 from trio_broker.trio.host import HostResources, probe_host
 from trio_broker.trio.listener import ListenerSettings
 from trio_broker.trio.runner import Runner
-from trio_broker_daemons.config import ExecserverConfig, resolve_threads
+from trio_broker_daemons.config.values import resolve_threads
+from trio_broker_daemons.execserver.config import ExecserverConfig
+from trio_broker_daemons.runtime.process import exposed_listener_warning
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -94,8 +96,6 @@ def config_warnings(
     Returns:
         The warnings, in service order, the listener's last.
     """
-    from trio_broker_daemons.daemon import exposed_listener_warning
-
     source = os.environ if environ is None else environ
     warnings: list[ConfigWarning] = []
     for name, service in config.services.items():

@@ -1,7 +1,7 @@
 """Where a configuration document comes from: a YAML file, the environment, secret files.
 
 Both daemons build their configuration the same way
-(:func:`trio_broker_daemons.config.load_config` ties the steps together):
+(:func:`trio_broker_daemons.config.structure.load_config` ties the steps together):
 
 1. :func:`load_yaml_mapping` reads the file: UTF-8 YAML holding one mapping,
    PyYAML's safe loader, duplicate keys refused.
@@ -24,9 +24,9 @@ Both daemons build their configuration the same way
 4. Relative paths (``temp_dir``, ``tls.cert``, a ``<key>_file``) are resolved
    against the folder of the configuration file, and ``{config_dir}`` in an
    argv element becomes that folder; the rules that do it live with the
-   values (:func:`trio_broker_daemons.config.structure_config`).
+   values (:func:`trio_broker_daemons.config.structure.structure_config`).
 
-Every problem is a :class:`~trio_broker_daemons.values.ConfigError` naming the key path;
+Every problem is a :class:`~trio_broker_daemons.config.values.ConfigError` naming the key path;
 a problem with a value that came from a variable also names the variable.
 """
 
@@ -42,7 +42,7 @@ from typing import Annotated, Any, Final, TypeAlias, Union, get_args, get_origin
 import attrs
 import yaml
 
-from trio_broker_daemons.values import ConfigError, _show
+from trio_broker_daemons.config.values import ConfigError, Key, show
 
 __all__ = [
     "ENV_PREFIX",
@@ -50,6 +50,7 @@ __all__ = [
     "EnvironmentSources",
     "apply_environment",
     "blame_environment",
+    "keys_of",
     "load_yaml_mapping",
     "read_secret_files",
     "secret_file",
@@ -60,8 +61,7 @@ ENV_PREFIX: Final = "TRIO_BROKER_"
 SECRET_FILE: Final = "trio_broker_secret_file"
 """The attrs field metadata key of a key that may also be read from ``<key>_file``."""
 
-_Key: TypeAlias = str | int
-EnvironmentSources: TypeAlias = dict[tuple[_Key, ...], str]
+EnvironmentSources: TypeAlias = dict[tuple[Key, ...], str]
 """Key path → the variable that set it (what :func:`apply_environment` returns)."""
 
 
@@ -87,7 +87,7 @@ class _Loader(yaml.SafeLoader):
                 break
             if duplicate:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {_show(key)}", key_node.start_mark
+                    None, None, f"duplicate key {show(key)}", key_node.start_mark
                 )
         return super().construct_mapping(node, deep=deep)
 
@@ -131,7 +131,7 @@ def load_yaml_mapping(path: str | os.PathLike[str]) -> Mapping[str, Any]:
     if data is None:
         raise ConfigError("expected a mapping at the top level, got an empty file", file=file)
     if not isinstance(data, Mapping):
-        raise ConfigError(f"expected a mapping at the top level, got {_show(data)}", file=file)
+        raise ConfigError(f"expected a mapping at the top level, got {show(data)}", file=file)
     return data
 
 
@@ -156,7 +156,7 @@ def _secret_names(cls: type[Any]) -> frozenset[str]:
     return frozenset(f.name for f in attrs.fields(cls) if f.metadata.get(SECRET_FILE))
 
 
-def _keys_of(cls: type[Any]) -> dict[str, Any]:
+def keys_of(cls: type[Any]) -> dict[str, Any]:
     """The keys of an attrs class: its fields and their ``<secret>_file`` partners."""
     hints = typing.get_type_hints(cls, include_extras=True)
     keys = {f.name: hints.get(f.name, Any) for f in attrs.fields(cls)}
@@ -205,7 +205,7 @@ def _resolve_path(
             raise ConfigError(f"{variable}: empty key between '__' separators")
         inner = _strip(tp)
         if attrs.has(inner):
-            known = _keys_of(inner)
+            known = keys_of(inner)
             name = next((k for k in known if k.lower() == segment.lower()), None)
             if name is None:
                 if depth == 0:
@@ -239,7 +239,7 @@ def _set(document: dict[str, Any], keys: Sequence[str], value: Any, variable: st
             child = node[key] = {}
         elif not isinstance(child, dict):
             raise ConfigError(
-                f"expected a mapping to set {variable} in, got {_show(child)}",
+                f"expected a mapping to set {variable} in, got {show(child)}",
                 keys=keys[: depth + 1],
             )
         node = child
@@ -312,9 +312,9 @@ def blame_environment(exc: ConfigError, sources: EnvironmentSources) -> ConfigEr
 # -- secret files ---------------------------------------------------------------------
 
 
-def _read_secret(where: object, folder: Path | None, keys: tuple[_Key, ...]) -> str:
+def _read_secret(where: object, folder: Path | None, keys: tuple[Key, ...]) -> str:
     if type(where) is not str or not where:
-        raise ConfigError(f"expected the path of a file, got {_show(where)}", keys=keys)
+        raise ConfigError(f"expected the path of a file, got {show(where)}", keys=keys)
     path = Path(where)
     if folder is not None and not path.is_absolute():
         path = folder / path
@@ -332,7 +332,7 @@ def _read_secret(where: object, folder: Path | None, keys: tuple[_Key, ...]) -> 
 
 
 def _secrets_of(
-    node: Mapping[Any, Any], cls: type[Any], folder: Path | None, keys: tuple[_Key, ...]
+    node: Mapping[Any, Any], cls: type[Any], folder: Path | None, keys: tuple[Key, ...]
 ) -> dict[Any, Any]:
     result = dict(node)
     for name in sorted(_secret_names(cls)):
@@ -347,7 +347,7 @@ def _secrets_of(
                 f"expected either {name} or {file_key}, got both", keys=(*keys, file_key)
             )
         result[name] = _read_secret(where, folder, (*keys, file_key))
-    for name, tp in _keys_of(cls).items():
+    for name, tp in keys_of(cls).items():
         value = result.get(name)
         if not isinstance(value, Mapping):
             continue

@@ -14,7 +14,7 @@ from pathlib import Path
 import attrs
 import trio
 
-__all__ = ["DaemonProcess", "open_execserver_process", "open_fylr_process"]
+__all__ = ["DaemonProcess", "open_execserver_process", "open_fylr_process", "read_fifo"]
 
 
 @attrs.frozen
@@ -136,7 +136,7 @@ async def _open_daemon_process(
         )  # fmt: skip
         try:
             with trio.fail_after(ready_within):
-                text = await _read_fifo(ready, process, command)
+                text = await read_fifo(ready, process, command)
             host, port = text.split()
             yield DaemonProcess(process=process, host=host, port=int(port))
         finally:
@@ -150,7 +150,7 @@ async def _open_daemon_process(
                 await process.wait()
 
 
-async def _read_fifo(ready: Path, process: trio.Process, command: str = "execserver") -> str:
+async def read_fifo(ready: Path, process: trio.Process, command: str = "execserver") -> str:
     """The FIFO's contents, or an error if the daemon exits before writing them."""
     result: list[str] = []
     exited: list[int] = []

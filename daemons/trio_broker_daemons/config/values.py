@@ -1,10 +1,10 @@
 """The configuration's value conventions: the one error type, durations, sizes, threads.
 
-Both daemons' configuration modules (:mod:`trio_broker_daemons.config`, the
-fylr's) report every problem as a :class:`ConfigError`, one line that starts
-with the dotted key path, and read durations, sizes and thread counts with the
-parsers here. :mod:`trio_broker_daemons.config` re-exports all of them; its
-module docstring states the conventions for an operator.
+Both daemons' configuration modules (:mod:`trio_broker_daemons.execserver.config`,
+:mod:`trio_broker_daemons.fylr.config`) report every problem as a
+:class:`ConfigError`, one line that starts with the dotted key path, and read
+durations, sizes and thread counts with the parsers here. The conventions for an
+operator are stated in :mod:`trio_broker_daemons.config`.
 """
 
 import math
@@ -14,19 +14,25 @@ from decimal import Decimal
 from typing import Final, TypeAlias
 
 __all__ = [
+    "SIZE_HINT",
     "ConfigError",
+    "Key",
     "ThreadsSpec",
+    "check_threads",
     "parse_duration",
     "parse_size",
     "resolve_threads",
+    "show",
 ]
 
 ThreadsSpec: TypeAlias = int | str
 """A ``threads`` value: an int (0, N, -N) or a percentage string (``"N%"``, ``"-N%"``)."""
 
-_Key: TypeAlias = str | int
+Key: TypeAlias = str | int
+"""One step of a key path: a mapping key or a list position."""
 _DURATION_HINT: Final = '(use e.g. "10s", "30m", "12h" or a number of seconds)'
-_SIZE_HINT: Final = 'an integer or a string like "512M", "2G", "1.5GiB"'
+SIZE_HINT: Final = 'an integer or a string like "512M", "2G", "1.5GiB"'
+"""What a size is, for error messages."""
 
 
 class ConfigError(ValueError):
@@ -40,10 +46,10 @@ class ConfigError(ValueError):
             unreadable, not YAML, not a mapping); otherwise ``None``.
     """
 
-    def __init__(self, reason: str, *, keys: Sequence[_Key] = (), file: str | None = None) -> None:
+    def __init__(self, reason: str, *, keys: Sequence[Key] = (), file: str | None = None) -> None:
         super().__init__(reason, tuple(keys), file)
         self.reason = reason
-        self.keys: tuple[_Key, ...] = tuple(keys)
+        self.keys: tuple[Key, ...] = tuple(keys)
         self.file = file
 
     @property
@@ -67,7 +73,7 @@ class ConfigError(ValueError):
 _PLAIN_KEY: Final = re.compile(r"[A-Za-z0-9_-]+")
 
 
-def _show(value: object) -> str:
+def show(value: object) -> str:
     """A short YAML-ish rendering of an offending value for error messages."""
     if value is None:
         return "null"
@@ -82,11 +88,6 @@ def _show(value: object) -> str:
     if isinstance(value, list | tuple):
         return "a list"
     return repr(value)
-
-
-def _seconds(value: float) -> str:
-    """A duration for error messages: ``5s``, ``0.25s``."""
-    return f"{value:g}s"
 
 
 # -- durations, sizes, threads ----------------------------------------------------
@@ -112,19 +113,19 @@ def parse_duration(value: object) -> float:
         ConfigError: with an empty key path, naming the value.
     """
     if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ConfigError(f"expected a duration, got {_show(value)}")
+        raise ConfigError(f"expected a duration, got {show(value)}")
     if isinstance(value, str):
         if value == "0":
             return 0.0
         if not _DURATION.fullmatch(value):
-            raise ConfigError(f"invalid duration {_show(value)} {_DURATION_HINT}")
+            raise ConfigError(f"invalid duration {show(value)} {_DURATION_HINT}")
         seconds = sum(
             float(number) * _DURATION_UNITS[unit] for number, unit in _DURATION_PART.findall(value)
         )
     else:
         seconds = float(value)
     if not math.isfinite(seconds) or seconds < 0:
-        raise ConfigError(f"invalid duration {_show(value)} {_DURATION_HINT}")
+        raise ConfigError(f"invalid duration {show(value)} {_DURATION_HINT}")
     return seconds
 
 
@@ -152,7 +153,7 @@ def parse_size(value: object) -> int:
     elif isinstance(value, str):
         match = _SIZE.fullmatch(value)
         if match is None:
-            raise ConfigError(f"expected a size ({_SIZE_HINT}), got {_show(value)}")
+            raise ConfigError(f"expected a size ({SIZE_HINT}), got {show(value)}")
         number, prefix, suffix = match.groups()
         factor = 1
         if prefix is not None:
@@ -160,16 +161,16 @@ def parse_size(value: object) -> int:
             factor = base ** _SIZE_POWERS[prefix.lower()]
         size = int(Decimal(number) * factor)
     else:
-        raise ConfigError(f"expected a size ({_SIZE_HINT}), got {_show(value)}")
+        raise ConfigError(f"expected a size ({SIZE_HINT}), got {show(value)}")
     if size <= 0:
-        raise ConfigError(f"expected a size greater than 0, got {_show(value)}")
+        raise ConfigError(f"expected a size greater than 0, got {show(value)}")
     return size
 
 
 _THREADS: Final = re.compile(r"(-?)(\d+)(%?)")
 
 
-def _check_threads(value: object) -> ThreadsSpec:
+def check_threads(value: object) -> ThreadsSpec:
     """Validate a ``threads`` value; ``"N"`` and ``"-N"`` become ints."""
     if type(value) is int:
         return value
@@ -178,10 +179,10 @@ def _check_threads(value: object) -> ThreadsSpec:
         if not percent:
             return int(sign + digits)
         if not 1 <= int(digits) <= 100:
-            raise ConfigError(f"expected a percentage from 1 to 100, got {_show(value)}")
+            raise ConfigError(f"expected a percentage from 1 to 100, got {show(value)}")
         return value
     raise ConfigError(
-        f'expected an integer, or a string "N", "-N", "N%" or "-N%", got {_show(value)}'
+        f'expected an integer, or a string "N", "-N", "N%" or "-N%", got {show(value)}'
     )
 
 
@@ -203,7 +204,7 @@ def resolve_threads(spec: ThreadsSpec, cpu_count: int) -> int:
     if cpu_count < 1:
         raise ValueError(f"cpu_count must be at least 1, got {cpu_count}")
     try:
-        checked = _check_threads(spec)
+        checked = check_threads(spec)
     except ConfigError as exc:
         raise ValueError(f"invalid threads spec: {exc.reason}") from None
     if isinstance(checked, int):

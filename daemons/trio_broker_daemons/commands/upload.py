@@ -51,7 +51,7 @@ import trio
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from trio_broker_daemons.position import queue_text, waiting_steps
+from trio_broker_daemons.commands.position import queue_text, waiting_steps
 
 __all__ = [
     "FINISHED",

@@ -55,7 +55,7 @@ def _positive_seconds(text: str) -> float:
 
 
 def _priority(text: str) -> int:
-    from trio_broker_daemons.upload import parse_priority  # no rich or httpx for --help
+    from trio_broker_daemons.commands.upload import parse_priority  # no rich or httpx for --help
 
     try:
         return parse_priority(text)
@@ -248,10 +248,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from trio_broker_daemons.logfmt import configure_logging
+    from trio_broker_daemons.runtime.logfmt import configure_logging
 
     if args.command in ("position", "top"):
-        from trio_broker_daemons.upload import server_url
+        from trio_broker_daemons.commands.upload import server_url
 
         configure_logging(args.log_level or "warning", args.log_format)
         try:
@@ -260,16 +260,16 @@ def _run(args: argparse.Namespace) -> int:
             print(f"trio-broker {args.command}: --server: {exc}", file=sys.stderr)
             return 2
         if args.command == "position":
-            from trio_broker_daemons.position import main as position_main
+            from trio_broker_daemons.commands.position import main as position_main
 
             return position_main(server, args.file_id)
-        from trio_broker_daemons.top import main as top_main
+        from trio_broker_daemons.commands.top import main as top_main
 
         return top_main(server, once=args.once)
     if args.command == "upload":
         # the progress bars are the upload's output: by default only warnings are logged
         configure_logging(args.log_level or "warning", args.log_format)
-        from trio_broker_daemons.upload import main as upload_main
+        from trio_broker_daemons.commands.upload import main as upload_main
 
         return upload_main(
             args.server,
@@ -280,14 +280,14 @@ def _run(args: argparse.Namespace) -> int:
         )
     if args.command == "fylr" and args.operation == "requeue":
         configure_logging(args.log_level or "warning", args.log_format)
-        from trio_broker_daemons.fylr.failed import requeue_main
+        from trio_broker_daemons.commands.requeue import requeue_main
 
         return requeue_main(args.config, ids=args.ids)
     configure_logging(args.log_level or "info", args.log_format)
     if args.command == "fylr":
-        from trio_broker_daemons.daemon import run_fylr
+        from trio_broker_daemons.fylr.daemon import run_fylr
 
         return run_fylr(args.config, ready_file=args.ready_file)
-    from trio_broker_daemons.daemon import run_execserver  # the daemon brings in trio
+    from trio_broker_daemons.execserver.daemon import run_execserver  # the daemon brings in trio
 
     return run_execserver(args.config, ready_file=args.ready_file)
