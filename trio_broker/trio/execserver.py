@@ -48,7 +48,6 @@ import hmac
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
-import attrs
 import h11
 import httpx
 import trio
@@ -64,7 +63,6 @@ from trio_broker.core.broker import (
     AbortJob,
     Broker,
     BrokerConfig,
-    BrokerStatistics,
     CheckCallback,
     CloseConnection,
     Drained,
@@ -75,8 +73,8 @@ from trio_broker.core.job import error_receipt
 from trio_broker.trio.driver import CLOSE_TIMEOUT, MAX_FRAME_BYTES, CoreDriver
 from trio_broker.trio.inspection import (
     METRICS_CONTENT_TYPE,
+    ExecserverStatistics,
     JobFigures,
-    JobStatistics,
     execserver_document,
     execserver_metrics,
 )
@@ -87,7 +85,6 @@ from trio_broker.trio.runner import (
     JobRequest,
     ReportingRunner,
     Runner,
-    RunnerStatistics,
 )
 from trio_broker.trio.websocket import accept, refuse
 
@@ -96,32 +93,12 @@ CALLBACK_CHECK_TIMEOUT = 5.0
 
 __all__ = [
     "ExecserverHandle",
-    "ExecserverStatistics",
     "serve_execserver",
 ]
 
 log = logging.getLogger("trio_broker.trio.execserver")
 
 DEFAULT_MAX_FRAME_BYTES = MAX_FRAME_BYTES
-
-
-@attrs.frozen(kw_only=True)
-class ExecserverStatistics:
-    """A frozen snapshot of one execserver (:meth:`ExecserverHandle.statistics`).
-
-    Attributes:
-        broker: the broker core's snapshot: the pool, each service, each
-            connection, the recent receipts and the counters.
-        runner: the runner's snapshot (running jobs and their memory), or None
-            when the runner keeps none (only
-            :class:`~trio_broker.trio.runner.CommandRunner` does).
-        jobs: every ended job's wait, duration and status, by service
-            (:class:`~trio_broker.trio.inspection.JobFigures`); None when not kept.
-    """
-
-    broker: BrokerStatistics
-    runner: RunnerStatistics | None
-    jobs: JobStatistics | None = None
 
 
 class _AsgiWebsocket:
