@@ -84,7 +84,7 @@ from __future__ import annotations
 import random as _random
 from collections import deque
 from collections.abc import Iterator
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, assert_never
 
 from trio_broker.core import protocol as p
 from trio_broker.core._client_records import ConnId, _Address, _bare, _Conn, _Job
@@ -491,27 +491,44 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
     # -- frames ----------------------------------------------------------------------------
 
     def _dispatch(self, conn: _Conn, message: p.Message) -> None:
-        if isinstance(message, p.Ping):
-            self._send(conn, p.Pong(nonce=message.nonce))
-        elif isinstance(message, p.Hello):
-            self._on_hello(conn, message)
-        elif isinstance(message, p.Offer):
-            self._on_offer(conn, message)
-        elif isinstance(message, p.Done):
-            job = self._jobs.get(message.job_id)
-            if job is not None and job.state == "accepted" and job.conn == conn.id:
-                conn.accepted.discard(job.job_id)
-                self._forget(job)
-                self._effects.append(Finished(job_id=job.job_id, receipt=message.receipt))
-        elif isinstance(message, p.Error):
-            self._on_error(conn, message)
-        elif isinstance(message, p.Position):
-            self._effects.append(
-                PositionReport(job_id=message.job_id, conn=conn.id, position=message)
-            )
-        elif isinstance(message, p.Stats) and conn.watch == "asked":
-            conn.stats = message
-        # QUEUED and PONG need nothing
+        match message:
+            case p.Ping():
+                self._send(conn, p.Pong(nonce=message.nonce))
+            case p.Hello():
+                self._on_hello(conn, message)
+            case p.Offer():
+                self._on_offer(conn, message)
+            case p.Done():
+                job = self._jobs.get(message.job_id)
+                if job is not None and job.state == "accepted" and job.conn == conn.id:
+                    conn.accepted.discard(job.job_id)
+                    self._forget(job)
+                    self._effects.append(Finished(job_id=job.job_id, receipt=message.receipt))
+            case p.Error():
+                self._on_error(conn, message)
+            case p.Position():
+                self._effects.append(
+                    PositionReport(job_id=message.job_id, conn=conn.id, position=message)
+                )
+            case p.Stats():
+                if conn.watch == "asked":
+                    conn.stats = message
+            case p.Queued() | p.Pong():
+                pass  # news that needs nothing: the want is parked, the peer is alive
+            case (
+                p.Register()
+                | p.Want()
+                | p.Unwant()
+                | p.Job()
+                | p.Decline()
+                | p.Cancel()
+                | p.Query()
+                | p.Subscribe()
+                | p.Unsubscribe()
+            ):
+                pass  # a client's own frames: receive_text's codec turns them away
+            case _:
+                assert_never(message)
 
     def _on_hello(self, conn: _Conn, hello: p.Hello) -> None:
         before = conn.hello

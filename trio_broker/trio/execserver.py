@@ -47,6 +47,7 @@ import functools
 import hmac
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from typing import assert_never
 
 import h11
 import httpx
@@ -221,24 +222,29 @@ class _Service:
     # -- the core's effects -------------------------------------------------------------
 
     def _apply(self, effect: Effect) -> None:
-        if isinstance(effect, StartJob):
-            self.controls[effect.run_id] = JobControl()
-            self.nursery.start_soon(self._run_job, effect)
-        elif isinstance(effect, AbortJob):
-            control = self.controls.get(effect.run_id)
-            if control is not None:
-                control.abort(effect.status, effect.reason)
-        elif isinstance(effect, CloseConnection):
-            log.info("closing connection %d: %s", effect.conn, effect.reason)
-            self.driver.close(effect.conn, effect.code, effect.reason)
-        elif isinstance(effect, CheckCallback):
-            self.nursery.start_soon(self._check_callback, effect)
-        elif isinstance(effect, Drained):
-            connections = self.driver.connections
-            log.info("drained: closing %d connections", len(connections))
-            for conn_id in connections:
-                self.driver.close(conn_id, p.CLOSE_GOING_AWAY, "the execserver is shutting down")
-            self.drained.set()
+        match effect:
+            case StartJob():
+                self.controls[effect.run_id] = JobControl()
+                self.nursery.start_soon(self._run_job, effect)
+            case AbortJob():
+                control = self.controls.get(effect.run_id)
+                if control is not None:
+                    control.abort(effect.status, effect.reason)
+            case CloseConnection():
+                log.info("closing connection %d: %s", effect.conn, effect.reason)
+                self.driver.close(effect.conn, effect.code, effect.reason)
+            case CheckCallback():
+                self.nursery.start_soon(self._check_callback, effect)
+            case Drained():
+                connections = self.driver.connections
+                log.info("drained: closing %d connections", len(connections))
+                for conn_id in connections:
+                    self.driver.close(
+                        conn_id, p.CLOSE_GOING_AWAY, "the execserver is shutting down"
+                    )
+                self.drained.set()
+            case _:
+                assert_never(effect)
 
     def drain(self) -> None:
         log.info("draining")
