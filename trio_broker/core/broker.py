@@ -127,6 +127,11 @@ def new_token() -> str:
     return secrets.token_urlsafe(16)
 
 
+def _name_of(function: Callable[..., Any]) -> str:
+    """A function's name, as code that pastes back where the name is known."""
+    return getattr(function, "__qualname__", None) or repr(function)
+
+
 # -- configuration and outputs --------------------------------------------------
 
 
@@ -158,7 +163,7 @@ class BrokerConfig:
     drain_timeout: float = 60.0
     turn_hold: float = 0.05
     recent_receipts: int = 100
-    token_factory: Callable[[], str] = new_token
+    token_factory: Callable[[], str] = attrs.field(default=new_token, repr=_name_of)
 
     def __attrs_post_init__(self) -> None:
         for name in ("offer_ttl", "ping_interval", "ping_timeout"):
