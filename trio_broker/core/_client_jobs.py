@@ -51,7 +51,6 @@ class JobRecord:
         "state",
         "subject",
         "timer",
-        "waiting_since",
         "waits",
     )
 
@@ -76,7 +75,6 @@ class JobRecord:
         self.state: JobState = "waiting"
         self.parked_on: set[ConnId] = set()
         self.conn: ConnId | None = None
-        self.waiting_since = 0.0
         self.timer: int | None = None
         self.waits = 0  # how many times the job started waiting (stale queue entries)
 
@@ -117,7 +115,6 @@ class JobTable:
         """The job waits for a slot from ``now`` (submitted, or its ``JOB`` was refused)."""
         job.state = "waiting"
         job.conn = None
-        job.waiting_since = now
         job.waits += 1
         self._waiting.setdefault(job.service, {})[job.job_id] = job
         self._count += 1
