@@ -48,6 +48,13 @@ ROOT = Path(__file__).resolve().parent.parent
 _MODEL = "tests/testing/test_model.py"
 _BROKER_TESTS = ("tests/core/test_broker.py", "tests/core/test_figures.py")
 _BROKER_MODELS = (_MODEL, "-k", "not Race")
+# the client core is three modules (client.py, its job table and its connection pool),
+# answered for by the same tests
+_CLIENT_TESTS = (
+    ("tests/core/test_client.py", "tests/core/test_client_rules.py"),
+    ("tests/core/test_figures.py",),
+    (_MODEL, "-k", "Race"),
+)
 
 # module name -> (path, the fast tests that guard it: pytest runs, quickest first,
 # each stopping at its first failure; the next one runs only if the last passed)
@@ -61,14 +68,9 @@ MODULES: dict[str, tuple[str, tuple[tuple[str, ...], ...]]] = {
         (("tests/core/test_pool.py",), _BROKER_TESTS, _BROKER_MODELS),
     ),
     "broker": ("trio_broker/core/broker.py", (_BROKER_TESTS, _BROKER_MODELS)),
-    "client_core": (
-        "trio_broker/core/client.py",
-        (
-            ("tests/core/test_client.py", "tests/core/test_client_rules.py"),
-            ("tests/core/test_figures.py",),
-            (_MODEL, "-k", "Race"),
-        ),
-    ),
+    "client_core": ("trio_broker/core/client.py", _CLIENT_TESTS),
+    "client_jobs": ("trio_broker/core/_client_jobs.py", _CLIENT_TESTS),
+    "client_pool": ("trio_broker/core/_client_pool.py", _CLIENT_TESTS),
     "admission": ("trio_broker/core/admission.py", (("tests/core/test_admission.py",),)),
     "dispatch": (
         "trio_broker/core/dispatch.py",

@@ -54,7 +54,8 @@ if TYPE_CHECKING:
     from trio_broker.trio.client import BrokerClient, ClientStatistics, open_broker_client
     from trio_broker.trio.command import CommandRunner, CommandSpec
     from trio_broker.trio.dispatcher import Action, Dispatcher, DispatcherConfig, serve_dispatcher
-    from trio_broker.trio.execserver import ExecserverHandle, ExecserverStatistics, serve_execserver
+    from trio_broker.trio.execserver import ExecserverHandle, serve_execserver
+    from trio_broker.trio.inspection import ExecserverStatistics
     from trio_broker.trio.listener import ListenerSettings
     from trio_broker.trio.pipes import PipeRegistry
     from trio_broker.trio.runner import JobControl, JobRequest, Runner
@@ -93,7 +94,7 @@ _EXPORTS: dict[str, str] = {
     "ClientStatistics": "trio_broker.trio.client",
     "open_broker_client": "trio_broker.trio.client",
     "ExecserverHandle": "trio_broker.trio.execserver",
-    "ExecserverStatistics": "trio_broker.trio.execserver",
+    "ExecserverStatistics": "trio_broker.trio.inspection",
     "serve_execserver": "trio_broker.trio.execserver",
     "ListenerSettings": "trio_broker.trio.listener",
     "JobControl": "trio_broker.trio.runner",

@@ -7,7 +7,8 @@ import heapq
 import itertools
 import math
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, get_args
 
 import pytest
 
@@ -16,6 +17,7 @@ from trio_broker.core import broker as broker_module
 from trio_broker.core import protocol as p
 from trio_broker.core.book import WantBook
 from trio_broker.core.broker import (
+    REFUSALS,
     AbortJob,
     Broker,
     BrokerConfig,
@@ -25,6 +27,7 @@ from trio_broker.core.broker import (
     StartJob,
     new_token,
 )
+from trio_broker.core.errors import ErrorCode
 from trio_broker.core.pool import PoolConfig, SlotPool
 from trio_broker.testing.values import receipt as make_receipt
 
@@ -447,6 +450,197 @@ def test_error_precedence_not_registered_before_draining() -> None:
     assert h.frames("a") == [
         p.Error(code="not_registered", message="send REGISTER before WANT", job_id="j")
     ]
+
+
+# -- refusals: one ordered table --------------------------------------------------------------
+
+
+def test_the_refusal_table_is_in_the_protocols_precedence_order() -> None:
+    """REFUSALS lists the broker's codes in ErrorCode order (PROTOCOL.md section 8); the
+    codec's own codes and the offer_expired notice are the only ones not in it."""
+    codes = [row.code for row in REFUSALS]
+    assert codes == [
+        "unknown_type",
+        "not_registered",
+        "already_registered",
+        "draining",
+        "unknown_service",
+        "duplicate_job",
+        "unknown_token",
+        "token_mismatch",
+        "unknown_job",
+    ]
+    every: tuple[ErrorCode, ...] = get_args(ErrorCode)
+    assert codes == [code for code in every if code in codes]
+    assert set(every) - set(codes) == {"bad_frame", "bad_field", "offer_expired"}
+    for row in REFUSALS:
+        assert set(row.frames) <= set(p.MESSAGE_TYPES), row
+    assert repr(REFUSALS[5]) == "Refusal(code='duplicate_job', frames=('WANT',))"
+
+
+def refused(h: Harness, name: str, message: p.Message) -> list[ErrorCode]:
+    """The codes of every row of REFUSALS ``message`` breaks on ``name``'s connection."""
+    conn = h.broker._conns[h.conns[name]]
+    return [
+        row.code
+        for row in REFUSALS
+        if message.TYPE in row.frames and row.broken(h.broker, conn, message)
+    ]
+
+
+def want(job_id: str = "j", service: str = "s") -> p.Want:
+    return p.Want(job_id=job_id, service=service, priority=0)
+
+
+def job(job_id: str = "j", token: str = "bogus", service: str = "s") -> p.Job:
+    return p.Job(job_id=job_id, token=token, service=service, subject=None, job={})
+
+
+def token_of(h: Harness, name: str, job_id: str) -> str:
+    """Park a want for ``job_id`` on a broker with a free slot; the token it is offered."""
+    offer = h.want(name, job_id)
+    assert isinstance(offer, p.Offer)
+    return offer.token
+
+
+def on_draining(h: Harness, message: p.Message) -> p.Message:
+    h.broker.drain(now=h.now)
+    return message
+
+
+# Each row's frame on a broker with two free slots and a registered connection "a":
+# what to set up, the frame, and the ERROR the broker sends.
+ROW_CASES: dict[str, tuple[Callable[[Harness], p.Message], p.Error]] = {
+    "unknown_type": (
+        lambda h: p.Queued(job_id="j"),
+        p.Error(code="unknown_type", message="type 'QUEUED' is not accepted here", job_id="j"),
+    ),
+    "not_registered": (
+        lambda h: (h.open("b", register=False), p.Unwant(job_id="j"))[1],
+        p.Error(code="not_registered", message="send REGISTER before UNWANT", job_id="j"),
+    ),
+    "already_registered": (
+        lambda h: p.Register(backend_id="a", name="a", version="1"),
+        p.Error(code="already_registered", message="this connection already registered"),
+    ),
+    "draining": (
+        lambda h: on_draining(h, want()),
+        p.Error(code="draining", message="this execserver is draining", job_id="j"),
+    ),
+    "unknown_service": (
+        lambda h: want(service="nope"),
+        p.Error(code="unknown_service", message="service 'nope' is not offered here", job_id="j"),
+    ),
+    "duplicate_job": (
+        lambda h: (token_of(h, "a", "j"), want())[1],
+        p.Error(code="duplicate_job", message="job_id 'j' is already live", job_id="j"),
+    ),
+    "unknown_token": (
+        lambda h: job(),
+        p.Error(
+            code="unknown_token",
+            message="the token is expired, used, or was never offered on this connection",
+            job_id="j",
+        ),
+    ),
+    "token_mismatch": (
+        lambda h: job("k", token_of(h, "a", "j")),
+        p.Error(
+            code="token_mismatch",
+            message="the token was offered for job 'j' of service 's'",
+            job_id="k",
+        ),
+    ),
+    "unknown_job": (
+        lambda h: p.Query(job_id="j"),
+        p.Error(code="unknown_job", message="job_id 'j' is not live", job_id="j"),
+    ),
+}
+
+
+@pytest.mark.parametrize("row", REFUSALS, ids=lambda row: row.code)
+def test_every_refusal_row_is_reachable_and_alone_answers(row: Any) -> None:
+    """For each row a frame that breaks it and no other gets that row's ERROR, and
+    nothing else happens: no effect, no other frame, the counters but errors_sent kept."""
+    h = Harness(make_broker(), "a")
+    setup, error = ROW_CASES[row.code]
+    message = setup(h)
+    name = "b" if "b" in h.conns else "a"
+    h.frames()
+    h.broker.effects()
+    before = h.broker.statistics()
+    assert refused(h, name, message) == [row.code]
+    h.send(name, message)
+    assert h.frames(name) == [error]
+    assert h.broker.effects() == []
+    after = h.broker.statistics()
+    assert after.counters == {**before.counters, "errors_sent": before.counters["errors_sent"] + 1}
+    assert (after.busy, after.connections) == (before.busy, before.connections)
+    h.broker.check_invariants()
+
+
+# A frame that breaks two rows (or more) is answered by the earliest; one that
+# breaks a single row shows the rows before it do not count on each other.
+PAIRS: list[tuple[str, Callable[[Harness], p.Message], list[ErrorCode]]] = [
+    (
+        "an unregistered connection's JOB while draining",
+        lambda h: (h.open("b", register=False), on_draining(h, job()))[1],
+        ["not_registered", "draining", "unknown_token"],
+    ),
+    (
+        "an unregistered connection's QUERY of no job",
+        lambda h: (h.open("b", register=False), p.Query(job_id="j"))[1],
+        ["not_registered", "unknown_job"],
+    ),
+    (
+        "a WANT of a service not offered while draining",
+        lambda h: on_draining(h, want(service="nope")),
+        ["draining", "unknown_service"],
+    ),
+    (
+        "a WANT repeating a running job while draining",
+        lambda h: (h.start("a", "j"), on_draining(h, want()))[1],
+        ["draining", "duplicate_job"],
+    ),
+    (
+        "a WANT repeating a live job under a service not offered",
+        lambda h: (token_of(h, "a", "j"), want(service="nope"))[1],
+        ["unknown_service", "duplicate_job"],
+    ),
+    (
+        "a JOB of a service not offered with a made-up token",
+        lambda h: job(service="nope"),
+        ["unknown_service", "unknown_token"],
+    ),
+    (
+        "a JOB of a service not offered with a token offered for another service",
+        lambda h: job("j", token_of(h, "a", "j"), service="nope"),
+        ["unknown_service", "token_mismatch"],
+    ),
+    (
+        "a JOB with another connection's token",
+        lambda h: (h.open("c"), job("j", token_of(h, "c", "j")))[1],
+        ["unknown_token"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("setup", "broken"), [case[1:] for case in PAIRS], ids=[case[0] for case in PAIRS]
+)
+def test_a_frame_breaking_several_rows_gets_the_earliest_rows_code(
+    setup: Callable[[Harness], p.Message], broken: list[ErrorCode]
+) -> None:
+    """The frame breaks each listed row (in table order), and the ERROR sent is the first's."""
+    h = Harness(make_broker(), "a")
+    message = setup(h)
+    name = "b" if "b" in h.conns else "a"
+    h.frames()
+    assert refused(h, name, message) == broken
+    h.send(name, message)
+    (error,) = h.frames(name)
+    assert isinstance(error, p.Error)
+    assert error.code == broken[0]
 
 
 def test_caller_misuse_raises() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -113,6 +114,26 @@ async def test_run_returns_the_receipt_and_shows_the_pool() -> None:
             assert stats.finished == 1
             assert client.instance_loads()[0].processes == 2
         nursery.cancel_scope.cancel()
+
+
+async def test_a_job_that_gets_its_slot_is_logged_with_its_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The core's Accepted effect is carried out, once per job: a debug line names the
+    job, the connection that holds its slot and the address it was dialled through."""
+    with caplog.at_level(logging.DEBUG, logger="trio_broker.trio.client"):
+        async with trio.open_nursery() as nursery:
+            handle = await start_execserver(nursery)
+            async with client_for(handle) as client:
+                await client.run("echo", {"params": {"text": "a"}}, job_id="job-a")
+                await client.run("echo", {"params": {"text": "b"}}, job_id="job-b")
+                (link,) = client.links()
+            nursery.cancel_scope.cancel()
+    lines = [r.getMessage() for r in caplog.records if "holds a slot" in r.getMessage()]
+    assert lines == [
+        f"job {job_id!r} holds a slot on connection {link.conn} ({link.address})"
+        for job_id in ("job-a", "job-b")
+    ]
 
 
 async def test_no_execserver_fails_at_once() -> None:

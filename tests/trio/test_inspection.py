@@ -22,9 +22,9 @@ from trio_broker.core.broker import (
     FinishedJob,
     ServiceSnapshot,
 )
-from trio_broker.trio.execserver import ExecserverStatistics
 from trio_broker.trio.inspection import (
     OUTCOMES,
+    ExecserverStatistics,
     JobFigures,
     execserver_document,
     execserver_metrics,

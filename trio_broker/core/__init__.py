@@ -8,10 +8,12 @@ any module of this folder leaves trio unloaded.
 - :mod:`~trio_broker.core.protocol`: the wire messages and their codec.
 - :mod:`~trio_broker.core.book`, :mod:`~trio_broker.core.pool`,
   :mod:`~trio_broker.core.broker`: the execserver side (want-book, slot pool, broker).
-- :mod:`~trio_broker.core.client`: the client side (pools, first offer wins).
+- :mod:`~trio_broker.core.client`: the client side (pools, first offer wins), with
+  :mod:`~trio_broker.core.client_values` (its configuration and effects).
 - :mod:`~trio_broker.core.sansio`, :mod:`~trio_broker.core.liveness`: what both sides share.
 - :mod:`~trio_broker.core.admission`: how much work a dispatcher may have in flight.
 - :mod:`~trio_broker.core.callers`: errors, not requeues, for work a caller waits for.
 - :mod:`~trio_broker.core.supervision`: the verdicts of a running job's watchdog.
-- :mod:`~trio_broker.core.errors`: every exception the library raises, by blame.
+- :mod:`~trio_broker.core.errors`: every exception the library raises, by blame, and
+  the protocol's ``ERROR`` codes.
 """

@@ -174,6 +174,7 @@ class ParkedWant(Generic[C]):
         *,
         base: int | None = None,
         parked_at: float = 0.0,
+        live: bool = True,
     ):
         self.conn = conn
         self.job_id = job_id
@@ -182,12 +183,14 @@ class ParkedWant(Generic[C]):
         self.seq = seq
         self.base = priority if base is None else base
         self.parked_at = parked_at
-        self.live = True
+        self.live = live
 
     def __repr__(self) -> str:
+        """The call that makes an equal want (every field, so it pastes back)."""
         return (
             f"ParkedWant(conn={self.conn!r}, job_id={self.job_id!r}, "
-            f"service={self.service!r}, priority={self.priority!r}, seq={self.seq!r})"
+            f"service={self.service!r}, priority={self.priority!r}, seq={self.seq!r}, "
+            f"base={self.base!r}, parked_at={self.parked_at!r}, live={self.live!r})"
         )
 
 

@@ -48,6 +48,23 @@ Invariants (:meth:`Broker.check_invariants`)
 * a closed connection leaves no want, offer or token behind; its running jobs are
   being stopped and their receipts are not delivered.
 
+Refusals
+--------
+
+A decoded frame is first held against :data:`REFUSALS`, an ordered table whose
+rows each name the frames they look at, a rule (a question about the broker and
+the connection that changes nothing) and the ``ERROR`` code and message sent when
+the rule is broken. The first broken row answers and the frame is otherwise
+ignored; a frame that breaks no row is taken. The rows follow the precedence of
+``PROTOCOL.md`` (section 8, :data:`~trio_broker.core.errors.ErrorCode` order):
+the codec decided ``bad_frame``, ``unknown_type`` and ``bad_field`` before the
+frame got here (the table repeats ``unknown_type`` for messages handed to
+:meth:`~Broker.receive` already decoded), then ``not_registered``,
+``already_registered``, ``draining``, ``unknown_service``, ``duplicate_job``,
+``unknown_token``, ``token_mismatch`` and ``unknown_job``. So a ``JOB`` from an
+unregistered connection while draining is ``not_registered``, and a ``JOB`` naming
+a service not offered here with a stale token is ``unknown_service``.
+
 Errors by blame
 ---------------
 
@@ -71,7 +88,7 @@ import math
 import secrets
 from collections import deque
 from collections.abc import Callable, Hashable
-from typing import Any, Final, Literal, TypeAlias
+from typing import Any, Final, Literal, TypeAlias, assert_never
 
 import attrs
 
@@ -84,6 +101,7 @@ from trio_broker.core.pool import PoolConfig, SlotPool
 from trio_broker.core.sansio import SansIOCore
 
 __all__ = [
+    "REFUSALS",
     "AbortJob",
     "Broker",
     "BrokerConfig",
@@ -92,6 +110,7 @@ __all__ = [
     "CloseConnection",
     "Drained",
     "Effect",
+    "Refusal",
     "StartJob",
     "new_token",
 ]
@@ -106,6 +125,11 @@ HELLO_INTERVAL: Final = 1.0
 def new_token() -> str:
     """A fresh offer token: 128 random bits, URL-safe, 22 characters."""
     return secrets.token_urlsafe(16)
+
+
+def _name_of(function: Callable[..., Any]) -> str:
+    """A function's name, as code that pastes back where the name is known."""
+    return getattr(function, "__qualname__", None) or repr(function)
 
 
 # -- configuration and outputs --------------------------------------------------
@@ -139,7 +163,7 @@ class BrokerConfig:
     drain_timeout: float = 60.0
     turn_hold: float = 0.05
     recent_receipts: int = 100
-    token_factory: Callable[[], str] = new_token
+    token_factory: Callable[[], str] = attrs.field(default=new_token, repr=_name_of)
 
     def __attrs_post_init__(self) -> None:
         for name in ("offer_ttl", "ping_interval", "ping_timeout"):
@@ -401,6 +425,115 @@ _TimerKind: TypeAlias = Literal[
 ]
 
 
+# -- refusals --------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Refusal:
+    """One row of :data:`REFUSALS`: a rule some frames must keep, and its ``ERROR``.
+
+    Each rule reads on its own (it does not count on the rows before it), so a
+    frame may break several; the table's order says which one answers.
+
+    Attributes:
+        code: the ``ERROR.code`` sent when the rule is broken.
+        frames: the wire types of the frames the rule looks at.
+        broken: whether the frame breaks the rule, asked of the broker and the
+            frame's connection (it changes nothing).
+        text: the ``ERROR.message`` of a broken rule (for people, not stable).
+    """
+
+    code: p.ErrorCode
+    frames: tuple[str, ...]
+    broken: Callable[[Broker, _Conn, Any], bool] = attrs.field(repr=False)
+    text: Callable[[Broker, _Conn, Any], str] = attrs.field(repr=False)
+
+
+_ANY_TIME: Final = frozenset({"REGISTER", "PING", "PONG"})
+"""The frames a connection may send before its ``REGISTER``."""
+
+
+def _offer_here(broker: Broker, conn: _Conn, token: str) -> _Offer | None:
+    """The outstanding offer of this connection that ``token`` names, if any."""
+    offer = broker._offers.get(token)
+    return offer if offer is not None and offer.conn == conn.id else None
+
+
+def _mismatched(broker: Broker, conn: _Conn, job: p.Job) -> bool:
+    """Whether the ``JOB`` names an offer of this connection made for another job."""
+    offer = _offer_here(broker, conn, job.token)
+    return offer is not None and (offer.job_id, offer.service) != (job.job_id, job.service)
+
+
+REFUSALS: Final[tuple[Refusal, ...]] = (
+    Refusal(
+        code="unknown_type",
+        frames=tuple(sorted(set(p.MESSAGE_TYPES) - p.CLIENT_TO_EXEC)),
+        broken=lambda broker, conn, m: True,
+        text=lambda broker, conn, m: f"type {m.TYPE!r} is not accepted here",
+    ),
+    Refusal(
+        code="not_registered",
+        frames=tuple(sorted(p.CLIENT_TO_EXEC - _ANY_TIME)),
+        broken=lambda broker, conn, m: conn.register is None,
+        text=lambda broker, conn, m: f"send REGISTER before {m.TYPE}",
+    ),
+    Refusal(
+        code="already_registered",
+        frames=("REGISTER",),
+        broken=lambda broker, conn, m: conn.register is not None,
+        text=lambda broker, conn, m: "this connection already registered",
+    ),
+    Refusal(
+        code="draining",
+        frames=("JOB", "WANT"),
+        broken=lambda broker, conn, m: broker.draining,
+        text=lambda broker, conn, m: "this execserver is draining",
+    ),
+    Refusal(
+        code="unknown_service",
+        frames=("JOB", "WANT"),
+        broken=lambda broker, conn, m: not broker.pool.offers(m.service),
+        text=lambda broker, conn, m: f"service {m.service!r} is not offered here",
+    ),
+    Refusal(
+        code="duplicate_job",
+        frames=("WANT",),
+        broken=lambda broker, conn, m: broker._is_live(conn, m.job_id),
+        text=lambda broker, conn, m: f"job_id {m.job_id!r} is already live",
+    ),
+    Refusal(
+        code="unknown_token",
+        frames=("JOB",),
+        broken=lambda broker, conn, m: _offer_here(broker, conn, m.token) is None,
+        text=lambda broker, conn, m: (
+            "the token is expired, used, or was never offered on this connection"
+        ),
+    ),
+    Refusal(
+        code="token_mismatch",
+        frames=("JOB",),
+        broken=_mismatched,
+        text=lambda broker, conn, m: (
+            f"the token was offered for job {broker._offers[m.token].job_id!r} "
+            f"of service {broker._offers[m.token].service!r}"
+        ),
+    ),
+    Refusal(
+        code="unknown_job",
+        frames=("CANCEL", "QUERY"),
+        broken=lambda broker, conn, m: not broker._is_live(conn, m.job_id),
+        text=lambda broker, conn, m: f"job_id {m.job_id!r} is not live",
+    ),
+)
+"""The broker's refusals, first broken row first (see *Refusals* in the module docstring)."""
+
+_REFUSALS_BY_TYPE: Final[dict[str, tuple[Refusal, ...]]] = {
+    kind: tuple(row for row in REFUSALS if kind in row.frames) for kind in p.MESSAGE_TYPES
+}
+"""Each wire type's rows of :data:`REFUSALS`, in the table's order."""
+
+
 # -- the broker ------------------------------------------------------------------------
 
 
@@ -416,7 +549,7 @@ class Broker(SansIOCore[Effect, _TimerKind]):
     def __init__(self, config: BrokerConfig, *, now: float) -> None:
         super().__init__(now=now, liveness=Liveness(config.ping_interval, config.ping_timeout))
         self.config = config
-        self.pool = SlotPool(config.pool)
+        self.pool: SlotPool = SlotPool(config.pool)
         self.book: WantBook[ConnId] = WantBook(aging=config.pool.priority_aging)
         self._now = now
         self._conns: dict[ConnId, _Conn] = {}
@@ -446,7 +579,7 @@ class Broker(SansIOCore[Effect, _TimerKind]):
             ),
             0,
         )
-        self.draining = False
+        self.draining: bool = False
         self._drained_sent = False
         # idle: the smallest free count of each second, minus the fast reserve
         self._idle = 0
@@ -711,100 +844,78 @@ class Broker(SansIOCore[Effect, _TimerKind]):
 
     # -- frame handling -------------------------------------------------------------------
 
+    def _refusal(self, conn: _Conn, message: p.Message) -> Refusal | None:
+        """The first row of :data:`REFUSALS` the frame breaks; None when it is taken."""
+        for row in _REFUSALS_BY_TYPE[message.TYPE]:
+            if row.broken(self, conn, message):
+                return row
+        return None
+
     def _dispatch(self, conn: _Conn, message: p.Message) -> None:
-        if isinstance(message, p.Ping):
-            self._send(conn, p.Pong(nonce=message.nonce))
+        refusal = self._refusal(conn, message)
+        if refusal is not None:
+            text = refusal.text(self, conn, message)
+            self._error(conn, refusal.code, text, getattr(message, "job_id", None))
             return
-        if isinstance(message, p.Pong):
-            return
-        if isinstance(message, p.Register):
-            if conn.register is not None:
-                self._error(conn, "already_registered", "this connection already registered")
-                return
-            conn.register = message
-            if message.callback_url is not None:
-                self._effects.append(
-                    CheckCallback(
-                        conn=conn.id, url=message.callback_url, backend_id=message.backend_id
-                    )
+        match message:
+            case p.Ping():
+                self._send(conn, p.Pong(nonce=message.nonce))
+            case p.Pong():
+                pass  # its arrival already counts for liveness
+            case p.Register():
+                self._on_register(conn, message)
+            case p.Want():
+                self._on_want(conn, message)
+            case p.Job():
+                self._on_job(conn, message)
+            case p.Unwant():
+                self._withdraw(conn, message.job_id)
+            case p.Decline():
+                offer = self._offers.get(message.token)
+                if offer is not None and offer.conn == conn.id:
+                    self._release_offer(offer)
+                    self.counters["offers_declined"] += 1
+            case p.Cancel():
+                self._on_cancel(conn, message.job_id)
+            case p.Query():
+                self._on_query(conn, message.job_id)
+            case p.Subscribe() | p.Unsubscribe():
+                self._on_subscription(conn, message)
+            case (
+                p.Hello() | p.Queued() | p.Offer() | p.Done() | p.Position() | p.Error() | p.Stats()
+            ):
+                raise AssertionError(f"{message.TYPE} passed the unknown_type refusal")
+            case _:
+                assert_never(message)
+
+    def _on_register(self, conn: _Conn, register: p.Register) -> None:
+        conn.register = register
+        if register.callback_url is not None:
+            self._effects.append(
+                CheckCallback(
+                    conn=conn.id, url=register.callback_url, backend_id=register.backend_id
                 )
-            return
-        if conn.register is None:
-            job_id = getattr(message, "job_id", None)
-            self._error(conn, "not_registered", f"send REGISTER before {message.TYPE}", job_id)
-            return
-        if isinstance(message, p.Want):
-            self._on_want(conn, message)
-        elif isinstance(message, p.Job):
-            self._on_job(conn, message)
-        elif isinstance(message, p.Unwant):
-            self._withdraw(conn, message.job_id)
-        elif isinstance(message, p.Decline):
-            offer = self._offers.get(message.token)
-            if offer is not None and offer.conn == conn.id:
-                self._release_offer(offer)
-                self.counters["offers_declined"] += 1
-        elif isinstance(message, p.Cancel):
-            self._on_cancel(conn, message.job_id)
-        elif isinstance(message, p.Query):
-            self._on_query(conn, message.job_id)
-        elif isinstance(message, p.Subscribe | p.Unsubscribe):
-            self._on_subscription(conn, message)
-        else:  # pragma: no cover - decode(accept=CLIENT_TO_EXEC) rules these out
-            self._error(conn, "unknown_type", f"type {message.TYPE!r} is not accepted here")
+            )
 
     def _on_want(self, conn: _Conn, want: p.Want) -> None:
         job_id = want.job_id
-        if self.draining:
-            self._error(conn, "draining", "this execserver is draining", job_id)
-        elif not self.pool.offers(want.service):
-            self._error(
-                conn, "unknown_service", f"service {want.service!r} is not offered here", job_id
-            )
-        elif self._is_live(conn, job_id):
-            self._error(conn, "duplicate_job", f"job_id {job_id!r} is already live", job_id)
-        else:
-            self.counters["wants"] += 1
-            conn.wanted_at[job_id] = self._now
-            self.book.add(conn.id, job_id, want.service, want.priority, now=self._now)
-            hold = self._holds.pop(conn.id, None)
-            if hold is not None:
-                # The connection kept its turn: its want takes the slot first when
-                # it is of the held priority or above and fits.
-                self.pool.release(hold.service, hold.reserved)
-                if want.priority >= hold.priority and self.pool.fits(want.service):
-                    self._offer(self.book.grant(conn.id, job_id))
-            self._grant()
-            if (conn.id, job_id) in self.book:
-                self._send(conn, p.Queued(job_id=job_id))
+        self.counters["wants"] += 1
+        conn.wanted_at[job_id] = self._now
+        self.book.add(conn.id, job_id, want.service, want.priority, now=self._now)
+        hold = self._holds.pop(conn.id, None)
+        if hold is not None:
+            # The connection kept its turn: its want takes the slot first when
+            # it is of the held priority or above and fits.
+            self.pool.release(hold.service, hold.reserved)
+            if want.priority >= hold.priority and self.pool.fits(want.service):
+                self._offer(self.book.grant(conn.id, job_id))
+        self._grant()
+        if (conn.id, job_id) in self.book:
+            self._send(conn, p.Queued(job_id=job_id))
 
     def _on_job(self, conn: _Conn, job: p.Job) -> None:
         job_id = job.job_id
-        if self.draining:
-            self._error(conn, "draining", "this execserver is draining", job_id)
-            return
-        if not self.pool.offers(job.service):
-            self._error(
-                conn, "unknown_service", f"service {job.service!r} is not offered here", job_id
-            )
-            return
-        offer = self._offers.get(job.token)
-        if offer is None or offer.conn != conn.id:
-            self._error(
-                conn,
-                "unknown_token",
-                "the token is expired, used, or was never offered on this connection",
-                job_id,
-            )
-            return
-        if offer.job_id != job_id or offer.service != job.service:
-            self._error(
-                conn,
-                "token_mismatch",
-                f"the token was offered for job {offer.job_id!r} of service {offer.service!r}",
-                job_id,
-            )
-            return
+        offer = self._offers[job.token]  # the refusals made sure: ours, for this job
         self._forget_offer(offer)
         del conn.offers[offer.job_id]
         run = _Run(
@@ -834,17 +945,15 @@ class Broker(SansIOCore[Effect, _TimerKind]):
             )
         )
 
-    def _withdraw(self, conn: _Conn, job_id: str) -> bool:
-        """UNWANT semantics: remove a parked want or release its offer."""
+    def _withdraw(self, conn: _Conn, job_id: str) -> None:
+        """UNWANT semantics: remove a parked want or release its offer (else nothing)."""
         if self.book.remove(conn.id, job_id) is not None:
             conn.wanted_at.pop(job_id, None)
-            return True
+            return
         offer = conn.offers.get(job_id)
         if offer is not None:
             self._release_offer(offer)
             self.counters["offers_declined"] += 1
-            return True
-        return False
 
     def _on_cancel(self, conn: _Conn, job_id: str) -> None:
         run = conn.runs.get(job_id)
@@ -856,8 +965,8 @@ class Broker(SansIOCore[Effect, _TimerKind]):
                         run_id=run.run_id, status="cancelled", reason="cancelled by the client"
                     )
                 )
-        elif not self._withdraw(conn, job_id):
-            self._error(conn, "unknown_job", f"job_id {job_id!r} is not live", job_id)
+        else:
+            self._withdraw(conn, job_id)
 
     def _on_query(self, conn: _Conn, job_id: str) -> None:
         want = self.book.get(conn.id, job_id)
@@ -866,11 +975,8 @@ class Broker(SansIOCore[Effect, _TimerKind]):
             ahead = self.book.ahead_of(want)
         elif job_id in conn.offers:
             service, ahead = conn.offers[job_id].service, 0
-        elif job_id in conn.runs:
-            service, ahead = conn.runs[job_id].service, 0
         else:
-            self._error(conn, "unknown_job", f"job_id {job_id!r} is not live", job_id)
-            return
+            service, ahead = conn.runs[job_id].service, 0
         capacity = self.pool.capacity(service)
         mean = self.pool.mean_runtime(service)
         eta: float | None

@@ -53,9 +53,13 @@ addresses counts this client once.
 
 Cost. Every input is O(1) or O(log n) in the jobs in flight, apart from the
 work it does for the jobs it concerns (a new connection gets the ``WANT`` of
-each waiting job of its services): waiting jobs are indexed by service, queued
-in the order they started waiting (the oldest one times growth) and counted;
-each job's ``connect_timeout`` timer is cancelled when it gets a slot.
+each waiting job of its services); each job's ``connect_timeout`` timer is
+cancelled when it gets a slot.
+
+Where the parts live. This module takes the inputs and sends the frames; the jobs
+in flight are a ``JobTable`` (``core/_client_jobs.py``), the connections and the
+pool's rules a ``ConnectionPool`` (``core/_client_pool.py``), the configuration and
+the effects are in :mod:`trio_broker.core.client_values`.
 
 Liveness. Like the execserver, the core sends ``PING`` after sending nothing
 for ``ping_interval`` and closes a connection that sent nothing for
@@ -82,17 +86,18 @@ job's end by design.
 from __future__ import annotations
 
 import random as _random
-from collections import deque
 from collections.abc import Iterator
-from typing import Any, Literal, TypeAlias
+from typing import Any, Final, Literal, TypeAlias, assert_never
 
 from trio_broker.core import protocol as p
-from trio_broker.core._client_records import ConnId, _Address, _bare, _Conn, _Job
+from trio_broker.core._client_jobs import JobRecord, JobTable
+from trio_broker.core._client_pool import AddressRecord, ConnectionPool, ConnRecord
 from trio_broker.core.client_values import (
     Accepted,
     ClientConfig,
     ClientEffect,
     Close,
+    ConnId,
     Dial,
     Failed,
     FailReason,
@@ -100,7 +105,7 @@ from trio_broker.core.client_values import (
     PeerError,
     PositionReport,
 )
-from trio_broker.core.errors import ClientUsageError
+from trio_broker.core.errors import ClientUsageError, ErrorCode
 from trio_broker.core.job import with_pipe_urls
 from trio_broker.core.liveness import Liveness
 from trio_broker.core.sansio import SansIOCore
@@ -120,6 +125,16 @@ __all__ = [
 ]
 
 _TimerKind: TypeAlias = Literal["deadline", "redial", "grow", "reprobe", "ping", "dead"]
+
+_JOB_REFUSED: Final[frozenset[ErrorCode]] = frozenset(
+    {"draining", "unknown_service", "unknown_token", "token_mismatch"}
+)
+"""The ``ERROR`` codes that refuse a ``JOB``: the job holds no slot and waits again."""
+
+_WANT_GONE: Final[frozenset[ErrorCode]] = frozenset(
+    {"draining", "unknown_service", "duplicate_job", "offer_expired"}
+)
+"""The ``ERROR`` codes after which a job's ``WANT`` is no longer parked there."""
 
 
 class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
@@ -143,23 +158,15 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         super().__init__(now=now, liveness=Liveness(config.ping_interval, config.ping_timeout))
         self.config = config
         self._random = random if random is not None else _random.Random(config.backend_id)
-        self._last_conn_id: ConnId = 0  # ids 1..this were issued
-        self._conns: dict[ConnId, _Conn] = {}
-        self._addresses = {a: _Address(a, config.reconnect_min) for a in config.addresses}
-        self._jobs: dict[str, _Job] = {}
-        # Every per-input step is O(1) or O(log n) in the waiting jobs: they are
-        # indexed by service (for parking on a new connection), queued in the
-        # order they started waiting (the oldest decides growth), and counted.
-        self._waiting: dict[str, dict[str, _Job]] = {}
-        self._waiting_count = 0
-        self._queue: deque[tuple[float, int, _Job]] = deque()
-        self._probing: dict[str, _Job] = {}  # waiting for growth to find their service
+        self._pool = ConnectionPool(config)
+        self._conns = self._pool.conns  # the pool's own dict: read here, changed there
+        self._jobs = JobTable()
         self._fleet_changed = False  # a connection came, went or changed: settle jobs
         self._grow_timer: tuple[float, int] | None = None  # (when, handle) while armed
         self.surplus_offers = 0
         """Offers declined because the job already had a slot (or was withdrawn)."""
         self._watching = False
-        for address in self._addresses.values():
+        for address in self._pool.addresses.values():
             self._dial(address)
 
     # -- transport inputs ---------------------------------------------------------------
@@ -183,7 +190,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
                 issued, already connected, or closed), or ``local_addr`` is
                 missing while ``callback_port`` needs it; nothing changed.
         """
-        conn = self._open_or_closed(conn_id)
+        conn = self._pool.find(conn_id)
         if conn is None or conn.state != "dialing":
             state = "closed" if conn is None else "already connected"
             raise ClientUsageError(f"connection {conn_id} is {state}")
@@ -201,7 +208,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
                 backend_id=config.backend_id,
                 name=config.name,
                 version=config.version,
-                callback_url=self._callback_base(conn),
+                callback_url=conn.callback_base(self.config),
             ),
         )
         self._watch(conn)
@@ -213,7 +220,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         Raises:
             ClientUsageError: the core never issued ``conn_id``; nothing changed.
         """
-        self._open_or_closed(conn_id)
+        self._pool.find(conn_id)
         self._enter(now)
         self._lose(conn_id, redial=True)
         self._leave()
@@ -227,7 +234,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         Raises:
             ClientUsageError: the core never issued ``conn_id``; nothing changed.
         """
-        conn = self._open_or_closed(conn_id)
+        conn = self._pool.find(conn_id)
         self._enter(now)
         if conn is not None:
             self._lose(conn_id, redial=True)
@@ -304,41 +311,19 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
                 "a job with pipes needs callback_url or callback_port in the ClientConfig"
             )
         self._enter(now)
-        refusal = self._refusal(service)
+        refusal = self._pool.refusal(service)
         if refusal is not None:
             self._effects.append(Failed(job_id=job_id, reason=refusal[0], detail=refusal[1]))
             self._leave()
             return
-        record = _Job(
-            job_id, service, priority, subject, job, now, now + self.config.connect_timeout
-        )
-        record.pipes = pipes
-        self._jobs[job_id] = record
+        deadline = now + self.config.connect_timeout
+        record = JobRecord(job_id, service, priority, subject, job, deadline=deadline, pipes=pipes)
+        self._jobs.add(record)
         self._start_waiting(record)
         self._park_everywhere(record)
         if not record.parked_on:
-            self._probing[job_id] = record
+            self._jobs.probing[job_id] = record
         self._leave()
-
-    def _refusal(self, service: str) -> tuple[FailReason, str] | None:
-        """Why a job of this service cannot wait now, or None. O(connections)."""
-        ready = [c for c in self._conns.values() if c.state == "ready"]
-        if not ready:
-            return ("no_execserver", "no execserver is connected")
-        if not any(c.live() for c in ready):
-            return ("no_execserver", "every connected execserver is draining")
-        if not any(c.offers(service) for c in ready) and not self._can_probe():
-            return ("unknown_service", f"no connected execserver offers {service!r}")
-        return None
-
-    def _can_probe(self) -> bool:
-        """Whether growth may still reach an execserver not seen yet (a balanced,
-        uncovered address below ``pool_max``)."""
-        pool_max = self.config.pool_max
-        return any(
-            a.balanced and not a.covered and len(a.conns) < pool_max
-            for a in self._addresses.values()
-        )
 
     def cancel(self, job_id: str, *, now: float) -> None:
         """The caller gave up: withdraw a waiting job, or CANCEL a running one.
@@ -397,7 +382,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
                     self._send(conn, p.Unsubscribe(job_id=p.STATS_TAG))
         self._leave()
 
-    def _ask_stats(self, conn: _Conn) -> None:
+    def _ask_stats(self, conn: ConnRecord) -> None:
         if self._watching and conn.state == "ready" and conn.watch == "no":
             conn.watch = "asked"
             self._send(conn, p.Subscribe(job_id=p.STATS_TAG))
@@ -439,40 +424,31 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
     def callback_base(self, conn_id: ConnId) -> str | None:
         """The callback base this connection registered (pipes are served under it)."""
         conn = self._conns.get(conn_id)
-        return self._callback_base(conn) if conn else None
-
-    def _callback_base(self, conn: _Conn) -> str | None:
-        config = self.config
-        if config.callback_url is not None:
-            return config.callback_url
-        if config.callback_port is None or conn.local_addr is None:
-            return None
-        host = conn.local_addr.rsplit(":", 1)[0]
-        return f"http://{host}:{config.callback_port}"
+        return conn.callback_base(self.config) if conn else None
 
     def pool(self, address: str) -> list[ConnId]:
         """The connections (any state) of one configured address."""
-        return sorted(self._addresses[address].conns)
+        return sorted(self._pool.addresses[address].conns)
 
     def covered(self, address: str) -> bool:
-        return self._addresses[address].covered
+        return self._pool.addresses[address].covered
 
     def balanced(self, address: str) -> bool:
         """Whether the address fronts a fleet: a ``HELLO.addr`` through it differed
         from the socket's peer address (it stays so once seen)."""
-        return self._addresses[address].balanced
+        return self._pool.addresses[address].balanced
 
     def waiting(self) -> list[str]:
         """Job ids that wait for a slot (O(jobs): use :meth:`waiting_count` to count)."""
-        return [j for jobs in self._waiting.values() for j in jobs]
+        return [job.job_id for job in self._jobs.waiting()]
 
     def waiting_count(self) -> int:
         """How many jobs wait for a slot. O(1)."""
-        return self._waiting_count
+        return self._jobs.waiting_count
 
     def running_count(self) -> int:
         """How many jobs hold a slot (their ``JOB`` went out). O(1)."""
-        return len(self._jobs) - self._waiting_count
+        return self._jobs.accepted_count
 
     def state_of(self, job_id: str) -> Literal["waiting", "accepted"] | None:
         """``waiting``, ``accepted`` (holds a slot) or None (unknown or ended). O(1)."""
@@ -481,7 +457,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
 
     def jobs(self) -> Iterator[tuple[str, str, ConnId | None]]:
         """(job_id, state, connection) for every job in flight."""
-        for job in self._jobs.values():
+        for job in self._jobs:
             yield job.job_id, job.state, job.conn
 
     def parked_on(self, job_id: str) -> frozenset[ConnId]:
@@ -490,41 +466,54 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
 
     # -- frames ----------------------------------------------------------------------------
 
-    def _dispatch(self, conn: _Conn, message: p.Message) -> None:
-        if isinstance(message, p.Ping):
-            self._send(conn, p.Pong(nonce=message.nonce))
-        elif isinstance(message, p.Hello):
-            self._on_hello(conn, message)
-        elif isinstance(message, p.Offer):
-            self._on_offer(conn, message)
-        elif isinstance(message, p.Done):
-            job = self._jobs.get(message.job_id)
-            if job is not None and job.state == "accepted" and job.conn == conn.id:
-                conn.accepted.discard(job.job_id)
-                self._forget(job)
-                self._effects.append(Finished(job_id=job.job_id, receipt=message.receipt))
-        elif isinstance(message, p.Error):
-            self._on_error(conn, message)
-        elif isinstance(message, p.Position):
-            self._effects.append(
-                PositionReport(job_id=message.job_id, conn=conn.id, position=message)
-            )
-        elif isinstance(message, p.Stats) and conn.watch == "asked":
-            conn.stats = message
-        # QUEUED and PONG need nothing
+    def _dispatch(self, conn: ConnRecord, message: p.Message) -> None:
+        match message:
+            case p.Ping():
+                self._send(conn, p.Pong(nonce=message.nonce))
+            case p.Hello():
+                self._on_hello(conn, message)
+            case p.Offer():
+                self._on_offer(conn, message)
+            case p.Done():
+                job = self._jobs.get(message.job_id)
+                if job is not None and job.state == "accepted" and job.conn == conn.id:
+                    conn.accepted.discard(job.job_id)
+                    self._forget(job)
+                    self._effects.append(Finished(job_id=job.job_id, receipt=message.receipt))
+            case p.Error():
+                self._on_error(conn, message)
+            case p.Position():
+                self._effects.append(
+                    PositionReport(job_id=message.job_id, conn=conn.id, position=message)
+                )
+            case p.Stats():
+                if conn.watch == "asked":
+                    conn.stats = message
+            case p.Queued() | p.Pong():
+                pass  # news that needs nothing: the want is parked, the peer is alive
+            case (
+                p.Register()
+                | p.Want()
+                | p.Unwant()
+                | p.Job()
+                | p.Decline()
+                | p.Cancel()
+                | p.Query()
+                | p.Subscribe()
+                | p.Unsubscribe()
+            ):
+                pass  # a client's own frames: receive_text's codec turns them away
+            case _:
+                assert_never(message)
 
-    def _on_hello(self, conn: _Conn, hello: p.Hello) -> None:
+    def _on_hello(self, conn: ConnRecord, hello: p.Hello) -> None:
         before = conn.hello
         conn.hello = hello
         if conn.state != "ready":
             if self._duplicate(conn, hello):
                 return
             conn.state = "ready"
-            address = self._addresses[conn.address]
-            address.backoff = self.config.reconnect_min
-            address.shadowed_by = None
-            if _bare(hello.addr) != _bare(conn.peer_addr or conn.address):
-                address.balanced = True
+            self._pool.addresses[conn.address].reached(hello, conn, self.config.reconnect_min)
             self._ask_stats(conn)
         elif (
             before is not None
@@ -540,11 +529,11 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
             conn.parked.clear()
             return
         for service in hello.services:
-            for job in self._waiting.get(service, {}).values():
+            for job in self._jobs.waiting_for(service):
                 self._park(job, conn)
-                self._probing.pop(job.job_id, None)
+                self._jobs.probing.pop(job.job_id, None)
 
-    def _duplicate(self, conn: _Conn, hello: p.Hello) -> bool:
+    def _duplicate(self, conn: ConnRecord, hello: p.Hello) -> bool:
         """Close a new connection to an instance some ready connection already reaches.
 
         Through the same address the balancer circled back to a known replica:
@@ -552,29 +541,19 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         address one execserver was configured twice: the duplicate is closed as
         well, so the execserver counts this client once.
         """
-        for other in self._conns.values():
-            if (
-                other is conn
-                or other.state != "ready"
-                or other.hello is None
-                or other.hello.instance_id != hello.instance_id
-            ):
-                continue
-            address = self._addresses[conn.address]
-            address.covered = True
-            self._push_timer(
-                self._now + self.config.pool_reprobe_interval, "reprobe", address.address
-            )
-            self._effects.append(
-                Close(conn=conn.id, code=p.CLOSE_NORMAL, reason="duplicate instance")
-            )
-            self._lose(conn.id, redial=False)
-            if not address.conns:
-                address.shadowed_by = other.id
-            return True
-        return False
+        other = self._pool.reaching(conn, hello.instance_id)
+        if other is None:
+            return False
+        address = self._pool.addresses[conn.address]
+        address.covered = True
+        self._push_timer(self._now + self.config.pool_reprobe_interval, "reprobe", address.address)
+        self._effects.append(Close(conn=conn.id, code=p.CLOSE_NORMAL, reason="duplicate instance"))
+        self._lose(conn.id, redial=False)
+        if not address.conns:
+            address.shadowed_by = other.id
+        return True
 
-    def _on_offer(self, conn: _Conn, offer: p.Offer) -> None:
+    def _on_offer(self, conn: ConnRecord, offer: p.Offer) -> None:
         job = self._jobs.get(offer.job_id)
         if job is None or job.state != "waiting" or offer.job_id not in conn.parked:
             # Surplus: another execserver was faster, or the want was withdrawn.
@@ -587,13 +566,12 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         conn.parked.discard(job.job_id)
         job.parked_on.discard(conn.id)
         self._unpark(job)
-        self._stop_waiting(job)
-        job.state = "accepted"
-        job.conn = conn.id
+        self._disarm(job)
+        self._jobs.accept(job, conn.id)
         conn.accepted.add(job.job_id)
         body = job.job
         if job.pipes:
-            base = self._callback_base(conn)
+            base = conn.callback_base(self.config)
             assert base is not None  # submit() and connected() made sure
             body = with_pipe_urls(body, base, job.pipes)
         self._send(
@@ -608,7 +586,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         )
         self._effects.append(Accepted(job_id=job.job_id, conn=conn.id))
 
-    def _on_error(self, conn: _Conn, error: p.Error) -> None:
+    def _on_error(self, conn: ConnRecord, error: p.Error) -> None:
         self._effects.append(PeerError(conn=conn.id, error=error))
         job_id = error.job_id
         if error.code == "unknown_type" and job_id == p.STATS_TAG:
@@ -620,28 +598,13 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         if job is None:
             return
         code = error.code
-        if (
-            job.state == "accepted"
-            and job.conn == conn.id
-            and code
-            in (
-                "unknown_token",
-                "token_mismatch",
-                "draining",
-                "unknown_service",
-            )
-        ):
+        if job.state == "accepted" and job.conn == conn.id and code in _JOB_REFUSED:
             # Our JOB was refused: the job holds no slot; wait again everywhere.
             conn.accepted.discard(job.job_id)
             self._start_waiting(job)
             self._park_everywhere(job)
             return
-        if job.job_id in conn.parked and code in (
-            "offer_expired",
-            "draining",
-            "unknown_service",
-            "duplicate_job",
-        ):
+        if job.job_id in conn.parked and code in _WANT_GONE:
             conn.parked.discard(job.job_id)
             job.parked_on.discard(conn.id)
             if code == "offer_expired" and job.state == "waiting":
@@ -649,37 +612,22 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
 
     # -- wants -----------------------------------------------------------------------------
 
-    def _start_waiting(self, job: _Job) -> None:
-        """The job waits for a slot (submitted, or its ``JOB`` was refused)."""
-        now = self._now
-        job.state = "waiting"
-        job.conn = None
-        job.waiting_since = now
-        job.waits += 1
-        self._waiting.setdefault(job.service, {})[job.job_id] = job
-        self._waiting_count += 1
-        self._queue.append((now, job.waits, job))
+    def _start_waiting(self, job: JobRecord) -> None:
+        """The job waits for a slot (submitted, or its ``JOB`` was refused) until its deadline."""
+        self._jobs.wait(job, now=self._now)
         job.timer = self._push_timer(job.deadline, "deadline", job.job_id)
 
-    def _stop_waiting(self, job: _Job) -> None:
-        """The job no longer waits (it got a slot, failed or was cancelled)."""
-        jobs = self._waiting[job.service]
-        del jobs[job.job_id]
-        if not jobs:
-            del self._waiting[job.service]
-        self._waiting_count -= 1
-        self._probing.pop(job.job_id, None)
+    def _disarm(self, job: JobRecord) -> None:
+        """Cancel the job's deadline timer, if armed (it stops waiting)."""
         if job.timer is not None:
             self._cancel_timer(job.timer)
             job.timer = None
 
-    def _forget(self, job: _Job) -> None:
-        del self._jobs[job.job_id]
-        if job.state == "waiting":
-            self._stop_waiting(job)
-        job.state = "ended"
+    def _forget(self, job: JobRecord) -> None:
+        self._disarm(job)
+        self._jobs.forget(job)
 
-    def _fail_waiting(self, jobs: list[_Job], reason: FailReason, detail: str) -> None:
+    def _fail_waiting(self, jobs: list[JobRecord], reason: FailReason, detail: str) -> None:
         for job in jobs:
             self._unpark(job)
             self._forget(job)
@@ -689,14 +637,14 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         """After a connection came, went or changed: fail the waiting jobs that can
         no longer get a slot (every execserver gone, or growth reached no execserver
         offering the service). O(connections) unless jobs fail."""
-        if not self._waiting_count:
+        jobs = self._jobs
+        if not jobs.waiting_count:
             return
-        if not any(c.live() for c in self._conns.values()):
-            jobs = [j for by_service in self._waiting.values() for j in by_service.values()]
-            self._fail_waiting(jobs, "no_execserver", "every execserver disappeared")
+        if not self._pool.live():
+            self._fail_waiting(jobs.waiting(), "no_execserver", "every execserver disappeared")
             return
-        if self._probing and not self._can_probe():
-            for job in list(self._probing.values()):
+        if jobs.probing and not self._pool.can_probe():
+            for job in list(jobs.probing.values()):
                 self._fail_waiting(
                     [job],
                     "unknown_service",
@@ -704,7 +652,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
                     "to known execservers)",
                 )
 
-    def _park(self, job: _Job, conn: _Conn) -> None:
+    def _park(self, job: JobRecord, conn: ConnRecord) -> None:
         if (
             conn.offers(job.service)
             and job.job_id not in conn.parked
@@ -714,11 +662,11 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
             job.parked_on.add(conn.id)
             self._send(conn, p.Want(job_id=job.job_id, service=job.service, priority=job.priority))
 
-    def _park_everywhere(self, job: _Job) -> None:
+    def _park_everywhere(self, job: JobRecord) -> None:
         for conn in self._conns.values():
             self._park(job, conn)
 
-    def _unpark(self, job: _Job) -> None:
+    def _unpark(self, job: JobRecord) -> None:
         for conn_id in sorted(job.parked_on):
             conn = self._conns[conn_id]
             conn.parked.discard(job.job_id)
@@ -727,34 +675,22 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
 
     # -- connections -------------------------------------------------------------------------
 
-    def _open_or_closed(self, conn_id: ConnId) -> _Conn | None:
-        """The known connection, ``None`` for one forgotten; raise for one never issued."""
-        conn = self._conns.get(conn_id)
-        if conn is None and not 1 <= conn_id <= self._last_conn_id:
-            raise ClientUsageError(f"connection {conn_id} was never dialled")
-        return conn
-
-    def _receiving(self, conn_id: ConnId) -> _Conn | None:
-        """:meth:`_open_or_closed` for a frame: a connection still dialling is misuse."""
-        conn = self._open_or_closed(conn_id)
+    def _receiving(self, conn_id: ConnId) -> ConnRecord | None:
+        """The connection of a frame (None: forgotten); one still dialling is misuse."""
+        conn = self._pool.find(conn_id)
         if conn is not None and conn.state == "dialing":
             raise ClientUsageError(f"connection {conn_id} received a frame before connected()")
         return conn
 
-    def _dial(self, address: _Address) -> None:
-        self._last_conn_id += 1
-        conn = _Conn(self._last_conn_id, address.address, self._now)
-        self._conns[conn.id] = conn
-        address.conns.add(conn.id)
+    def _dial(self, address: AddressRecord) -> None:
+        conn = self._pool.add(address, self._now)
         self._effects.append(Dial(conn=conn.id, address=address.address))
 
     def _lose(self, conn_id: ConnId, *, redial: bool) -> None:
-        conn = self._conns.pop(conn_id, None)
+        conn = self._pool.remove(conn_id)
         if conn is None:
             return
         self._fleet_changed = True
-        address = self._addresses[conn.address]
-        address.conns.discard(conn_id)
         for job_id in conn.parked:
             self._jobs[job_id].parked_on.discard(conn_id)
         for job_id in sorted(conn.accepted):
@@ -767,19 +703,13 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
                 )
             )
         if redial:
-            self._redial_later(address)
-        for other in self._addresses.values():
-            if other.shadowed_by == conn_id:
-                # the connection that made it a duplicate is gone: dial it again
-                other.shadowed_by = None
-                self._redial_later(other)
+            self._redial_later(self._pool.addresses[conn.address])
+        for address in self._pool.unshadow(conn_id):
+            self._redial_later(address)  # the connection that made it a duplicate is gone
 
-    def _redial_later(self, address: _Address) -> None:
-        # Jitter (half to all of the back-off) keeps many clients that lost
-        # one execserver from dialling it again in lockstep.
-        delay = address.backoff * (0.5 + 0.5 * self._random.random())
+    def _redial_later(self, address: AddressRecord) -> None:
+        delay = address.redial_delay(self._random, self.config.reconnect_max)
         self._push_timer(self._now + delay, "redial", address.address)
-        address.backoff = min(address.backoff * 2, self.config.reconnect_max)
 
     # -- timers ------------------------------------------------------------------------------
 
@@ -799,11 +729,11 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
                     )
                 )
         elif kind == "redial":
-            address = self._addresses[key]
+            address = self._pool.addresses[key]
             if not address.conns or len(address.conns) < config.pool_max:
                 self._dial(address)
         elif kind == "reprobe":
-            address = self._addresses[key]
+            address = self._pool.addresses[key]
             address.covered = False
             if not address.conns:
                 self._dial(address)  # a duplicate of another address: look again
@@ -819,28 +749,20 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
 
     def _consider_growth(self) -> None:
         """Open one more connection per address while jobs see no offer at all."""
-        config = self.config
         now = self._now
-        oldest = self._oldest_wait()
+        oldest = self._jobs.oldest_wait()
         if oldest is None:
             self._arm_growth(None)
             return
         # A job no connection offers its service to cannot get an offer: no need
         # to wait a retry tick before growing.
-        due = now if self._probing else oldest + config.retry_tick
-        wake: float | None = due if due > now else None
-        if due <= now:
-            for address in self._addresses.values():
-                if address.covered or len(address.conns) >= config.pool_max:
-                    continue
-                if any(self._conns[c].state != "ready" for c in address.conns):
-                    continue  # a dial is in progress: let it land first
-                if now - address.last_grow < config.pool_grow_interval:
-                    later = address.last_grow + config.pool_grow_interval
-                    wake = later if wake is None else min(wake, later)
-                    continue
-                address.last_grow = now
-                self._dial(address)
+        due = now if self._jobs.probing else oldest + self.config.retry_tick
+        if due > now:
+            self._arm_growth(due)
+            return
+        chosen, wake = self._pool.grow(now)
+        for address in chosen:
+            self._dial(address)
         self._arm_growth(wake)
 
     def _arm_growth(self, wake: float | None) -> None:
@@ -852,17 +774,6 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
             self._cancel_timer(armed[1])
         self._grow_timer = None if wake is None else (wake, self._push_timer(wake, "grow", None))
 
-    def _oldest_wait(self) -> float | None:
-        """When the longest-waiting job started waiting. Amortised O(1): stale
-        queue entries (the job got a slot, ended, or waits again) are dropped."""
-        queue = self._queue
-        while queue:
-            since, waits, job = queue[0]
-            if job.state == "waiting" and job.waits == waits:
-                return since
-            queue.popleft()
-        return None
-
     # -- plumbing ------------------------------------------------------------------------------
 
     def _leave(self) -> None:
@@ -873,28 +784,20 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping disagrees with itself."""
+        self._pool.check_invariants()
         for conn in self._conns.values():
-            assert conn.id in self._addresses[conn.address].conns
-            assert not conn.parked & conn.accepted
             for job_id in conn.parked:
                 job = self._jobs[job_id]
                 assert job.state == "waiting"
                 assert conn.id in job.parked_on
             for job_id in conn.accepted:
                 assert self._jobs[job_id].conn == conn.id
-        for job in self._jobs.values():
+        for job in self._jobs:
             if job.state == "accepted":
                 assert not job.parked_on, f"{job.job_id} holds a slot and is still parked"
                 assert job.conn in self._conns
             for conn_id in job.parked_on:
                 assert job.job_id in self._conns[conn_id].parked
-        for address in self._addresses.values():
-            assert len(address.conns) <= self.config.pool_max
-        waiting = [j for j in self._jobs.values() if j.state == "waiting"]
-        assert self._waiting_count == len(waiting) == sum(map(len, self._waiting.values()))
-        for job in waiting:
-            assert self._waiting[job.service][job.job_id] is job
-            assert job.timer is not None
-        for job in self._probing.values():
-            assert job.state == "waiting"
-            assert self._jobs[job.job_id] is job
+        self._jobs.check_invariants()
+        for job in self._jobs.waiting():
+            assert job.timer is not None, f"{job.job_id} waits without a deadline"

@@ -14,13 +14,13 @@ from typing import Literal, TypeAlias
 import attrs
 
 from trio_broker.core import protocol as p
-from trio_broker.core._client_records import ConnId
 
 __all__ = [
     "Accepted",
     "ClientConfig",
     "ClientEffect",
     "Close",
+    "ConnId",
     "Dial",
     "FailReason",
     "Failed",
@@ -28,6 +28,9 @@ __all__ = [
     "PeerError",
     "PositionReport",
 ]
+
+ConnId: TypeAlias = int
+"""A connection of the client core (the id its :class:`Dial` carried)."""
 
 FailReason: TypeAlias = Literal["no_slot", "no_execserver", "unknown_service", "lost", "cancelled"]
 

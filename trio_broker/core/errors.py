@@ -24,7 +24,8 @@ something?* The tree has three branches, one per answer::
 
 **Remote.** :class:`ProtocolError` is raised only by the codec
 (:func:`trio_broker.core.protocol.decode`); the cores catch it and answer with an
-``ERROR`` frame (execserver) or report it for the log (client). It never reaches
+``ERROR`` frame (execserver) or report it for the log (client). Its ``code`` is one
+of :data:`ErrorCode`, the codes an ``ERROR`` frame carries. It never reaches
 the code driving a core, and the core's state is unchanged by the bad frame.
 
 **Local.** A :class:`UsageError` is a bug in the code around an object: time
@@ -44,10 +45,7 @@ one-line text the queue stores and the logs show.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from trio_broker.core.protocol import ErrorCode
+from typing import Literal, TypeAlias
 
 __all__ = [
     "BrokerError",
@@ -55,6 +53,7 @@ __all__ = [
     "ClientClosed",
     "ClientUsageError",
     "DispatchUsageError",
+    "ErrorCode",
     "JobLost",
     "JobStopped",
     "NoExecserver",
@@ -69,6 +68,28 @@ __all__ = [
 
 
 # -- remote ------------------------------------------------------------------------------
+
+ErrorCode: TypeAlias = Literal[
+    "bad_frame",
+    "unknown_type",
+    "bad_field",
+    "not_registered",
+    "already_registered",
+    "draining",
+    "unknown_service",
+    "duplicate_job",
+    "unknown_token",
+    "token_mismatch",
+    "unknown_job",
+    "offer_expired",
+]
+"""The ``ERROR.code`` values, in the precedence order of the protocol.
+
+A :class:`ProtocolError` carries one of the first three (the codec decides
+them); the execserver's broker refuses a decoded frame with one of the next
+eight, first broken rule first (the table ``REFUSALS`` of
+:mod:`trio_broker.core.broker`); ``offer_expired`` is news, not a refusal.
+"""
 
 
 class ProtocolError(Exception):

@@ -85,6 +85,12 @@ class JobFigures:
         self.bytes_out = 0
         self._seconds: deque[list[int]] = deque()  # [second, ends], oldest first
 
+    def __repr__(self) -> str:
+        return (
+            f"JobFigures(finished={self.finished!r}, failed={self.failed!r}, "
+            f"bytes_in={self.bytes_in!r}, bytes_out={self.bytes_out!r})"
+        )
+
     def record(self, receipt: p.Receipt, *, now: float) -> None:
         """Count one job's end at ``now``."""
         if receipt.status == "ok":

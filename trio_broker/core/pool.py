@@ -134,6 +134,13 @@ class ServiceStats:
         """The highest memory peak among the recent runs; None until measured."""
         self.kind: Kind = "unknown"
 
+    def __repr__(self) -> str:
+        return (
+            f"ServiceStats(cap={self.cap!r}, busy={self.busy!r}, completed={self.completed!r}, "
+            f"kind={self.kind!r}, mean_runtime={self.mean_runtime!r}, "
+            f"peak_memory={self.peak_memory!r}, footprint={self.footprint!r})"
+        )
+
     def record(self, duration: float, peak_memory: int | None) -> None:
         runtimes = self._runtimes
         runtimes.append(duration)

@@ -24,7 +24,8 @@ Rules enforced here:
 
 :func:`decode` raises :class:`ProtocolError` and nothing else, whatever the input
 (the class lives in :mod:`trio_broker.core.errors`, in the remote branch of the
-library's exception tree, and is re-exported here).
+library's exception tree, with :data:`ErrorCode`, the codes of ``ERROR`` frames;
+both are re-exported here, the names of the wire's ``Error`` message).
 """
 
 import math
@@ -37,7 +38,7 @@ from cattrs.errors import ClassValidationError, IterableValidationError
 from cattrs.gen import make_dict_structure_fn
 from cattrs.preconf.orjson import make_converter
 
-from trio_broker.core.errors import ProtocolError
+from trio_broker.core.errors import ErrorCode, ProtocolError
 
 __all__ = [
     "CLIENT_TO_EXEC",
@@ -96,22 +97,6 @@ CLOSE_POLICY: Final = 1008
 """The peer does not read its frames: its outbox overflowed."""
 CLOSE_TOO_BIG: Final = 1009
 """A frame of more than ``max_frame_bytes`` bytes arrived."""
-
-ErrorCode: TypeAlias = Literal[
-    "bad_frame",
-    "unknown_type",
-    "bad_field",
-    "not_registered",
-    "already_registered",
-    "draining",
-    "unknown_service",
-    "duplicate_job",
-    "unknown_token",
-    "token_mismatch",
-    "unknown_job",
-    "offer_expired",
-]
-"""The ``ERROR.code`` values, in the precedence order of the protocol."""
 
 Kind: TypeAlias = Literal["light", "heavy", "unknown"]
 """How the pool classifies a service: by its measured mean runtime, or not yet."""

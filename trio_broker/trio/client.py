@@ -38,7 +38,7 @@ import random
 import secrets
 import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, assert_never
 
 import attrs
 import trio
@@ -46,6 +46,7 @@ import trio
 from trio_broker.core import protocol as p
 from trio_broker.core.admission import InstanceLoad
 from trio_broker.core.client import (
+    Accepted,
     ClientConfig,
     ClientCore,
     ClientEffect,
@@ -518,39 +519,54 @@ class BrokerClient:
     # -- the core's effects ----------------------------------------------------------------
 
     def _apply(self, effect: ClientEffect) -> None:
-        if isinstance(effect, Finished):
-            waiter = self._waiters.get(effect.job_id)
-            if waiter is not None:
-                waiter.receipt = effect.receipt
-                waiter.done.set()
-        elif isinstance(effect, Failed):
-            waiter = self._waiters.get(effect.job_id)
-            kind = _FAILURES.get(effect.reason)
-            if waiter is not None and kind is not None:
-                waiter.error = kind(f"job {effect.job_id}: {effect.detail}")
-                waiter.done.set()
-        elif isinstance(effect, Dial):
-            if not self._closed:
-                self._nursery.start_soon(self._connection, effect.conn, effect.address)
-        elif isinstance(effect, Close):
-            self._driver.close(effect.conn, effect.code, effect.reason)
-        elif isinstance(effect, PositionReport):
-            entry = self._positions.get(effect.job_id)
-            if entry is not None:
-                entry[0].send_nowait((effect.conn, effect.position))
-        elif isinstance(effect, PeerError):
-            if effect.error.code == "offer_expired":
-                log.info("an offer for job %r expired", effect.error.job_id)
-            elif effect.error.code == "unknown_type" and effect.error.job_id == p.STATS_TAG:
-                log.info("connection %d: the execserver has no figures to send", effect.conn)
-            else:
-                log.warning(
-                    "execserver refused a frame on connection %d: %s: %s (job %r)",
+        match effect:
+            case Finished():
+                waiter = self._waiters.get(effect.job_id)
+                if waiter is not None:
+                    waiter.receipt = effect.receipt
+                    waiter.done.set()
+            case Failed():
+                waiter = self._waiters.get(effect.job_id)
+                kind = _FAILURES.get(effect.reason)
+                if waiter is not None and kind is not None:
+                    waiter.error = kind(f"job {effect.job_id}: {effect.detail}")
+                    waiter.done.set()
+            case Accepted():
+                # The caller of run() waits for the job's end, not for its slot, and
+                # the core already counts the job as running: only the log hears of it.
+                log.debug(
+                    "job %r holds a slot on connection %d (%s)",
+                    effect.job_id,
                     effect.conn,
-                    effect.error.code,
-                    effect.error.message,
-                    effect.error.job_id,
+                    self._core.address_of(effect.conn),
                 )
+            case Dial():
+                if not self._closed:
+                    self._nursery.start_soon(self._connection, effect.conn, effect.address)
+            case Close():
+                self._driver.close(effect.conn, effect.code, effect.reason)
+            case PositionReport():
+                entry = self._positions.get(effect.job_id)
+                if entry is not None:
+                    entry[0].send_nowait((effect.conn, effect.position))
+            case PeerError():
+                self._log_peer_error(effect)
+            case _:
+                assert_never(effect)
+
+    def _log_peer_error(self, effect: PeerError) -> None:
+        if effect.error.code == "offer_expired":
+            log.info("an offer for job %r expired", effect.error.job_id)
+        elif effect.error.code == "unknown_type" and effect.error.job_id == p.STATS_TAG:
+            log.info("connection %d: the execserver has no figures to send", effect.conn)
+        else:
+            log.warning(
+                "execserver refused a frame on connection %d: %s: %s (job %r)",
+                effect.conn,
+                effect.error.code,
+                effect.error.message,
+                effect.error.job_id,
+            )
 
     # -- tasks -------------------------------------------------------------------------------
 

@@ -47,8 +47,8 @@ import functools
 import hmac
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from typing import assert_never
 
-import attrs
 import h11
 import httpx
 import trio
@@ -64,7 +64,6 @@ from trio_broker.core.broker import (
     AbortJob,
     Broker,
     BrokerConfig,
-    BrokerStatistics,
     CheckCallback,
     CloseConnection,
     Drained,
@@ -75,8 +74,8 @@ from trio_broker.core.job import error_receipt
 from trio_broker.trio.driver import CLOSE_TIMEOUT, MAX_FRAME_BYTES, CoreDriver
 from trio_broker.trio.inspection import (
     METRICS_CONTENT_TYPE,
+    ExecserverStatistics,
     JobFigures,
-    JobStatistics,
     execserver_document,
     execserver_metrics,
 )
@@ -87,7 +86,6 @@ from trio_broker.trio.runner import (
     JobRequest,
     ReportingRunner,
     Runner,
-    RunnerStatistics,
 )
 from trio_broker.trio.websocket import accept, refuse
 
@@ -96,32 +94,12 @@ CALLBACK_CHECK_TIMEOUT = 5.0
 
 __all__ = [
     "ExecserverHandle",
-    "ExecserverStatistics",
     "serve_execserver",
 ]
 
 log = logging.getLogger("trio_broker.trio.execserver")
 
 DEFAULT_MAX_FRAME_BYTES = MAX_FRAME_BYTES
-
-
-@attrs.frozen(kw_only=True)
-class ExecserverStatistics:
-    """A frozen snapshot of one execserver (:meth:`ExecserverHandle.statistics`).
-
-    Attributes:
-        broker: the broker core's snapshot: the pool, each service, each
-            connection, the recent receipts and the counters.
-        runner: the runner's snapshot (running jobs and their memory), or None
-            when the runner keeps none (only
-            :class:`~trio_broker.trio.runner.CommandRunner` does).
-        jobs: every ended job's wait, duration and status, by service
-            (:class:`~trio_broker.trio.inspection.JobFigures`); None when not kept.
-    """
-
-    broker: BrokerStatistics
-    runner: RunnerStatistics | None
-    jobs: JobStatistics | None = None
 
 
 class _AsgiWebsocket:
@@ -244,24 +222,29 @@ class _Service:
     # -- the core's effects -------------------------------------------------------------
 
     def _apply(self, effect: Effect) -> None:
-        if isinstance(effect, StartJob):
-            self.controls[effect.run_id] = JobControl()
-            self.nursery.start_soon(self._run_job, effect)
-        elif isinstance(effect, AbortJob):
-            control = self.controls.get(effect.run_id)
-            if control is not None:
-                control.abort(effect.status, effect.reason)
-        elif isinstance(effect, CloseConnection):
-            log.info("closing connection %d: %s", effect.conn, effect.reason)
-            self.driver.close(effect.conn, effect.code, effect.reason)
-        elif isinstance(effect, CheckCallback):
-            self.nursery.start_soon(self._check_callback, effect)
-        elif isinstance(effect, Drained):
-            connections = self.driver.connections
-            log.info("drained: closing %d connections", len(connections))
-            for conn_id in connections:
-                self.driver.close(conn_id, p.CLOSE_GOING_AWAY, "the execserver is shutting down")
-            self.drained.set()
+        match effect:
+            case StartJob():
+                self.controls[effect.run_id] = JobControl()
+                self.nursery.start_soon(self._run_job, effect)
+            case AbortJob():
+                control = self.controls.get(effect.run_id)
+                if control is not None:
+                    control.abort(effect.status, effect.reason)
+            case CloseConnection():
+                log.info("closing connection %d: %s", effect.conn, effect.reason)
+                self.driver.close(effect.conn, effect.code, effect.reason)
+            case CheckCallback():
+                self.nursery.start_soon(self._check_callback, effect)
+            case Drained():
+                connections = self.driver.connections
+                log.info("drained: closing %d connections", len(connections))
+                for conn_id in connections:
+                    self.driver.close(
+                        conn_id, p.CLOSE_GOING_AWAY, "the execserver is shutting down"
+                    )
+                self.drained.set()
+            case _:
+                assert_never(effect)
 
     def drain(self) -> None:
         log.info("draining")

@@ -1,6 +1,6 @@
 """The execserver's inspection document and Prometheus metrics, built from snapshots.
 
-Both builders take an :class:`~trio_broker.trio.execserver.ExecserverStatistics`
+Both builders take an :class:`ExecserverStatistics`
 (what :meth:`~trio_broker.trio.execserver.ExecserverHandle.statistics` returns: the
 broker core's frozen statistics, the runner's when it keeps them, and the job
 figures of :class:`JobFigures`) and nothing else, so they never reach into a
@@ -29,7 +29,7 @@ import datetime
 import typing
 from bisect import bisect_left
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import attrs
 from prometheus_client import CollectorRegistry, generate_latest
@@ -43,9 +43,7 @@ from prometheus_client.core import (
 from trio_broker._version import __version__
 from trio_broker.core import protocol as p
 from trio_broker.core.broker import BrokerStatistics, FinishedJob, ServiceSnapshot
-
-if TYPE_CHECKING:
-    from trio_broker.trio.execserver import ExecserverStatistics
+from trio_broker.trio.runner import RunnerStatistics
 
 __all__ = [
     "DURATION_BUCKETS",
@@ -53,6 +51,7 @@ __all__ = [
     "METRICS_CONTENT_TYPE",
     "OUTCOMES",
     "WAIT_BUCKETS",
+    "ExecserverStatistics",
     "Histogram",
     "JobFigures",
     "JobStatistics",
@@ -177,6 +176,29 @@ class JobFigures:
                 for name, (wait, duration, statuses) in self._services.items()
             }
         )
+
+
+# -- the snapshot ------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class ExecserverStatistics:
+    """A frozen snapshot of one execserver
+    (:meth:`ExecserverHandle.statistics <trio_broker.trio.execserver.ExecserverHandle.statistics>`).
+
+    Attributes:
+        broker: the broker core's snapshot: the pool, each service, each
+            connection, the recent receipts and the counters.
+        runner: the runner's snapshot (running jobs and their memory), or None
+            when the runner keeps none (only
+            :class:`~trio_broker.trio.runner.CommandRunner` does).
+        jobs: every ended job's wait, duration and status, by service
+            (:class:`JobFigures`); None when not kept.
+    """
+
+    broker: BrokerStatistics
+    runner: RunnerStatistics | None
+    jobs: JobStatistics | None = None
 
 
 # -- the document ------------------------------------------------------------------------
