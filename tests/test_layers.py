@@ -19,17 +19,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.imports import import_cycles, import_graph, module_name
+
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ROOT / "trio_broker"
 
 
-def module_name(path: Path, top: Path = ROOT) -> str:
-    parts = path.relative_to(top).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
 def modules_under(folder: Path) -> list[str]:
-    return sorted(module_name(path) for path in folder.rglob("*.py"))
+    return sorted(module_name(path, ROOT) for path in folder.rglob("*.py"))
 
 
 # Imports every module alone (trio and the package forgotten between modules) and
@@ -102,67 +99,6 @@ def test_importing_the_library_never_loads_the_daemons(folder: str) -> None:
 
 
 # -- import circles ----------------------------------------------------------------------
-
-
-def import_graph(root: Path) -> dict[str, set[str]]:
-    """Module -> the modules of the same package it imports.
-
-    ``root`` is a package folder (``trio_broker/``, ``daemons/trio_broker_daemons/``);
-    names are dotted from its parent. Every import statement counts: at the top
-    level, under ``if TYPE_CHECKING:`` (a circle a type checker must resolve) and
-    inside functions (it closes the circle as surely, only later).
-    ``from a import b`` counts as importing the submodule ``a.b`` when there is
-    one, else ``a``; relative imports are resolved. The packages a dotted name
-    passes through are not counted: Python runs a package's ``__init__`` before
-    its submodules, whoever imports them.
-    """
-    paths = {module_name(path, root.parent): path for path in sorted(root.rglob("*.py"))}
-    graph: dict[str, set[str]] = {}
-    for name, path in paths.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        targets: set[str] = set()
-        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                targets.update(alias.name for alias in node.names)
-                continue
-            if not isinstance(node, ast.ImportFrom):
-                continue
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                anchor = ".".join(parts[: len(parts) - node.level + 1])
-                base = f"{anchor}.{base}" if base else anchor
-            for alias in node.names:
-                submodule = f"{base}.{alias.name}"
-                targets.add(submodule if submodule in paths else base)
-        graph[name] = {target for target in targets if target in paths and target != name}
-    return graph
-
-
-def import_cycles(root: Path) -> list[list[str]]:
-    """The import circles among the modules under ``root``, each sorted; none when clean.
-
-    A circle is a group of modules of :func:`import_graph` that each reach all the
-    others by following imports.
-    """
-    graph = import_graph(root)
-    reach: dict[str, set[str]] = {}
-    for start in graph:
-        seen: set[str] = set()
-        todo = list(graph[start])
-        while todo:
-            module = todo.pop()
-            if module not in seen:
-                seen.add(module)
-                todo.extend(graph[module])
-        reach[start] = seen
-    circles = {
-        tuple(sorted(other for other in reach[module] if module in reach[other]))
-        for module in graph
-        if module in reach[module]
-    }
-    return sorted(list(circle) for circle in circles)
 
 
 def test_the_library_has_no_import_circle() -> None:
