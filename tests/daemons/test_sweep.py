@@ -99,7 +99,7 @@ async def test_only_dead_writers_old_leftovers_are_removed(pg_dsn: str, tmp_path
             # the live writer's heartbeat goes stale: now its old leftovers go too
             with psycopg.connect(pg_dsn, autocommit=True) as conn:
                 conn.execute(
-                    "UPDATE backends SET heartbeat = now() - interval '1 hour'"
+                    "UPDATE broker_backends SET heartbeat = now() - interval '1 hour'"
                     " WHERE backend_id = 'fylr-live'"
                 )
             result = await sweeper.sweep()
@@ -170,7 +170,7 @@ async def test_failed_rows_of_any_file_ref_are_listed_and_retried(pg_dsn: str) -
         async with fylr_store(pg_dsn) as store:
             with psycopg.connect(pg_dsn, autocommit=True) as conn:
                 conn.execute(
-                    "INSERT INTO file_queue (file_ref, action, status, last_error) VALUES"
+                    "INSERT INTO broker_queue (file_ref, action, status, last_error) VALUES"
                     " ('not-a-number', 'other', 'failed', 'ValueError: bad'),"
                     " ('12345', 'produce', 'failed', 'KeyError: gone'),"
                     " ('7', 'sync', 'new', NULL)"
@@ -185,7 +185,7 @@ async def test_failed_rows_of_any_file_ref_are_listed_and_retried(pg_dsn: str) -
             assert [i["file_ref"] for i in await failed_items(store)] == ["not-a-number"]
             with psycopg.connect(pg_dsn) as conn:
                 row = conn.execute(
-                    "SELECT status, last_error FROM file_queue WHERE file_ref = '12345'"
+                    "SELECT status, last_error FROM broker_queue WHERE file_ref = '12345'"
                 ).fetchone()
             assert row == ("new", "requeued by an operator; it had failed: KeyError: gone")
             assert len(await retry_failed(store)) == 1
@@ -228,7 +228,7 @@ async def test_retrying_a_failed_produce_resets_the_version_its_chain_and_the_or
                         (original, name, source, status, error),
                     )
                 conn.execute(
-                    "INSERT INTO file_queue (file_ref, action, status, last_error)"
+                    "INSERT INTO broker_queue (file_ref, action, status, last_error)"
                     " VALUES (%s, 'produce', 'failed', 'KeyError: x')",
                     (str(ids["a"]),),
                 )
@@ -241,7 +241,7 @@ async def test_retrying_a_failed_produce_resets_the_version_its_chain_and_the_or
                         " FROM files"
                     ).fetchall()
                 )
-                queued = conn.execute("SELECT status FROM file_queue").fetchall()
+                queued = conn.execute("SELECT status FROM broker_queue").fetchall()
     assert states == {
         "original": "produce:",
         "a": "new:",

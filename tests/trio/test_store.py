@@ -237,7 +237,8 @@ async def test_stale_backends_are_swept_once(store: Store, pg_dsn: str) -> None:
 
     def age(conn: psycopg.Connection[tuple[object, ...]]) -> None:
         conn.execute(
-            "UPDATE backends SET heartbeat = now() - interval '2 hours' WHERE backend_id = 'dead'"
+            "UPDATE broker_backends SET heartbeat = now() - interval '2 hours'"
+            " WHERE backend_id = 'dead'"
         )
 
     await store.call(age)

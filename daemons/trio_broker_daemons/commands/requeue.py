@@ -1,7 +1,7 @@
 """``trio-broker fylr requeue --failed --config FILE``: failed work back into the queue.
 
 For a fylr on a shared ``database``: the command connects to it directly (it
-works while every fylr is down) and puts the failed ``file_queue`` rows back
+works while every fylr is down) and puts the failed queue rows back
 with :func:`~trio_broker_daemons.fylr.failed.retry_failed`, their files back to
 where their step starts. A fylr on its private cluster is asked over HTTP
 instead (``POST /inspect/system/fylr/requeue``).
