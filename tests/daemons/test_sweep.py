@@ -3,12 +3,13 @@
 And the failed queue rows: listed with their reasons, retried by id or all.
 
 Each test plays several fylrs on one folder and one database: storages with
-distinct backend ids, registered (alive) or not (dead) in ``backends``. File
+distinct backend ids, registered (alive) or not (dead) in ``broker_backends``. File
 ages are set with ``os.utime`` rather than waited for.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import AsyncIterator
@@ -17,12 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 import trio
+from trio_broker_daemons.commands.requeue import requeue_main
 from trio_broker_daemons.fylr.failed import failed_items, retry_failed
 from trio_broker_daemons.fylr.files import fylr_migrations
 from trio_broker_daemons.fylr.storage import Storage, StoredFile
 from trio_broker_daemons.fylr.sweep import GRACE_STALE, StorageSweeper
 
+from trio_broker.trio.schema import apply_migrations, load_migrations
 from trio_broker.trio.store import Store, open_store
 
 STALE_AFTER = 30.0
@@ -251,3 +255,39 @@ async def test_retrying_a_failed_produce_resets_the_version_its_chain_and_the_or
         "e": "done:",
     }
     assert queued == [("new",)]
+
+
+def test_requeue_on_a_database_not_yet_migrated_says_so_and_changes_nothing(
+    pg_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``fylr requeue --failed`` on a database still at the old queue names (no fylr of this
+    version started on it) is one line saying so, exit 1, the failed row untouched; once a
+    start has migrated it, the same command puts the row back."""
+    old = [m for m in load_migrations() if m.version < 3]
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        apply_migrations(conn, [*old, *fylr_migrations()])
+        conn.execute(
+            "INSERT INTO file_queue (file_ref, action, status, last_error)"
+            " VALUES ('x', 'other', 'failed', 'ValueError: bad')"
+        )
+    config = tmp_path / "fylr.yml"
+    config.write_text(
+        f"database: {json.dumps(pg_dsn)}\nstate_dir: {json.dumps(str(tmp_path / 'state'))}\n"
+        'execservers: ["127.0.0.1:7000"]\n'
+    )
+    assert requeue_main(str(config), environ={}) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "no queue of this version" in line
+    assert "broker_queue" in line
+    with psycopg.connect(pg_dsn) as conn:
+        assert conn.execute("SELECT status FROM file_queue").fetchall() == [("failed",)]
+
+    async def start() -> None:
+        async with fylr_store(pg_dsn):
+            pass
+
+    trio.run(start)
+    assert requeue_main(str(config), environ={}) == 0
+    out = capsys.readouterr().out
+    assert "it had failed: ValueError: bad" in out
+    assert "1 failed item(s) requeued" in out
