@@ -57,6 +57,10 @@ Inspection. :meth:`Store.counts` counts the rows by state;
 ranks rows among the ready rows a claim would take before them;
 :meth:`Store.failed` lists the failed rows with their reasons.
 
+Values. The rows the store returns and the requests it takes (:class:`QueueItem`,
+:class:`NewItem`, :class:`Outcome` …) are frozen values of
+:mod:`trio_broker.trio.store_values`, imported from here.
+
 Failures. A broken connection or an unreachable server makes the call raise
 :class:`StoreUnavailable` (the pool replaces broken connections; the call may or
 may not have taken effect). Callers retry after a short back-off; fencing and
@@ -75,7 +79,6 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
-import attrs
 import psycopg
 import trio
 from psycopg import sql
@@ -87,6 +90,17 @@ from psycopg_pool import ConnectionPool
 from trio_broker.core.errors import StoreUnavailable
 from trio_broker.trio import queue_sql
 from trio_broker.trio.schema import Migration, apply_migrations, load_migrations
+from trio_broker.trio.store_values import (
+    ClaimRequest,
+    FailedItem,
+    ItemPosition,
+    NewItem,
+    Outcome,
+    QueueCounts,
+    QueueFigures,
+    QueueItem,
+    StoreStatistics,
+)
 
 __all__ = [
     "ClaimRequest",
@@ -116,173 +130,6 @@ Connection = psycopg.Connection[TupleRow]
 PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 ERROR_CHECK_INTERVAL = 1.0
 """After a connection error the idle pooled connections are checked, at most this often."""
-
-
-# -- values --------------------------------------------------------------------------------
-
-
-@attrs.frozen(kw_only=True)
-class QueueItem:
-    """One row of ``broker_queue``.
-
-    Attributes:
-        id: the row's id.
-        file_ref: the file the work is about.
-        action: what to do (the dispatcher's action name).
-        priority: higher first; odd is the "high" variant of a band.
-        payload: free JSON object for the action.
-        attempts: how many times the row was claimed (this claim included).
-        status: ``new``, ``claimed`` or ``failed``.
-        claimed_by: the backend holding the claim, or ``None``.
-        last_error: why it was last requeued or failed, or ``None``.
-    """
-
-    id: int
-    file_ref: str
-    action: str
-    priority: int
-    payload: Mapping[str, Any] = attrs.field(factory=dict)
-    attempts: int = 0
-    status: str = "new"
-    claimed_by: str | None = None
-    last_error: str | None = None
-
-
-@attrs.frozen(kw_only=True)
-class NewItem:
-    """An item to enqueue (:meth:`Store.enqueue_many`)."""
-
-    file_ref: str
-    action: str
-    priority: int = 0
-    payload: Mapping[str, Any] = attrs.field(factory=dict)
-    start_after: datetime.datetime | None = None
-
-
-@attrs.frozen(kw_only=True)
-class ClaimRequest:
-    """One kind of item a claim asks for (:meth:`Store.claim_batch`).
-
-    Attributes:
-        limit: at most this many rows (0 asks for none).
-        actions: only these actions; ``None`` means any.
-        odd_only: only odd priorities.
-    """
-
-    limit: int
-    actions: tuple[str, ...] | None = None
-    odd_only: bool = False
-
-
-@attrs.frozen(kw_only=True)
-class Outcome:
-    """How one claimed item ended (:meth:`Store.finish`).
-
-    Attributes:
-        item_id, attempts: the claim this outcome belongs to (the fence).
-        kind: ``complete`` (the row is deleted), ``requeue`` (new again after
-            ``delay`` seconds) or ``fail`` (status ``failed``).
-        delay: seconds before a requeued item may be claimed again.
-        error: stored in ``last_error`` (``fail``; ``requeue`` when given).
-    """
-
-    item_id: int
-    attempts: int
-    kind: Literal["complete", "requeue", "fail"]
-    delay: float = 0.0
-    error: str | None = None
-
-
-@attrs.frozen(kw_only=True)
-class QueueCounts:
-    """How many rows of ``broker_queue`` are in each state.
-
-    Attributes:
-        ready: new and claimable now.
-        delayed: new, but ``start_after`` is still ahead.
-        claimed: claimed by some backend.
-        failed: failed.
-    """
-
-    ready: int
-    delayed: int
-    claimed: int
-    failed: int
-
-    @property
-    def total(self) -> int:
-        return self.ready + self.delayed + self.claimed + self.failed
-
-
-@attrs.frozen(kw_only=True)
-class QueueFigures:
-    """The queue's figures at one moment (:meth:`Store.figures`).
-
-    A value that grows with what callers need to know about the queue; read its
-    attributes by name.
-
-    Attributes:
-        counts: the rows by state, over every priority.
-        by_priority: the rows by state per priority, highest priority first
-            (only priorities that have rows).
-    """
-
-    counts: QueueCounts
-    by_priority: Mapping[int, QueueCounts] = attrs.field(factory=dict)
-
-
-@attrs.frozen(kw_only=True)
-class ItemPosition:
-    """A new or claimed row and the ready rows a claim would take before it
-    (:meth:`Store.positions`).
-
-    Attributes:
-        item: the row (``payload`` and ``last_error`` included).
-        ahead: ready rows that come before it in the claim order
-            (:data:`~trio_broker.trio.queue_sql.CLAIM_ORDER`), among the actions
-            asked about. For a claimed row it is the rows that would now be
-            claimed before a row like it.
-    """
-
-    item: QueueItem
-    ahead: int
-
-
-@attrs.frozen(kw_only=True)
-class FailedItem:
-    """A failed row of ``broker_queue`` (:meth:`Store.failed`), or one put back
-    (:meth:`Store.requeue_failed`: as it was before).
-
-    Attributes:
-        id, file_ref, action, priority, payload: the item.
-        attempts: how many times it was claimed.
-        reason: why it failed (its ``last_error``), or ``None``.
-        created_at: when it was enqueued.
-    """
-
-    id: int
-    file_ref: str
-    action: str
-    priority: int
-    payload: Mapping[str, Any]
-    attempts: int
-    reason: str | None
-    created_at: datetime.datetime
-
-
-@attrs.frozen(kw_only=True)
-class StoreStatistics:
-    """A snapshot of what a :class:`Store` has done.
-
-    Attributes:
-        pool_size: connections in the pool (and threads at most).
-        calls: calls made, by operation (``claim``, ``finish``, ``heartbeat``…).
-        unavailable: calls that raised :class:`StoreUnavailable`.
-    """
-
-    pool_size: int
-    calls: Mapping[str, int]
-    unavailable: int
 
 
 # -- rows ------------------------------------------------------------------------------------
