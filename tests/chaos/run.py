@@ -511,7 +511,7 @@ class _Run:
         """Until every file has ended and nothing is ready or claimed (bounded): whether it did."""
         sql = (
             "SELECT (SELECT count(*) FROM files WHERE status NOT IN ('done', 'error')) AS open,"
-            " (SELECT count(*) FROM file_queue WHERE status IN ('new', 'claimed')) AS queued"
+            " (SELECT count(*) FROM broker_queue WHERE status IN ('new', 'claimed')) AS queued"
         )
         with trio.move_on_after(self.plan.end_within):
             while True:
@@ -560,7 +560,7 @@ class _Run:
         if extra > 0:
             self.report.notes.append(f"{extra} uploads were stored twice (an answer was lost)")
         queue = await self.query(
-            "SELECT status, action, count(*) AS n, max(last_error) AS error FROM file_queue"
+            "SELECT status, action, count(*) AS n, max(last_error) AS error FROM broker_queue"
             " GROUP BY status, action"
         )
         for row in queue or []:
