@@ -386,13 +386,18 @@ class _Service:
 
     async def broker_endpoint(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ``/broker`` websocket, as a plain ASGI application."""
-        if (await receive())["type"] != "websocket.connect":
-            return
         # one Authorization header: the application's one_authorization saw to it
         if not self.authorized(authorization_of(scope["headers"]) or ""):
             await deny(
-                scope, send, 401, "a broker token is required\n", [("www-authenticate", "Bearer")]
+                scope,
+                receive,
+                send,
+                401,
+                "a broker token is required\n",
+                [("www-authenticate", "Bearer")],
             )
+            return
+        if (await receive())["type"] != "websocket.connect":
             return
         await send({"type": "websocket.accept"})
         host, port = scope.get("server") or ("", 0)

@@ -79,6 +79,7 @@ def authorization_of(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
 
 async def deny(
     scope: Scope,
+    receive: Receive,
     send: Send,
     status: int,
     text: str,
@@ -86,8 +87,9 @@ async def deny(
 ) -> None:
     """Answer a request (or refuse a websocket upgrade) with a short text, before any route.
 
-    A websocket upgrade gets the HTTP answer through the ASGI denial response;
-    a server without it closes the upgrade (1008) instead.
+    A websocket upgrade gets the HTTP answer through the ASGI denial response
+    (after its ``websocket.connect``); a server without it closes the upgrade
+    (1008) instead.
     """
     raw = [
         (b"content-type", b"text/plain; charset=utf-8"),
@@ -97,6 +99,8 @@ async def deny(
     if scope["type"] == "http":
         await send({"type": "http.response.start", "status": status, "headers": raw})
         await send({"type": "http.response.body", "body": body})
+        return
+    if (await receive())["type"] != "websocket.connect":
         return
     if "websocket.http.response" in scope.get("extensions", {}):
         await send({"type": "websocket.http.response.start", "status": status, "headers": raw})
@@ -110,7 +114,7 @@ def one_authorization(app: ASGIApp) -> ASGIApp:
 
     async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket") and authorization_of(scope["headers"]) is None:
-            await deny(scope, send, 400, SEVERAL_AUTHORIZATIONS)
+            await deny(scope, receive, send, 400, SEVERAL_AUTHORIZATIONS)
             return
         await app(scope, receive, send)
 
