@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
+from trio_broker_daemons.commands import top
 from trio_broker_daemons.fylr.access import Role
 from trio_broker_daemons.fylr.app import FylrHandle, serve_fylr
 from trio_broker_daemons.fylr.config import FylrConfig
@@ -420,3 +421,15 @@ async def test_several_authorization_headers_are_400_on_the_fylr(
             handle.host, handle.port, [("GET", "/inspect/system/topology/ws", (*UPGRADE, *two))]
         )
         assert ws == [(400, several)]
+
+
+async def test_top_follows_the_websocket_with_the_operator_token(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """trio-broker top sends its token on the websocket's upgrade: with the operator token
+    it follows the document (the refusals of the upgrade are the raw tests above)."""
+    async with running(pg_dsn, tmp_path, tokens=TOKENS) as handle:
+        seen: list[dict[str, Any]] = []
+        with trio.fail_after(WAIT):
+            await top.follow(handle.url, seen.append, updates=1, token=TOKENS["operator"])
+        assert seen[0]["fylrs"][0]["name"] == "access-fylr"
