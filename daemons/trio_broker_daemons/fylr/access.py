@@ -96,6 +96,7 @@ __all__ = [
     "Tokens",
     "check_host_names",
     "check_origins",
+    "hidden",
     "host_of",
 ]
 
@@ -134,6 +135,11 @@ _EXPIRES: Final = re.compile(r"[0-9]{1,12}")
 _Token = Annotated[str | None, Rule(optional_token)]
 
 
+def hidden(secret: object) -> str:
+    """The repr of a secret: whether it is set, never its text."""
+    return "None" if secret is None else "'***'"
+
+
 @attrs.frozen(kw_only=True)
 class Tokens:
     """``tokens``: one token per role, each null (the role is open) or a string.
@@ -146,9 +152,9 @@ class Tokens:
         ConfigError: two roles with the same token (they could not be told apart).
     """
 
-    upload: _Token = attrs.field(default=None, metadata=secret_file())
-    read: _Token = attrs.field(default=None, metadata=secret_file())
-    operator: _Token = attrs.field(default=None, metadata=secret_file())
+    upload: _Token = attrs.field(default=None, metadata=secret_file(), repr=hidden)
+    read: _Token = attrs.field(default=None, metadata=secret_file(), repr=hidden)
+    operator: _Token = attrs.field(default=None, metadata=secret_file(), repr=hidden)
 
     def __attrs_post_init__(self) -> None:
         seen: dict[str, Role] = {}

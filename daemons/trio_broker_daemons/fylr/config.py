@@ -205,7 +205,7 @@ from trio_broker_daemons.config.structure import (
     structure_config,
 )
 from trio_broker_daemons.config.values import ConfigError, parse_duration, show
-from trio_broker_daemons.fylr.access import Tokens, check_host_names, check_origins
+from trio_broker_daemons.fylr.access import Tokens, check_host_names, check_origins, hidden
 
 __all__ = [
     "DEFAULT_FYLR_LISTEN",
@@ -675,7 +675,7 @@ class FylrConfig:
     insecure_open_api: bool = False
     allowed_hosts: _HostNames = ()
     allowed_origins: _Origins = ()
-    link_key: _LinkKey = attrs.field(default=None, metadata=secret_file(), repr=False)
+    link_key: _LinkKey = attrs.field(default=None, metadata=secret_file(), repr=hidden)
     link_ttl: _Positive = 3600.0
     broker_ca_file: _CaFile = None
     callback_own_url: _CallbackUrl = None
