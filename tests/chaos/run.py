@@ -513,7 +513,7 @@ class _Run:
         """Until every file has ended and nothing is ready or claimed (bounded): whether it did."""
         sql = (
             "SELECT (SELECT count(*) FROM files WHERE status NOT IN ('done', 'error')) AS open,"
-            " (SELECT count(*) FROM file_queue WHERE status IN ('new', 'claimed')) AS queued"
+            " (SELECT count(*) FROM broker_queue WHERE status IN ('new', 'claimed')) AS queued"
         )
         with trio.move_on_after(self.plan.end_within):
             while True:
@@ -564,7 +564,7 @@ class _Run:
         refused = CONVERTER_ERROR.replace("'", "''")
         queue = await self.query(
             "SELECT status, action, count(*) AS n, max(last_error) AS error,"
-            f" bool_and(last_error LIKE '%{refused}%') AS refused FROM file_queue"
+            f" bool_and(last_error LIKE '%{refused}%') AS refused FROM broker_queue"
             " GROUP BY status, action"
         )
         for row in queue or []:

@@ -80,7 +80,7 @@ def queue_rows(dsn: str) -> dict[str, tuple[str, int, str | None, bool, bool]]:
         dsn,
         "SELECT f.version, q.status, q.attempts, q.last_error, q.start_after <= now(),"
         " q.start_after > now() + interval '50 minutes'"
-        " FROM file_queue q JOIN files f ON f.id = q.file_ref::bigint",
+        " FROM broker_queue q JOIN files f ON f.id = q.file_ref::bigint",
     )
     return {row[0]: row[1:] for row in found}
 

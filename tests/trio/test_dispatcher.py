@@ -111,7 +111,7 @@ def rows(store_dsn: str) -> dict[int, tuple[str, int, str | None, bool]]:
         return {
             r[0]: (r[1], r[2], r[3], r[4])
             for r in conn.execute(
-                "SELECT id, status, attempts, last_error, start_after <= now() FROM file_queue"
+                "SELECT id, status, attempts, last_error, start_after <= now() FROM broker_queue"
             )
         }
 

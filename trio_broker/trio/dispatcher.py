@@ -4,7 +4,7 @@ Theory of operation
 ===================
 
 One :class:`Dispatcher` per client process (the reference ``fylr`` daemon) turns
-``file_queue`` rows into running work. It is generic: every action is registered
+``broker_queue`` rows into running work. It is generic: every action is registered
 as an :class:`Action` with a handler that does the work, and optionally a
 *settle* hook through which the application learns the one decision about each
 item. An *exec-bound* handler runs its command through the broker client itself
@@ -282,7 +282,7 @@ class DispatcherStatistics:
 
 
 class Dispatcher:
-    """Drains ``file_queue`` into registered actions (see the module docstring).
+    """Drains ``broker_queue`` into registered actions (see the module docstring).
 
     Args:
         store: the queue database (opened).

@@ -8,7 +8,7 @@ Theory of operation
 - **the store**: PostgreSQL, either the configured ``database`` or a private
   cluster in ``state_dir/pg`` (:mod:`trio_broker_daemons.fylr.pgcluster`); migrations are
   applied at start. ``files`` (:mod:`trio_broker_daemons.fylr.files`) sits beside
-  ``file_queue``;
+  ``broker_queue``;
 - **the storage**: stored files in ``state_dir/files`` (:mod:`trio_broker_daemons.fylr.storage`),
   which several fylrs may share. The process registers its backend id in the
   database before it writes anything, so that the other fylrs' sweeps see it
@@ -20,7 +20,7 @@ Theory of operation
   ``/whoami`` of the broker client;
 - **a broker client** (:mod:`trio_broker.trio.client`) to every configured execserver;
   the pipe URLs it puts into jobs point back at this listener;
-- **a dispatcher** (:mod:`trio_broker.trio.dispatcher`) that drains ``file_queue``
+- **a dispatcher** (:mod:`trio_broker.trio.dispatcher`) that drains ``broker_queue``
   into the steps of the queue worker (:mod:`trio_broker_daemons.fylr.worker`),
   settles each step's one decision through the worker, and claims at once when
   the broker client's capacity changes (it watches the client itself).
