@@ -66,6 +66,9 @@ class FixedExec:
     def waiting(self) -> int:
         return 0
 
+    async def wait_capacity_changed(self) -> None:
+        await trio.sleep_forever()  # fixed: it never changes
+
 
 # -- worker processes ----------------------------------------------------------------------
 

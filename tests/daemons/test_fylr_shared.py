@@ -252,7 +252,8 @@ async def test_corrupt_input_fails_the_version_for_good_with_the_converters_erro
     pg_dsn: str, tmp_path: Path
 ) -> None:
     """A converter that rejects its input fails the version for good, with its own message,
-    and the versions made from it; nothing is left in the queue."""
+    and the versions made from it; its queue row stays failed with that message, nothing
+    else is left in the queue."""
     classes = {
         "archive": {
             "extensions": ["gz"],
@@ -276,7 +277,11 @@ async def test_corrupt_input_fails_the_version_for_good_with_the_converters_erro
         assert versions["unpacked_sha256"]["error"] == "source version 'unpacked' failed"
         assert "produce.requeued" not in fylr.statistics().steps
         await settled(fylr)
-        assert rows(pg_dsn, "SELECT count(*) FROM broker_queue") == [(0,)]
+        [(action, status, error)] = rows(
+            pg_dsn, "SELECT action, status, last_error FROM broker_queue"
+        )
+        assert (action, status) == ("produce", "failed")
+        assert "not in gzip format" in error
 
 
 # -- the database unavailable -------------------------------------------------------------------

@@ -3,9 +3,11 @@
 Theory of operation
 ===================
 
-A step fails for good only when its input or its recipe is at fault (the worker
-classifies: :mod:`~trio_broker_daemons.fylr.worker`); its queue row then
-stays ``failed`` with the reason, and its file ends ``error``.
+A step fails for good only when its input or its recipe is at fault (the
+dispatcher decides once, from the dispatch core's outcome table, and the
+worker's ``settle`` carries the decision out:
+:mod:`~trio_broker_daemons.fylr.worker`); its queue row then stays ``failed``
+with the reason and the receipt's decisive line, and its file ends ``error``.
 :func:`failed_items` lists those rows (the store's
 :func:`~trio_broker.trio.store.failed_in`) with the file they belong to (read
 from ``files`` on the same connection; the inspection document carries them),
