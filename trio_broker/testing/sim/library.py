@@ -1,0 +1,295 @@
+"""The shipped scenarios: installations worth checking by the thousand seeds.
+
+Each is a function of no arguments returning a :class:`Scenario`;
+:data:`SCENARIOS` names them (``trio-broker simulate NAME`` runs one):
+
+``mixed-fleet-2``, ``mixed-fleet-5``, ``mixed-fleet-20``
+    A mixed fleet behind one round-robin balancer whose first pod in rotation
+    offers only ``image_metadata`` and the others ``image_metadata`` and
+    ``preview``; 2, 5 or 20 fylr-like clients (dispatchers on one shared queue)
+    know only the balancer, retry after 1 s and fail a step whose service no
+    connection offers on its 5th claim (the fylr's rule).
+``pod-churn``
+    Three pods behind a balancer under load; a fourth joins at 40 s, one drains
+    and leaves at 80 s.
+``pinning-balancer``
+    A sticky balancer: every connection of a client goes to the pod its first
+    went to, so pool growth meets duplicates only.
+``partition``
+    One client's network cut for 20 s (its connections die by liveness), and
+    later for 70 s with its database (its rows are swept as stale and run
+    elsewhere, its own late outcomes fenced).
+``crash-loop``
+    A pod in a crash loop, a client crash and restart, and a silent host loss.
+``one-execserver``, ``two-pods``
+    The small installations the simulator is held against real daemons with
+    (``benchmarks/sim.py``): one execserver with four slots and three direct
+    clients; a balancer with two pods and two direct clients.
+``fleet-100x20``, ``fleet-100x1000``
+    Size: 100 execservers and 20 clients; 100 fylrs and 1,000 execservers
+    behind ten balancers of a hundred (light checks: the simulator's own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from trio_broker.testing.sim.scenario import (
+    BalancerSpec,
+    ClientSpec,
+    Dist,
+    FaultSpec,
+    PodSpec,
+    ProducerSpec,
+    Scenario,
+    ServiceSpec,
+)
+
+__all__ = ["FYLR", "SCENARIOS", "STEP_SERVICES", "fylrs", "mixed_fleet"]
+
+STEP_SERVICES = (
+    ServiceSpec(name="image_metadata", duration=Dist.lognormal(0.3, 0.5)),
+    ServiceSpec(
+        name="preview",
+        duration=Dist.lognormal(1.5, 0.6),
+        memory=Dist.uniform(50e6, 200e6),
+        failure_rate=0.01,
+    ),
+)
+"""A fylr's two kinds of step: a short metadata read and a longer rendition."""
+
+FYLR = ClientSpec(
+    name="fylr",
+    addresses=("lb",),
+    retry_delay=1.0,
+    unknown_service_attempts=5,
+    cpus=2,
+)
+"""A fylr as an operator runs it behind a balancer (the chaos soak's retry delay)."""
+
+_MIX = {"image_metadata": 1.0, "preview": 1.0}
+_BANDS = {0: 0.6, 2: 0.2, -2: 0.15, 3: 0.05}
+"""Priorities: mostly normal, some interactive and background, a little urgent."""
+
+
+def fylrs(count: int, **changes: Any) -> ClientSpec:
+    """``count`` fylr-like clients (named ``fylr-0``...; ``fylr`` alone for one)."""
+    return attrs.evolve(FYLR, count=count, **changes)
+
+
+def mixed_fleet(clients: int, *, full: int = 1, meta: int = 1, duration: float = 120.0) -> Scenario:
+    """A mixed fleet behind one balancer (see the module docstring)."""
+    pods = (
+        PodSpec(name="meta", services=("image_metadata",), slots=4, count=meta),
+        PodSpec(name="full", services=("image_metadata", "preview"), slots=4, count=full),
+    )
+    capacity = 4 * (meta + full)
+    return Scenario(
+        name=f"mixed-fleet-{clients}",
+        description=(
+            f"{clients} fylrs behind one round-robin balancer; the first pod in rotation "
+            "offers only image_metadata"
+        ),
+        services=STEP_SERVICES,
+        pods=pods,
+        balancers=(BalancerSpec(name="lb", pods=("meta", "full")),),
+        clients=(fylrs(clients),),
+        producers=(
+            ProducerSpec(
+                name="uploads",
+                arrival=Dist.exponential(2.0 / capacity),
+                services=_MIX,
+                priorities=_BANDS,
+            ),
+        ),
+        duration=duration,
+    )
+
+
+def _homogeneous(
+    name: str,
+    description: str,
+    *,
+    pods: int = 3,
+    clients: int = 3,
+    duration: float = 120.0,
+    **lb: Any,
+) -> Scenario:
+    return Scenario(
+        name=name,
+        description=description,
+        services=STEP_SERVICES,
+        pods=(PodSpec(name="pod", services=("image_metadata", "preview"), slots=4, count=pods),),
+        balancers=(BalancerSpec(name="lb", pods=("pod",), **lb),),
+        clients=(fylrs(clients),),
+        producers=(
+            ProducerSpec(
+                name="uploads",
+                arrival=Dist.exponential(2.0 / (4 * pods)),
+                services=_MIX,
+                priorities=_BANDS,
+            ),
+        ),
+        duration=duration,
+    )
+
+
+def pod_churn() -> Scenario:
+    base = _homogeneous("pod-churn", "a pod joins and another leaves under load", duration=120.0)
+    return _with(
+        base,
+        pods=(
+            PodSpec(name="pod", services=("image_metadata", "preview"), slots=4, count=2),
+            PodSpec(name="late", services=("image_metadata", "preview"), slots=4, up_at=40.0),
+            PodSpec(name="leaving", services=("image_metadata", "preview"), slots=4, down_at=80.0),
+        ),
+        balancers=(BalancerSpec(name="lb", pods=("pod", "late", "leaving")),),
+    )
+
+
+def pinning_balancer() -> Scenario:
+    return _homogeneous(
+        "pinning-balancer",
+        "a sticky balancer: each client's connections all reach one pod",
+        sticky=True,
+    )
+
+
+def partition() -> Scenario:
+    base = _homogeneous(
+        "partition", "one client cut off, then cut from its database too", duration=150.0
+    )
+    return _with(
+        base,
+        faults=(
+            FaultSpec(kind="partition", target="fylr-0", at=20.0, duration=20.0),
+            FaultSpec(kind="partition", target="fylr-0", at=70.0, duration=70.0, database=True),
+        ),
+    )
+
+
+def crash_loop() -> Scenario:
+    base = _homogeneous(
+        "crash-loop", "a pod in a crash loop, a client crash, a host lost", duration=150.0
+    )
+    return _with(
+        base,
+        faults=(
+            FaultSpec(
+                kind="crash",
+                target="pod-1",
+                at=15.0,
+                restart_after=3.0,
+                repeat_every=Dist.uniform(5.0, 15.0),
+                until=110.0,
+            ),
+            FaultSpec(kind="crash", target="fylr-2", at=50.0, restart_after=5.0),
+            FaultSpec(kind="crash", target="pod-2", at=80.0, restart_after=20.0, silent=True),
+        ),
+    )
+
+
+def _direct(name: str, count: int, *, addresses: tuple[str, ...]) -> ClientSpec:
+    return ClientSpec(name=name, addresses=addresses, kind="direct", count=count, retry_delay=1.0)
+
+
+HOLD = ServiceSpec(name="hold", duration=Dist.uniform(0.2, 0.6))
+"""The faithfulness runs' one service: the execserver's builtin ``sleep``."""
+
+
+def one_execserver() -> Scenario:
+    return Scenario(
+        name="one-execserver",
+        description="one execserver with four slots, three clients calling it directly",
+        services=(HOLD,),
+        pods=(PodSpec(name="exec", services=("hold",), slots=4),),
+        clients=(_direct("client", 3, addresses=("exec",)),),
+        producers=(
+            ProducerSpec(
+                name="calls",
+                target="client",
+                arrival=Dist.exponential(0.11),
+                services={"hold": 1.0},
+                priorities={0: 0.7, 2: 0.3},
+            ),
+        ),
+        duration=60.0,
+    )
+
+
+def two_pods() -> Scenario:
+    return Scenario(
+        name="two-pods",
+        description="a balancer with two pods of four slots, two clients that know only it",
+        services=(HOLD,),
+        pods=(PodSpec(name="pod", services=("hold",), slots=4, count=2),),
+        balancers=(BalancerSpec(name="lb", pods=("pod",)),),
+        clients=(
+            attrs.evolve(
+                _direct("client", 2, addresses=("lb",)), retry_tick=0.2, pool_grow_interval=0.2
+            ),
+        ),
+        producers=(
+            ProducerSpec(
+                name="calls",
+                target="client",
+                arrival=Dist.exponential(0.055),
+                services={"hold": 1.0},
+                priorities={0: 0.7, 2: 0.3},
+            ),
+        ),
+        duration=60.0,
+    )
+
+
+def fleet(pods: int, clients: int, *, balancers: int = 1, duration: float = 600.0) -> Scenario:
+    """``clients`` fylrs on ``pods`` execservers of 8 slots behind ``balancers`` balancers."""
+    per = pods // balancers
+    pod_specs = tuple(
+        PodSpec(name=f"pod{b}", services=("image_metadata", "preview", "video"), slots=8, count=per)
+        for b in range(balancers)
+    )
+    balancer_specs = tuple(BalancerSpec(name=f"lb{b}", pods=(f"pod{b}",)) for b in range(balancers))
+    services = (*STEP_SERVICES, ServiceSpec(name="video", duration=Dist.lognormal(20.0, 0.8)))
+    mean = (0.34 + 1.8 + 0.2 * 27.5) / 2.2
+    return Scenario(
+        name=f"fleet-{pods}x{clients}" if balancers == 1 else f"fleet-{clients}x{pods}",
+        description=f"{clients} fylrs, {pods} execservers behind {balancers} balancer(s)",
+        services=services,
+        pods=pod_specs,
+        balancers=balancer_specs,
+        clients=(fylrs(clients, addresses=tuple(b.name for b in balancer_specs), cpus=4),),
+        producers=(
+            ProducerSpec(
+                name="uploads",
+                arrival=Dist.exponential(mean / (0.6 * 8 * pods)),
+                services={"image_metadata": 1.0, "preview": 1.0, "video": 0.2},
+                priorities=_BANDS,
+            ),
+        ),
+        duration=duration,
+        checks="light",
+    )
+
+
+def _with(scenario: Scenario, **changes: Any) -> Scenario:
+    return attrs.evolve(scenario, **changes)
+
+
+SCENARIOS: dict[str, Callable[[], Scenario]] = {
+    "mixed-fleet-2": lambda: mixed_fleet(2),
+    "mixed-fleet-5": lambda: mixed_fleet(5, full=2),
+    "mixed-fleet-20": lambda: mixed_fleet(20, full=4, meta=2, duration=60.0),
+    "pod-churn": pod_churn,
+    "pinning-balancer": pinning_balancer,
+    "partition": partition,
+    "crash-loop": crash_loop,
+    "one-execserver": one_execserver,
+    "two-pods": two_pods,
+    "fleet-100x20": lambda: fleet(100, 20),
+    "fleet-100x1000": lambda: fleet(1000, 100, balancers=10, duration=3600.0),
+}
+"""Every shipped scenario by name."""
