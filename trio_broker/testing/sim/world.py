@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import random
 import zlib
 from collections import deque
@@ -149,6 +150,7 @@ class World:
         self._log: deque[tuple[float, str, tuple[Any, ...]]] = deque(maxlen=log_size)
         self._logging = log_size > 0
         self.checks = Checks(self)
+        self.spun: set[str] = set()
         self._touched_pods: set[Pod] = set()
         self._touched_clients: set[Client] = set()
         self.last_arrival = max((job.at for job in trace.jobs), default=0.0)
@@ -268,9 +270,11 @@ class World:
                 job.service,
                 job.priority,
             )
-            for client in self.clients.values():
-                if isinstance(client.driver, Dispatcher):
-                    client.driver.wake()
+            # an upload reaches one fylr, which wakes its own dispatcher; the others
+            # find the row at their next claim
+            live = [c for c in self.clients.values() if isinstance(c.driver, Dispatcher)]
+            if live:
+                live[self.choices.index(len(live))].driver.wake()
             return
         client = self.clients[job.target]
         self.log("item %d arrives at %s (%s)", item.index, client.name, job.service)
@@ -844,13 +848,37 @@ class World:
         if holder.incarnation != incarnation or holder.timer_at != self.now:
             return
         holder.timer_at = None
+        core: Broker | ClientCore | None
         if isinstance(holder, Pod):
-            if holder.broker is not None:
-                holder.broker.tick(now=self.now)
+            core = holder.broker
+            if core is not None:
+                core.tick(now=self.now)
                 self.route_pod(holder)
-        elif holder.core is not None:
-            holder.core.tick(now=self.now)
-            self.route_client(holder)
+        else:
+            core = holder.core
+            if core is not None:
+                core.tick(now=self.now)
+                self.route_client(holder)
+        if core is not None and holder.timer_at == self.now:
+            self._spin(holder, core)
+
+    def _spin(self, holder: Pod | Client, core: Broker | ClientCore) -> None:
+        """A core woken at its deadline asked to be woken at that same instant again.
+
+        Its timer would fire for ever without the time advancing (a real clock
+        moves on by a hair; a mock clock does not). Reported once per core, and
+        the clock moved on by the smallest step so that the run goes on.
+        """
+        if holder.name not in self.spun:
+            self.spun.add(holder.name)
+            self.violation(
+                "timer",
+                holder.name,
+                f"a timer fell due at {self.now!r}, and after the tick the core asked to be "
+                f"woken at {core.next_deadline()!r} again",
+            )
+        holder.timer_at = math.nextafter(self.now, math.inf)
+        self.at(holder.timer_at, self._tick, holder, holder.incarnation)
 
     def database(
         self,
