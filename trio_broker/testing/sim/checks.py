@@ -99,14 +99,17 @@ class Checks:
         self.full = world.scenario.checks == "full"
         self.started: dict[str, str] = {}  # job id -> the pod it started on
         self.ended: set[tuple[str, str]] = set()  # (backend, job id)
-        self.passed: dict[tuple[str, int, int, int], int] = {}  # (pod, inc, conn, prio)
+        # (pod, incarnation, conn, priority) -> (grants passing it over, how many by holds)
+        self.passed: dict[tuple[str, int, int, int], tuple[int, int]] = {}
         self.seen: dict[tuple[str, int, int, int], frozenset[str]] = {}
+        self.arriving: tuple[str, int, str, float] | None = None  # the WANT being delivered
 
     # -- as it happens ---------------------------------------------------------------------
 
     def want_arrives(self, pod: Pod, conn: int, want: p.Want) -> None:
         """A ``WANT`` reaches a pod: it is parked now (unless refused)."""
         pod.parked_at[(conn, want.job_id)] = (self.world.now, want.priority)
+        self.arriving = (pod.name, conn, want.job_id, self.world.now)
 
     def frames_sent(self, pod: Pod, frames: list[tuple[int, p.Message]]) -> None:
         offers = [(conn, m) for conn, m in frames if isinstance(m, p.Offer)]
@@ -122,7 +125,8 @@ class Checks:
                 freed = [s for s, _ in services[k:]]
                 self._inversion(pod, conn, offer, priority, freed)
             if self.full:
-                self._round_robin(pod, conn, service, priority)
+                held = self.arriving == (pod.name, conn, offer.job_id, self.world.now)
+                self._round_robin(pod, conn, service, priority, held=held)
 
     def _offered(self, pod: Pod, conn: int, offer: p.Offer) -> tuple[str, int]:
         """The service and the (aged) priority of the want an offer went to."""
@@ -154,11 +158,12 @@ class Checks:
                 )
                 return
 
-    def _round_robin(self, pod: Pod, conn: int, service: str, priority: int) -> None:
+    def _round_robin(self, pod: Pod, conn: int, service: str, priority: int, *, held: bool) -> None:
         """Count the grants that pass over each other connection with a want of this
         service at this priority; a connection's count restarts at its own grant, and
         when none of its wants there is one seen at the last count (it left the
-        rotation and came back at its tail)."""
+        rotation and came back at its tail). ``held``: the grant went to the want
+        whose arrival it answers, so the slot was held for it (a turn hold)."""
         broker = pod.broker
         assert broker is not None
         book = broker.book
@@ -172,19 +177,20 @@ class Checks:
             wants = [w for w in book.connection_wants(other) if w.priority == priority]
             ids = frozenset(w.job_id for w in wants)
             at = (*key, other, priority)
-            count = self.passed.get(at, 0)
+            count, holds = self.passed.get(at, (0, 0))
             if not self.seen.get(at, frozenset()) & ids:
-                count = 0
+                count = holds = 0
             self.seen[at] = ids
             if any(w.service == service for w in wants):
-                count += 1
-            self.passed[at] = count
+                count, holds = count + 1, holds + held
+            self.passed[at] = (count, holds)
             if count > bound:
                 self.world.violation(
                     "round_robin",
                     pod.name,
                     f"connection {other} passed over {count} times at priority {priority} "
-                    f"({service}) with {len(pod.links)} connections open",
+                    f"({service}) with {len(pod.links)} connections open; {holds} of those "
+                    "grants by a turn hold",
                 )
                 return
 

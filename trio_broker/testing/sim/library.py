@@ -10,14 +10,14 @@ Each is a function of no arguments returning a :class:`Scenario`;
     know only the balancer, retry after 1 s and fail a step whose service no
     connection offers on its 5th claim (the fylr's rule).
 ``pod-churn``
-    Three pods behind a balancer under load; a fourth joins at 40 s, one drains
-    and leaves at 80 s.
+    Three pods behind a balancer under load; a fourth joins at 20 s, one drains
+    and leaves at 40 s.
 ``pinning-balancer``
     A sticky balancer: every connection of a client goes to the pod its first
     went to, so pool growth meets duplicates only.
 ``partition``
     One client's network cut for 20 s (its connections die by liveness), and
-    later for 70 s with its database (its rows are swept as stale and run
+    later for 60 s with its database (its rows are swept as stale and run
     elsewhere, its own late outcomes fenced).
 ``crash-loop``
     A pod in a crash loop, a client crash and restart, and a silent host loss.
@@ -45,10 +45,19 @@ from trio_broker.testing.sim.scenario import (
     PodSpec,
     ProducerSpec,
     Scenario,
+    ScenarioError,
     ServiceSpec,
 )
 
-__all__ = ["FYLR", "SCENARIOS", "STEP_SERVICES", "fylrs", "mixed_fleet"]
+__all__ = [
+    "FYLR",
+    "SCENARIOS",
+    "STEP_SERVICES",
+    "fleet",
+    "fylrs",
+    "mixed_fleet",
+    "what_if",
+]
 
 STEP_SERVICES = (
     ServiceSpec(name="image_metadata", duration=Dist.lognormal(0.3, 0.5)),
@@ -80,7 +89,7 @@ def fylrs(count: int, **changes: Any) -> ClientSpec:
     return attrs.evolve(FYLR, count=count, **changes)
 
 
-def mixed_fleet(clients: int, *, full: int = 1, meta: int = 1, duration: float = 120.0) -> Scenario:
+def mixed_fleet(clients: int, *, full: int = 1, meta: int = 1, duration: float = 60.0) -> Scenario:
     """A mixed fleet behind one balancer (see the module docstring)."""
     pods = (
         PodSpec(name="meta", services=("image_metadata",), slots=4, count=meta),
@@ -115,7 +124,7 @@ def _homogeneous(
     *,
     pods: int = 3,
     clients: int = 3,
-    duration: float = 120.0,
+    duration: float = 60.0,
     **lb: Any,
 ) -> Scenario:
     return Scenario(
@@ -138,13 +147,13 @@ def _homogeneous(
 
 
 def pod_churn() -> Scenario:
-    base = _homogeneous("pod-churn", "a pod joins and another leaves under load", duration=120.0)
+    base = _homogeneous("pod-churn", "a pod joins and another leaves under load")
     return _with(
         base,
         pods=(
             PodSpec(name="pod", services=("image_metadata", "preview"), slots=4, count=2),
-            PodSpec(name="late", services=("image_metadata", "preview"), slots=4, up_at=40.0),
-            PodSpec(name="leaving", services=("image_metadata", "preview"), slots=4, down_at=80.0),
+            PodSpec(name="late", services=("image_metadata", "preview"), slots=4, up_at=20.0),
+            PodSpec(name="leaving", services=("image_metadata", "preview"), slots=4, down_at=40.0),
         ),
         balancers=(BalancerSpec(name="lb", pods=("pod", "late", "leaving")),),
     )
@@ -160,20 +169,20 @@ def pinning_balancer() -> Scenario:
 
 def partition() -> Scenario:
     base = _homogeneous(
-        "partition", "one client cut off, then cut from its database too", duration=150.0
+        "partition", "one client cut off, then cut from its database too", duration=90.0
     )
     return _with(
         base,
         faults=(
-            FaultSpec(kind="partition", target="fylr-0", at=20.0, duration=20.0),
-            FaultSpec(kind="partition", target="fylr-0", at=70.0, duration=70.0, database=True),
+            FaultSpec(kind="partition", target="fylr-0", at=10.0, duration=20.0),
+            FaultSpec(kind="partition", target="fylr-0", at=35.0, duration=60.0, database=True),
         ),
     )
 
 
 def crash_loop() -> Scenario:
     base = _homogeneous(
-        "crash-loop", "a pod in a crash loop, a client crash, a host lost", duration=150.0
+        "crash-loop", "a pod in a crash loop, a client crash, a host lost", duration=90.0
     )
     return _with(
         base,
@@ -181,13 +190,13 @@ def crash_loop() -> Scenario:
             FaultSpec(
                 kind="crash",
                 target="pod-1",
-                at=15.0,
+                at=10.0,
                 restart_after=3.0,
                 repeat_every=Dist.uniform(5.0, 15.0),
-                until=110.0,
+                until=70.0,
             ),
-            FaultSpec(kind="crash", target="fylr-2", at=50.0, restart_after=5.0),
-            FaultSpec(kind="crash", target="pod-2", at=80.0, restart_after=20.0, silent=True),
+            FaultSpec(kind="crash", target="fylr-2", at=30.0, restart_after=5.0),
+            FaultSpec(kind="crash", target="pod-2", at=50.0, restart_after=20.0, silent=True),
         ),
     )
 
@@ -282,7 +291,7 @@ def _with(scenario: Scenario, **changes: Any) -> Scenario:
 SCENARIOS: dict[str, Callable[[], Scenario]] = {
     "mixed-fleet-2": lambda: mixed_fleet(2),
     "mixed-fleet-5": lambda: mixed_fleet(5, full=2),
-    "mixed-fleet-20": lambda: mixed_fleet(20, full=4, meta=2, duration=60.0),
+    "mixed-fleet-20": lambda: mixed_fleet(20, full=4, meta=2, duration=40.0),
     "pod-churn": pod_churn,
     "pinning-balancer": pinning_balancer,
     "partition": partition,
@@ -293,3 +302,61 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
     "fleet-100x1000": lambda: fleet(1000, 100, balancers=10, duration=3600.0),
 }
 """Every shipped scenario by name."""
+
+
+def what_if(
+    scenario: Scenario,
+    *,
+    add_execservers: int = 0,
+    slots: int | None = None,
+    clients: int | None = None,
+) -> Scenario:
+    """The scenario with more execservers, other slot counts, or another number of clients.
+
+    Args:
+        add_execservers: this many more pods like the last one, behind the same
+            balancer (without balancers: configured as addresses of every client).
+        slots: every pod's slot count (its fast reserve capped to it).
+        clients: how many clients the first client spec makes.
+
+    Raises:
+        ScenarioError: a count below what it may be.
+    """
+    if add_execservers < 0:
+        raise ScenarioError(f"add_execservers: expected a number >= 0, got {add_execservers}")
+    if add_execservers:
+        scenario = _add_pods(scenario, add_execservers)
+    if slots is not None:
+        if slots < 1:
+            raise ScenarioError(f"slots: expected a number >= 1, got {slots}")
+        pods = tuple(
+            attrs.evolve(pod, slots=slots, fast_reserve=min(pod.fast_reserve, slots))
+            for pod in scenario.pods
+        )
+        scenario = attrs.evolve(scenario, pods=pods)
+    if clients is not None:
+        if clients < 1:
+            raise ScenarioError(f"clients: expected a number >= 1, got {clients}")
+        first, *rest = scenario.clients
+        scenario = attrs.evolve(scenario, clients=(attrs.evolve(first, count=clients), *rest))
+    return scenario
+
+
+def _add_pods(scenario: Scenario, count: int) -> Scenario:
+    template = scenario.pods[-1]
+    added = attrs.evolve(
+        template, name="added", count=count, up_at=0.0, down_at=None, max_slots=template.max_slots
+    )
+    pods = (*scenario.pods, added)
+    if scenario.balancers:
+        balancer = next(
+            (b for b in scenario.balancers if template.name in b.pods), scenario.balancers[0]
+        )
+        balancers = tuple(
+            attrs.evolve(b, pods=(*b.pods, "added")) if b is balancer else b
+            for b in scenario.balancers
+        )
+        return attrs.evolve(scenario, pods=pods, balancers=balancers)
+    names = tuple(added.names())
+    clients = tuple(attrs.evolve(c, addresses=(*c.addresses, *names)) for c in scenario.clients)
+    return attrs.evolve(scenario, pods=pods, clients=clients)

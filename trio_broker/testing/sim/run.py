@@ -9,6 +9,7 @@ the last events of the run, and its :class:`~trio_broker.testing.sim.report.Figu
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import attrs
 
@@ -27,6 +28,7 @@ class Result:
 
     Attributes:
         violations: what broke (empty: every check held).
+        tolerated: what broke that the caller's ``tolerate`` accepted.
         trace: the run's inputs with the noise it drew: replaying it repeats
             the run exactly.
         log: the run's last events, oldest first.
@@ -34,6 +36,7 @@ class Result:
     """
 
     violations: tuple[Violation, ...]
+    tolerated: tuple[Violation, ...]
     trace: Trace
     log: tuple[str, ...]
     figures: Figures
@@ -43,7 +46,14 @@ class Result:
         return not self.violations
 
 
-def simulate(scenario: Scenario, seed: int, *, record: bool = True, log_size: int = 400) -> Result:
+def simulate(
+    scenario: Scenario,
+    seed: int,
+    *,
+    record: bool = True,
+    log_size: int = 400,
+    tolerate: Callable[[Violation], bool] | None = None,
+) -> Result:
     """Run one seed of a scenario.
 
     Args:
@@ -52,19 +62,27 @@ def simulate(scenario: Scenario, seed: int, *, record: bool = True, log_size: in
         record: keep the noise, so that ``result.trace`` replays the run (off
             saves memory on long runs; the trace then only replays from its seed).
         log_size: how many of the last events to keep.
+        tolerate: violations to accept and keep apart (see :class:`World`).
     """
-    return replay(plan(scenario, seed), record=record, log_size=log_size)
+    return replay(plan(scenario, seed), record=record, log_size=log_size, tolerate=tolerate)
 
 
-def replay(trace: Trace, *, record: bool = True, log_size: int = 400) -> Result:
+def replay(
+    trace: Trace,
+    *,
+    record: bool = True,
+    log_size: int = 400,
+    tolerate: Callable[[Violation], bool] | None = None,
+) -> Result:
     """Run a trace: its jobs and faults, and its noise (fresh from its seed when None)."""
-    world = World(trace, record=record, log_size=log_size)
+    world = World(trace, record=record, log_size=log_size, tolerate=tolerate)
     started = time.perf_counter()
     world.run()
     wall = time.perf_counter() - started
     noise = tuple(world.choices.drawn) if record else trace.noise
     return Result(
         violations=tuple(world.violations),
+        tolerated=tuple(world.tolerated),
         trace=attrs.evolve(trace, noise=noise),
         log=tuple(world.log_lines()),
         figures=figures(world, wall),

@@ -59,7 +59,8 @@ class ScenarioError(ValueError):
 
 def _check(condition: bool, field: str, expected: str, got: object) -> None:
     if not condition:
-        raise ScenarioError(f"{field}: expected {expected}, got {got!r}")
+        where = f"{field}: " if field else ""
+        raise ScenarioError(f"{where}expected {expected}, got {got!r}")
 
 
 def _not_negative(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
@@ -157,10 +158,9 @@ class Dist:
         return {"lognormal": [self.value, self.sigma]}
 
     @classmethod
-    def from_data(cls, data: Any, field: str = "dist") -> Dist:
+    def from_data(cls, data: Any, field: str = "") -> Dist:
         """A distribution from its data form (see the module docstring)."""
-        if isinstance(data, bool):
-            raise ScenarioError(f"{field}: expected a number or a distribution, got {data!r}")
+        _check(not isinstance(data, bool), field, "a number or a distribution", data)
         if isinstance(data, int | float):
             return cls.fixed(float(data))
         _check(
@@ -171,20 +171,19 @@ class Dist:
         )
         ((kind, args),) = data.items()
         if kind in ("fixed", "exponential"):
-            _check(_is_number(args), f"{field}.{kind}", "a number", args)
+            _check(_is_number(args), f"{field}.{kind}".lstrip("."), "a number", args)
             return cls(kind=kind, value=float(args))
         if kind in ("uniform", "lognormal"):
             _check(
                 isinstance(args, list | tuple) and len(args) == 2 and all(map(_is_number, args)),
-                f"{field}.{kind}",
+                f"{field}.{kind}".lstrip("."),
                 "two numbers",
                 args,
             )
             a, b = (float(x) for x in args)
             return cls.uniform(a, b) if kind == "uniform" else cls.lognormal(a, b)
-        raise ScenarioError(
-            f"{field}: expected one of fixed, uniform, exponential, lognormal, got {kind!r}"
-        )
+        _check(False, field, "one of fixed, uniform, exponential, lognormal", kind)
+        raise AssertionError("unreachable")
 
 
 def _is_number(value: object) -> bool:
@@ -246,15 +245,15 @@ class PodSpec:
     down_at: float | None = attrs.field(default=None, validator=_optional_positive)
 
     def __attrs_post_init__(self) -> None:
-        _check(bool(self.services), f"pods.{self.name}.services", "at least one service", [])
+        _check(bool(self.services), "services", "at least one service", [])
         _check(
             self.fast_reserve <= self.slots,
-            f"pods.{self.name}.fast_reserve",
+            "fast_reserve",
             f"at most slots ({self.slots})",
             self.fast_reserve,
         )
         unknown = set(self.max_slots) - set(self.services)
-        _check(not unknown, f"pods.{self.name}.max_slots", "offered services", sorted(unknown))
+        _check(not unknown, "max_slots", "offered services", sorted(unknown))
 
     def names(self) -> list[str]:
         """The names of the pods this spec makes."""
@@ -325,10 +324,10 @@ class ClientSpec:
     db_pool: int = attrs.field(default=10, validator=_at_least_one)
 
     def __attrs_post_init__(self) -> None:
-        _check(bool(self.addresses), f"clients.{self.name}.addresses", "at least one", [])
+        _check(bool(self.addresses), "addresses", "at least one", [])
         _check(
             self.stale_after > self.heartbeat_interval,
-            f"clients.{self.name}.stale_after",
+            "stale_after",
             f"more than heartbeat_interval ({self.heartbeat_interval})",
             self.stale_after,
         )
@@ -364,15 +363,14 @@ class ProducerSpec:
     count: int | None = attrs.field(default=None, validator=_optional_positive)
 
     def __attrs_post_init__(self) -> None:
-        where = f"producers.{self.name}"
-        _check(bool(self.services), f"{where}.services", "at least one service", {})
-        _check(bool(self.priorities), f"{where}.priorities", "at least one priority", {})
-        for mix in (self.services, self.priorities):
-            _check(all(w >= 0 for w in mix.values()), f"{where}", "weights >= 0", dict(mix))
-            _check(sum(mix.values()) > 0, f"{where}", "a weight above 0", dict(mix))
+        _check(bool(self.services), "services", "at least one service", {})
+        _check(bool(self.priorities), "priorities", "at least one priority", {})
+        for name, mix in (("services", self.services), ("priorities", self.priorities)):
+            _check(all(w >= 0 for w in mix.values()), name, "weights >= 0", dict(mix))
+            _check(sum(mix.values()) > 0, name, "a weight above 0", dict(mix))
         _check(
             self.arrival.mean > 0 or self.count is not None,
-            f"{where}.arrival",
+            "arrival",
             "a mean above 0 (or a count)",
             self.arrival,
         )
@@ -579,21 +577,30 @@ class Scenario:
 
 
 def _first_error(exc: BaseException, path: str = "") -> str:
-    """The first leaf error of a cattrs error tree, with its path."""
+    """The first leaf error of a cattrs error tree, with its path (``pods[0].slots: ...``)."""
     if isinstance(exc, ForbiddenExtraKeysError):
         return f"{path.lstrip('.') or 'scenario'}: unknown keys {sorted(exc.extra_fields)}"
     if isinstance(exc, ClassValidationError | IterableValidationError):
-        notes = getattr(exc, "__notes__", None) or []
-        for i, sub in enumerate(exc.exceptions):
-            note = notes[i] if i < len(notes) else ""
-            step = _path_step(str(note))
-            return _first_error(sub, path + step)
+        sub = exc.exceptions[0]
+        notes = getattr(sub, "__notes__", None) or [""]
+        return _first_error(sub, path + _path_step(str(notes[-1])))
+    path = path.lstrip(".")
     if isinstance(exc, KeyError):
-        return f"{path.lstrip('.')}: missing {exc.args[0]!r}" if path else f"missing {exc}"
+        key = str(exc.args[0])
+        if path.rsplit(".", 1)[-1] == key:
+            path = path[: -len(key)].rstrip(".")  # the path names the missing member
+        return f"{path}: missing {key!r}" if path else f"missing {key!r}"
     text = str(exc)
-    if isinstance(exc, ScenarioError) or not path:
+    if isinstance(exc, TypeError | AttributeError):
+        text = f"expected a mapping of its members ({text})"
+    if not path:
         return text
-    return f"{path.lstrip('.')}: {text}"
+    head = text.split(":", 1)[0]
+    if isinstance(exc, ScenarioError) and head.isidentifier():
+        if path.rsplit(".", 1)[-1] == head:
+            return path + text[len(head) :]  # the field the path already names
+        return f"{path}.{text}"  # a field of the value at the path
+    return f"{path}: {text}"
 
 
 def _path_step(note: str) -> str:
@@ -625,6 +632,12 @@ def _make_converter() -> cattrs.Converter:
             raise ScenarioError(f"expected a string, got {data!r}")
         return data
 
+    def bool_hook(data: Any, _: Any) -> bool:
+        if not isinstance(data, bool):
+            raise ScenarioError(f"expected true or false, got {data!r}")
+        return data
+
+    conv.register_structure_hook(bool, bool_hook)
     conv.register_structure_hook(float, float_hook)
     conv.register_structure_hook(int, int_hook)
     conv.register_structure_hook(str, str_hook)

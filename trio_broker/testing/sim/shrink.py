@@ -8,7 +8,8 @@ keeping each that still breaks a check of the same kind (or whatever
 2. drop faults, one at a time;
 3. drop jobs, in halves, then quarters... then one at a time (delta debugging);
 4. make each job plainer: no memory, its input not failing, priority 0, a
-   duration of a second or a round one, an arrival at 0 or an earlier round time;
+   duration of a second or a round one, an arrival at 0 or an earlier round time
+   (then 3 and 4 once more: plainer jobs may make more of them unneeded);
 5. when the noise could not go, keep only as much of it as still fails.
 
 The result replays to a violation like the original's and is the trace a
@@ -18,6 +19,7 @@ or the values themselves). The number of runs is bounded (``budget``).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -88,6 +90,10 @@ class _Shrinker:
         return trace
 
 
+def _with_jobs(trace: Trace, jobs: tuple[JobInput, ...]) -> Trace:
+    return attrs.evolve(trace, jobs=jobs)
+
+
 def _simpler(job: JobInput) -> list[JobInput]:
     """Plainer forms of one job, plainest change first."""
     forms = []
@@ -136,9 +142,9 @@ def shrink(
     if not noisy:
         trace = quiet
     trace = shrinker.fewer(trace, trace.faults, lambda faults: attrs.evolve(trace, faults=faults))
-    base = trace
-    trace = shrinker.fewer(trace, trace.jobs, lambda jobs: attrs.evolve(base, jobs=jobs))
-    trace = shrinker.plainer(trace)
+    for _ in range(2):  # plainer jobs may make more of them unneeded
+        trace = shrinker.fewer(trace, trace.jobs, functools.partial(_with_jobs, trace))
+        trace = shrinker.plainer(trace)
     if noisy and trace.noise:
         noise = trace.noise
         length = len(noise)

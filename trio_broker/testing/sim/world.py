@@ -105,6 +105,9 @@ class World:
         record: keep the noise drawn (for a trace that replays the run).
         log_size: how many recent events the log keeps (0: none).
         sample_every: the period of the queue-depth samples (None: 60 per run).
+        tolerate: violations it accepts are kept apart (:attr:`tolerated`, at
+            most a hundred) and do not stop the run: known defects, while the
+            run looks for others.
     """
 
     def __init__(
@@ -114,6 +117,7 @@ class World:
         record: bool = True,
         log_size: int = 400,
         sample_every: float | None = None,
+        tolerate: Callable[[Violation], bool] | None = None,
     ) -> None:
         scenario = trace.scenario
         self.trace = trace
@@ -147,6 +151,8 @@ class World:
         self._links = itertools.count(1)
         self.events = 0
         self.violations: list[Violation] = []
+        self.tolerated: list[Violation] = []
+        self._tolerate = tolerate
         self._log: deque[tuple[float, str, tuple[Any, ...]]] = deque(maxlen=log_size)
         self._logging = log_size > 0
         self.checks = Checks(self)
@@ -175,7 +181,13 @@ class World:
         return [f"{t:10.4f}  {text % args if args else text}" for t, text, args in self._log]
 
     def violation(self, kind: str, where: str, message: str) -> None:
-        self.violations.append(Violation(kind=kind, where=where, at=self.now, message=message))
+        found = Violation(kind=kind, where=where, at=self.now, message=message)
+        if self._tolerate is not None and self._tolerate(found):
+            if len(self.tolerated) < 100:
+                self.tolerated.append(found)
+            self.log("tolerated: %s at %s: %s", kind, where, message)
+            return
+        self.violations.append(found)
         self.log("VIOLATION %s at %s: %s", kind, where, message)
 
     def run(self) -> None:
