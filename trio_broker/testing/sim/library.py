@@ -201,8 +201,24 @@ def crash_loop() -> Scenario:
     )
 
 
-def _direct(name: str, count: int, *, addresses: tuple[str, ...]) -> ClientSpec:
-    return ClientSpec(name=name, addresses=addresses, kind="direct", count=count, retry_delay=1.0)
+def _callers(rates: dict[str, float], *, addresses: tuple[str, ...], **changes: Any
+             ) -> tuple[tuple[ClientSpec, ...], tuple[ProducerSpec, ...]]:  # fmt: skip
+    """Direct clients, each called at its own rate (calls per second)."""
+    clients = tuple(
+        ClientSpec(name=name, addresses=addresses, kind="direct", retry_delay=1.0, **changes)
+        for name in rates
+    )
+    producers = tuple(
+        ProducerSpec(
+            name=f"calls-{name}",
+            target=name,
+            arrival=Dist.exponential(1.0 / rate),
+            services={"hold": 1.0},
+            priorities={0: 0.7, 2: 0.3},
+        )
+        for name, rate in rates.items()
+    )
+    return clients, producers
 
 
 HOLD = ServiceSpec(name="hold", duration=Dist.uniform(0.2, 0.6))
@@ -210,46 +226,32 @@ HOLD = ServiceSpec(name="hold", duration=Dist.uniform(0.2, 0.6))
 
 
 def one_execserver() -> Scenario:
+    """Four slots, 10 jobs/s of capacity; three callers at 5, 2.5 and 1.25 calls/s."""
+    clients, producers = _callers({"a": 5.0, "b": 2.5, "c": 1.25}, addresses=("exec",))
     return Scenario(
         name="one-execserver",
         description="one execserver with four slots, three clients calling it directly",
         services=(HOLD,),
         pods=(PodSpec(name="exec", services=("hold",), slots=4),),
-        clients=(_direct("client", 3, addresses=("exec",)),),
-        producers=(
-            ProducerSpec(
-                name="calls",
-                target="client",
-                arrival=Dist.exponential(0.11),
-                services={"hold": 1.0},
-                priorities={0: 0.7, 2: 0.3},
-            ),
-        ),
+        clients=clients,
+        producers=producers,
         duration=60.0,
     )
 
 
 def two_pods() -> Scenario:
+    """Two pods of four slots behind a balancer; two callers at 12.5 and 5 calls/s."""
+    clients, producers = _callers(
+        {"a": 12.5, "b": 5.0}, addresses=("lb",), retry_tick=0.2, pool_grow_interval=0.2
+    )
     return Scenario(
         name="two-pods",
         description="a balancer with two pods of four slots, two clients that know only it",
         services=(HOLD,),
         pods=(PodSpec(name="pod", services=("hold",), slots=4, count=2),),
         balancers=(BalancerSpec(name="lb", pods=("pod",)),),
-        clients=(
-            attrs.evolve(
-                _direct("client", 2, addresses=("lb",)), retry_tick=0.2, pool_grow_interval=0.2
-            ),
-        ),
-        producers=(
-            ProducerSpec(
-                name="calls",
-                target="client",
-                arrival=Dist.exponential(0.055),
-                services={"hold": 1.0},
-                priorities={0: 0.7, 2: 0.3},
-            ),
-        ),
+        clients=clients,
+        producers=producers,
         duration=60.0,
     )
 

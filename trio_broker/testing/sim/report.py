@@ -31,6 +31,7 @@ class Figures:
         busy: pod -> service -> slot-seconds of runs.
         capacity: pod -> slot-seconds it was up.
         shares: client -> jobs it did.
+        client_waits: client -> the waits of the jobs it did.
         depth: (time, jobs not ended) samples.
         starts: runs started; duplicates: runs beyond one per done job.
     """
@@ -48,6 +49,7 @@ class Figures:
     busy: Mapping[str, Mapping[str, float]]
     capacity: Mapping[str, float]
     shares: Mapping[str, int]
+    client_waits: Mapping[str, tuple[float, ...]]
     depth: tuple[tuple[float, int], ...]
     starts: int = 0
 
@@ -160,12 +162,15 @@ def _waits(runs: Sequence[Figures]) -> list[str]:
 
 def _shares(runs: Sequence[Figures]) -> list[str]:
     shares: dict[str, int] = {}
+    waits: dict[str, list[float]] = {}
     for run in runs:
         for client, count in run.shares.items():
             shares[client] = shares.get(client, 0) + count
+        for client, seen in run.client_waits.items():
+            waits.setdefault(client, []).extend(seen)
     total = sum(shares.values()) or 1
     names = sorted(shares, key=_natural)
-    lines = ["  share        (jobs done per client)"]
+    lines = ["  share        (jobs done per client, and their p50 wait)"]
     if len(names) > 12:
         values = sorted(shares[n] / total for n in names)
         return [
@@ -173,7 +178,10 @@ def _shares(runs: Sequence[Figures]) -> list[str]:
             f"    {len(names)} clients: min {values[0]:.1%}, median "
             f"{percentile(values, 50):.1%}, max {values[-1]:.1%}",
         ]
-    return lines + [f"    {name:<16} {shares[name] / total:>5.1%}" for name in names]
+    for name in names:
+        p50 = percentile(waits.get(name, []), 50)
+        lines.append(f"    {name:<16} {shares[name] / total:>5.1%}  p50 {p50:.3f}s")
+    return lines
 
 
 def _natural(name: str) -> tuple[str, int]:

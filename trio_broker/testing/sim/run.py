@@ -94,6 +94,7 @@ def figures(world: World, wall: float) -> Figures:
     now = world.now
     waits: dict[int, list[float]] = {}
     shares: dict[str, int] = {}
+    client_waits: dict[str, list[float]] = {}
     counts = {"done": 0, "failed": 0, "abandoned": 0, "open": 0}
     last_end = 0.0
     for item in world.items:
@@ -101,9 +102,11 @@ def figures(world: World, wall: float) -> Figures:
         if item.ended_at is not None:
             last_end = max(last_end, item.ended_at)
         if item.ended == "done" and item.start_of_done is not None:
-            waits.setdefault(item.job.priority, []).append(item.start_of_done - item.job.at)
+            wait = item.start_of_done - item.job.at
+            waits.setdefault(item.job.priority, []).append(wait)
             if item.done_by is not None:
                 shares[item.done_by] = shares.get(item.done_by, 0) + 1
+                client_waits.setdefault(item.done_by, []).append(wait)
     busy: dict[str, dict[str, float]] = {}
     capacity: dict[str, float] = {}
     for pod in world.pods.values():
@@ -128,6 +131,7 @@ def figures(world: World, wall: float) -> Figures:
         busy=busy,
         capacity=capacity,
         shares=shares,
+        client_waits={k: tuple(v) for k, v in client_waits.items()},
         depth=tuple(world.depth),
         starts=sum(item.starts for item in world.items),
     )
