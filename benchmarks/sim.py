@@ -39,7 +39,6 @@ from tests.support.processes import open_execserver_process
 from trio_broker.core.client import ClientConfig
 from trio_broker.testing.sim.library import SCENARIOS
 from trio_broker.testing.sim.report import percentile
-from trio_broker.testing.sim.run import simulate
 from trio_broker.testing.sim.scenario import Scenario
 from trio_broker.testing.sim.trace import JobInput, Trace, plan
 from trio_broker.testing.sim.world import World
@@ -59,27 +58,31 @@ services:
 
 
 def speed(name: str, duration: float) -> dict[str, float]:
+    """One seed of a size scenario: its speed overall, and while the work arrives."""
     scenario = attrs.evolve(SCENARIOS[name](), duration=duration)
+    world = World(plan(scenario, 0), record=False, log_size=0)
     started = time.perf_counter()
-    result = simulate(scenario, 0, record=False, log_size=0)
+    world.run()
     wall = time.perf_counter() - started
-    figures = result.figures
+    loaded = [w for v, w in world.walls if v <= duration]
     return {
         "arrivals": duration,
-        "virtual": figures.virtual,
+        "virtual": world.now,
         "wall": wall,
-        "speed": figures.virtual / wall,
-        "events": figures.events,
-        "events_per_s": figures.events / wall,
-        "jobs": figures.done,
-        "violations": len(result.violations),
+        "speed": world.now / wall,
+        "loaded": duration / (loaded[-1] - started) if len(loaded) > 1 else math.nan,
+        "events": world.events,
+        "events_per_s": world.events / wall,
+        "jobs": sum(1 for item in world.items if item.ended == "done"),
+        "violations": len(world.violations),
     }
 
 
 def print_speed(name: str, row: dict[str, float]) -> None:
     print(
         f"  {name}: {row['arrivals']:.0f} s of arrivals, {row['virtual']:.0f} s virtual in "
-        f"{row['wall']:.1f} s wall = {row['speed']:.0f}x real time; {row['jobs']:.0f} jobs, "
+        f"{row['wall']:.1f} s wall = {row['speed']:.0f}x real time ({row['loaded']:.0f}x while "
+        f"the work arrives); {row['jobs']:.0f} jobs, "
         f"{row['events']:.0f} events ({row['events_per_s']:.0f}/s), "
         f"{row['violations']:.0f} violations",
         flush=True,

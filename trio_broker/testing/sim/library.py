@@ -26,8 +26,9 @@ Each is a function of no arguments returning a :class:`Scenario`;
     (``benchmarks/sim.py``): one execserver with four slots and three direct
     clients; a balancer with two pods and two direct clients.
 ``fleet-100x20``, ``fleet-100x1000``
-    Size: 100 execservers and 20 clients; 100 fylrs and 1,000 execservers
-    behind ten balancers of a hundred (light checks: the simulator's own).
+    Size: a conversion fleet, half busy, of 100 execservers and 20 clients; of
+    100 fylrs and 1,000 execservers behind ten balancers of a hundred (light
+    checks: the simulator's own).
 """
 
 from __future__ import annotations
@@ -256,28 +257,41 @@ def two_pods() -> Scenario:
     )
 
 
+CONVERSIONS = (
+    *STEP_SERVICES,
+    ServiceSpec(name="document", duration=Dist.lognormal(15.0, 0.7)),
+    ServiceSpec(name="video", duration=Dist.lognormal(60.0, 0.8)),
+)
+"""A conversion fleet's services: metadata reads and previews, documents, videos."""
+_CONVERSION_MIX = {"image_metadata": 1.0, "preview": 1.0, "document": 0.5, "video": 0.5}
+
+
 def fleet(pods: int, clients: int, *, balancers: int = 1, duration: float = 600.0) -> Scenario:
-    """``clients`` fylrs on ``pods`` execservers of 8 slots behind ``balancers`` balancers."""
+    """``clients`` fylrs on ``pods`` conversion execservers of 8 slots behind
+    ``balancers`` balancers, half busy (a job takes 18 s on average)."""
     per = pods // balancers
+    services = tuple(s.name for s in CONVERSIONS)
     pod_specs = tuple(
-        PodSpec(name=f"pod{b}", services=("image_metadata", "preview", "video"), slots=8, count=per)
-        for b in range(balancers)
+        PodSpec(name=f"pod{b}", services=services, slots=8, count=per) for b in range(balancers)
     )
     balancer_specs = tuple(BalancerSpec(name=f"lb{b}", pods=(f"pod{b}",)) for b in range(balancers))
-    services = (*STEP_SERVICES, ServiceSpec(name="video", duration=Dist.lognormal(20.0, 0.8)))
-    mean = (0.34 + 1.8 + 0.2 * 27.5) / 2.2
+    total = sum(_CONVERSION_MIX.values())
+    mean = sum(
+        next(s for s in CONVERSIONS if s.name == name).duration.mean * weight / total
+        for name, weight in _CONVERSION_MIX.items()
+    )
     return Scenario(
         name=f"fleet-{pods}x{clients}" if balancers == 1 else f"fleet-{clients}x{pods}",
         description=f"{clients} fylrs, {pods} execservers behind {balancers} balancer(s)",
-        services=services,
+        services=CONVERSIONS,
         pods=pod_specs,
         balancers=balancer_specs,
         clients=(fylrs(clients, addresses=tuple(b.name for b in balancer_specs), cpus=4),),
         producers=(
             ProducerSpec(
                 name="uploads",
-                arrival=Dist.exponential(mean / (0.6 * 8 * pods)),
-                services={"image_metadata": 1.0, "preview": 1.0, "video": 0.2},
+                arrival=Dist.exponential(mean / (0.5 * 8 * pods)),
+                services=_CONVERSION_MIX,
                 priorities=_BANDS,
             ),
         ),

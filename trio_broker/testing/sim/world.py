@@ -45,6 +45,7 @@ import heapq
 import itertools
 import math
 import random
+import time
 import zlib
 from collections import deque
 from collections.abc import Callable
@@ -134,6 +135,7 @@ class World:
         self.job_items: dict[str, Item] = {}
         self.run_started: dict[str, float] = {}
         self.open_items = len(self.items)
+        self.direct_open = 0  # direct jobs arrived and not ended (the depth figure)
         self.pods: dict[str, Pod] = {}
         for pod_spec in scenario.pods:
             for name in pod_spec.names():
@@ -161,16 +163,19 @@ class World:
         self._touched_clients: set[Client] = set()
         self.last_arrival = max((job.at for job in trace.jobs), default=0.0)
         self.faults_left = len(trace.faults)
-        self.end = scenario.duration + scenario.settle_bound()
+        longest = max((job.duration for job in trace.jobs), default=0.0)
+        self.end = scenario.duration + scenario.settle_bound() + longest
         self.finished_at: float | None = None
         self.depth: list[tuple[float, int]] = []
+        self.walls: list[tuple[float, float]] = []  # (virtual, wall) at each sample
         self._sample_every = sample_every or max(scenario.duration / 60, 1.0)
 
     # -- the engine ----------------------------------------------------------------------
 
     def at(self, when: float, fn: Callable[..., None], *args: Any) -> None:
         """Schedule ``fn(*args)`` at virtual time ``when`` (never before now)."""
-        heapq.heappush(self._heap, (max(when, self.now), next(self._seq), fn, args))
+        now = self.now
+        heapq.heappush(self._heap, (when if when > now else now, next(self._seq), fn, args))
 
     def log(self, text: str, *args: Any) -> None:
         if self._logging:
@@ -228,16 +233,10 @@ class World:
         self.at(0.0, self._sample)
 
     def _sample(self) -> None:
-        self.depth.append((self.now, self.queue.depth() + self._direct_open()))
+        self.depth.append((self.now, self.queue.depth() + self.direct_open))
+        self.walls.append((self.now, time.perf_counter()))
         if self.now < self.last_arrival or self.open_items:
             self.at(self.now + self._sample_every, self._sample)
-
-    def _direct_open(self) -> int:
-        return sum(
-            1
-            for item in self.items
-            if item.row is None and item.ended is None and item.job.at <= self.now
-        )
 
     def item_ended(self, item: Item) -> None:
         if item.ended is None:
@@ -248,6 +247,8 @@ class World:
         if item.ended == "done" and item.job.fails:
             item.ended, item.failure = "failed", "its input failed"
         self.open_items -= 1
+        if item.row is None:
+            self.direct_open -= 1
         item.ended_at = self.now
         self.log(
             "item %d ended %s%s",
@@ -289,6 +290,7 @@ class World:
                 live[self.choices.index(len(live))].driver.wake()
             return
         client = self.clients[job.target]
+        self.direct_open += 1
         self.log("item %d arrives at %s (%s)", item.index, client.name, job.service)
         if isinstance(client.driver, DirectCaller):
             client.driver.submit(item)
@@ -361,9 +363,13 @@ class World:
             return
         when = self.now + self._latency()
         if toward == "c":
-            when = link.t_c = max(when, link.t_c)
+            if when < link.t_c:
+                when = link.t_c
+            link.t_c = when
         else:
-            when = link.t_s = max(when, link.t_s)
+            if when < link.t_s:
+                when = link.t_s
+            link.t_s = when
         self.at(when, self._deliver, link, toward, kind, payload)
 
     def _deliver(self, link: Link, toward: Toward, kind: PacketKind, payload: Any) -> None:
@@ -634,10 +640,7 @@ class World:
         frames = broker.frames_to_send()
         if frames:
             self.checks.frames_sent(pod, frames)
-            by_conn: dict[int, list[p.Message]] = {}
-            for conn, message in frames:
-                by_conn.setdefault(conn, []).append(message)
-            for conn, messages in by_conn.items():
+            for conn, messages in _by_connection(frames):
                 link = pod.links.get(conn)
                 if link is not None and link.state_s == "open":
                     self._send(link, "c", "frames", messages)
@@ -807,12 +810,7 @@ class World:
         self._arm(client, core.next_deadline())
 
     def _client_frames(self, client: Client, frames: list[tuple[int, p.Message]]) -> None:
-        if not frames:
-            return
-        by_conn: dict[int, list[p.Message]] = {}
-        for conn, message in frames:
-            by_conn.setdefault(conn, []).append(message)
-        for conn, messages in by_conn.items():
+        for conn, messages in _by_connection(frames):
             link = client.links.get(conn)
             if link is not None and link.state_c == "open":
                 self._send(link, "s", "frames", messages)
@@ -851,7 +849,8 @@ class World:
     def _arm(self, holder: Pod | Client, deadline: float | None) -> None:
         if deadline is None:
             return
-        deadline = max(deadline, self.now)
+        if deadline < self.now:
+            deadline = self.now
         if holder.timer_at is None or deadline < holder.timer_at:
             holder.timer_at = deadline
             self.at(deadline, self._tick, holder, holder.incarnation)
@@ -951,6 +950,17 @@ class World:
         if client.incarnation == incarnation and client.alive:
             fn(*args)
             self.route_client(client)
+
+
+def _by_connection(frames: list[tuple[int, p.Message]]) -> list[tuple[int, list[p.Message]]]:
+    """The frames of one input grouped by connection, in order (one packet each)."""
+    if len(frames) == 1:
+        conn, message = frames[0]
+        return [(conn, [message])]
+    grouped: dict[int, list[p.Message]] = {}
+    for conn, message in frames:
+        grouped.setdefault(conn, []).append(message)
+    return list(grouped.items())
 
 
 def _noise_seed(trace: Trace) -> int:
