@@ -17,6 +17,7 @@ from typing import Any, Literal, Protocol, TypeAlias
 
 import attrs
 
+from trio_broker.core.admission import InstanceLoad
 from trio_broker.core.broker import Broker
 from trio_broker.core.client import ClientCore
 from trio_broker.testing.sim.queue import QueueModel, Row
@@ -183,6 +184,7 @@ class Client:
         self.jobs_done = 0
         self.reached: set[str] = set()  # pods its connections reached (ever)
         self.probed: dict[str, float] = {}  # service -> when a job first waited unannounced
+        self.loads: list[InstanceLoad] | None = None  # its instance loads (None: to compute)
 
     @property
     def backend_id(self) -> str:

@@ -167,7 +167,7 @@ class World:
         self.end = scenario.duration + scenario.settle_bound() + longest
         self.finished_at: float | None = None
         self.depth: list[tuple[float, int]] = []
-        self.walls: list[tuple[float, float]] = []  # (virtual, wall) at each sample
+        self.cpu: list[tuple[float, float]] = []  # (virtual, CPU seconds) at each sample
         self._sample_every = sample_every or max(scenario.duration / 60, 1.0)
 
     # -- the engine ----------------------------------------------------------------------
@@ -234,7 +234,7 @@ class World:
 
     def _sample(self) -> None:
         self.depth.append((self.now, self.queue.depth() + self.direct_open))
-        self.walls.append((self.now, time.perf_counter()))
+        self.cpu.append((self.now, time.process_time()))
         if self.now < self.last_arrival or self.open_items:
             self.at(self.now + self._sample_every, self._sample)
 
@@ -403,6 +403,8 @@ class World:
 
     def _deliver_to_client(self, link: Link, kind: PacketKind, payload: Any) -> None:
         client = link.client
+        if kind != "frames" or any(isinstance(m, p.Hello) for m in payload):
+            client.loads = None  # its ready connections or their HELLO change: look again
         core = client.core
         if (
             link.state_c == "closed"
@@ -737,6 +739,7 @@ class World:
         spec = client.spec
         client.incarnation += 1
         client.alive = True
+        client.loads = None
         client.timer_at = None
         client.accepted.clear()
         addresses = tuple(self._address(name) for name in spec.addresses)
@@ -819,6 +822,7 @@ class World:
         if isinstance(effect, Dial):
             self._dial(client, effect.conn, effect.address)
         elif isinstance(effect, Close):
+            client.loads = None
             client.dialing.pop(effect.conn, None)
             link = client.links.pop(effect.conn, None)
             if link is not None:
