@@ -224,6 +224,8 @@ def _callers(rates: dict[str, float], *, addresses: tuple[str, ...], **changes: 
 
 HOLD = ServiceSpec(name="hold", duration=Dist.uniform(0.2, 0.6))
 """The faithfulness runs' one service: the execserver's builtin ``sleep``."""
+LOOPBACK = Dist.uniform(0.0005, 0.0025)
+"""A hop between two daemons on one machine: loopback and each side's own processing."""
 
 
 def one_execserver() -> Scenario:
@@ -237,6 +239,7 @@ def one_execserver() -> Scenario:
         clients=clients,
         producers=producers,
         duration=60.0,
+        latency=LOOPBACK,
     )
 
 
@@ -254,6 +257,7 @@ def two_pods() -> Scenario:
         clients=clients,
         producers=producers,
         duration=60.0,
+        latency=LOOPBACK,
     )
 
 
