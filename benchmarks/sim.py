@@ -15,7 +15,8 @@ Run: ``.venv/bin/python benchmarks/sim.py`` (``--quick``: shorter runs;
    callers at 12.5 and 5 calls/s), seed 0 of each: the same jobs (arrival
    times, durations, priorities, callers) run on real daemons (execserver
    processes, their builtin ``sleep`` service; a real HAProxy; one
-   ``BrokerClient`` per caller in this process) and in the simulator. Compared:
+   ``BrokerClient`` per caller in this process; ``--repeats`` times, for the
+   machine's own spread) and once in the simulator (deterministic). Compared:
    throughput, wait p50/p99 per priority, each caller's share of the jobs and
    p50 wait. A wait is from the call to the start of its job (the receipt's
    ``started_at`` against the caller's clock, one machine).
@@ -181,18 +182,27 @@ def figures(outcomes: Sequence[Outcome]) -> dict[str, float]:
     return row
 
 
-def faithfulness(name: str, duration: float) -> None:
+def faithfulness(name: str, duration: float, repeats: int) -> None:
+    """Seed 0's jobs on real daemons ``repeats`` times and once in the simulator."""
     scenario = attrs.evolve(SCENARIOS[name](), duration=duration)
     trace = plan(scenario, 0)
     print(f"\n{name}: {scenario.description}; {len(trace.jobs)} calls in {duration:.0f} s")
-    real = figures(trio.run(real_run, scenario, trace.jobs))
+    reals = [figures(trio.run(real_run, scenario, trace.jobs)) for _ in range(repeats)]
     sim = figures(simulated_run(trace))
-    print(f"  {'figure':<22} {'real':>10} {'simulated':>10} {'difference':>11}")
-    for key, value in real.items():
+    print(
+        f"  {'figure':<20} {'real (mean)':>12} {'real range':>17} {'simulated':>10} {'vs mean':>8}"
+    )
+    for key in reals[0]:
+        values = [real[key] for real in reals]
+        mean = sum(values) / len(values)
         other = sim.get(key, math.nan)
-        diff = (other - value) / value if value else math.nan
+        diff = (other - mean) / mean if mean else math.nan
         unit = "/s" if key == "throughput" else ("" if "share" in key else " s")
-        print(f"  {key:<22} {value:>8.3f}{unit:<2} {other:>8.3f}{unit:<2} {diff:>+10.1%}")
+        inside = "" if min(values) <= other <= max(values) else " (outside the real range)"
+        print(
+            f"  {key:<20} {mean:>10.3f}{unit:<2} {min(values):>7.3f}..{max(values):<7.3f} "
+            f"{other:>8.3f}{unit:<2} {diff:>+8.1%}{inside}"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -200,6 +210,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="shorter runs")
     parser.add_argument("--no-real", action="store_true", help="skip the real daemons")
     parser.add_argument("--no-big", action="store_true", help="skip the 1,000-execserver run")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="real runs of each small scenario (default 3)"
+    )
     args: Any = parser.parse_args(argv)
     print("speed (one core, light checks: the simulator's own)")
     print_speed("fleet-100x20", speed("fleet-100x20", 120.0 if args.quick else 600.0))
@@ -207,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_speed("fleet-100x1000", speed("fleet-100x1000", 600.0 if args.quick else 3600.0))
     if not args.no_real:
         for name in ("one-execserver", "two-pods"):
-            faithfulness(name, 20.0 if args.quick else 60.0)
+            faithfulness(name, 20.0 if args.quick else 60.0, 1 if args.quick else args.repeats)
     return 0
 
 

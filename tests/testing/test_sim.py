@@ -467,3 +467,11 @@ def test_the_scenario_checks_its_own_specs() -> None:
         PodSpec(name="p", services=())
     with pytest.raises(ScenarioError, match="addresses: expected at least one"):
         ClientSpec(name="c", addresses=())
+
+
+def test_the_readme_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's *Simulate your fleet* example runs as written and prints a report."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    (example,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "what_if" in b]
+    exec(example, {})
+    assert "scenario two-pods + 1: 2 seeds" in capsys.readouterr().out
