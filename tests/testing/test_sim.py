@@ -28,6 +28,7 @@ from trio_broker.testing.sim.run import Result, replay, simulate
 from trio_broker.testing.sim.scenario import (
     ClientSpec,
     Dist,
+    FaultSpec,
     PodSpec,
     ProducerSpec,
     Scenario,
@@ -65,6 +66,34 @@ def test_the_shipped_scenarios_keep_every_check(name: str) -> None:
     broken = [(seed, violations[0]) for seed, violations, _ in results if violations]
     assert broken == []
     assert all(done > 0 for _, _, done in results)
+
+
+def _variant(kind: str) -> Scenario:
+    base = SCENARIOS["pod-churn"]()
+    lb = base.balancers[0]
+    if kind in ("random", "least_connections"):
+        return attrs.evolve(base, balancers=(attrs.evolve(lb, policy=kind),))
+    if kind == "drop":
+        faults = tuple(FaultSpec(kind="drop", target=target, at=at) for target, at in
+                       (("pod-0", 15.0), ("fylr-1", 25.0), ("leaving", 35.0)))  # fmt: skip
+        return attrs.evolve(base, faults=faults, loss=0.05)
+    pods = tuple(
+        attrs.evolve(pod, priority_aging=5.0, memory_budget=300_000_000, fast_reserve=1)
+        for pod in base.pods
+    )
+    return attrs.evolve(base, pods=pods)
+
+
+@pytest.mark.parametrize("kind", ["random", "least_connections", "drop", "aging_memory"])
+def test_the_other_policies_faults_and_pool_limits_keep_every_check(kind: str) -> None:
+    """What the shipped scenarios leave out: random and least-connections balancers,
+    dropped connections with retransmissions, priority aging with a memory budget and a
+    fast reserve."""
+    scenario = _variant(kind)
+    for seed in range(3):
+        result = simulate(scenario, seed, record=False, tolerate=known)
+        assert result.violations == (), (seed, result.violations[0])
+        assert result.figures.done > 0
 
 
 def test_the_big_scenarios_are_built() -> None:
