@@ -37,7 +37,7 @@ scenario's bound passed):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from trio_broker.core import protocol as p
@@ -209,8 +209,8 @@ class Checks:
             world.violation("exactly_once", pod.name, f"job {job_id} started on no connection")
             return
         client = link.client
-        if not client.alive or client.incarnation != link.client_inc:
-            return  # its client is gone: the JOB was in flight; the run will be stopped
+        if not client.alive or client.incarnation != link.client_inc or link.state_c != "open":
+            return  # the client's end is gone: the JOB was in flight; the run will be stopped
         if client.accepted.get(job_id) != link.conn:
             world.violation(
                 "exactly_once",
@@ -268,9 +268,9 @@ class Checks:
             if core is not None:
                 self._core(client.name, core.check_invariants)
 
-    def _core(self, where: str, check: object) -> None:
+    def _core(self, where: str, check: Callable[[], None]) -> None:
         try:
-            check()  # type: ignore[operator]
+            check()
         except AssertionError as exc:
             self.world.violation("core_invariant", where, str(exc) or repr(exc))
 

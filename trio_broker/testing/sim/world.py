@@ -49,7 +49,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from trio_broker.core import protocol as p
 from trio_broker.core.broker import (
@@ -609,7 +609,7 @@ class World:
         pod.broker.drain(now=self.now)
         self.route_pod(pod)
 
-    def _pod_down(self, pod: Pod, *, silent: bool, state: str) -> None:
+    def _pod_down(self, pod: Pod, *, silent: bool, state: Literal["down", "removed"]) -> None:
         """The process is gone: its broker and runs with it; peers hear of it (or not)."""
         if pod.up_since is not None:
             pod.up_time += self.now - pod.up_since
@@ -618,7 +618,7 @@ class World:
             self._account(pod, run)
         pod.runs.clear()
         pod.broker = None
-        pod.state = "down" if state == "down" else "removed"
+        pod.state = state
         for link in list(pod.links.values()):
             link.state_s = "closed"
             if not silent:
