@@ -48,13 +48,8 @@ from trio_broker_daemons.fylr.pgcluster import PgCluster
 
 from trio_broker.core.admission import AdmissionConfig, InstanceLoad
 from trio_broker.trio.dispatcher import Action, Dispatcher, DispatcherConfig
-from trio_broker.trio.store import (
-    _FINISH,  # the dispatcher's own statements, for the floor
-    NewItem,
-    QueueItem,
-    _claim_query,
-    open_store,
-)
+from trio_broker.trio.queue_sql import FINISH, claim_query  # the dispatcher's own statements
+from trio_broker.trio.store import NewItem, QueueItem, open_store
 
 SLOTS = 16
 CPUS = 2
@@ -70,6 +65,9 @@ class FixedExec:
 
     def waiting(self) -> int:
         return 0
+
+    async def wait_capacity_changed(self) -> None:
+        await trio.sleep_forever()  # fixed: it never changes
 
 
 # -- worker processes ----------------------------------------------------------------------
@@ -127,7 +125,7 @@ async def _follow_stdin(stdin: trio.lowlevel.FdStream, dispatcher: Dispatcher) -
 
 def floor_worker(dsn: str, backend_id: str) -> None:
     """On "go": claim ``BATCH`` rows, delete them, until a claim comes back empty."""
-    claim = _claim_query(((True, False),))
+    claim = claim_query(((True, False),))
     with psycopg.connect(dsn, autocommit=True) as conn:
         print("ready", flush=True)
         sys.stdin.readline()
@@ -145,7 +143,7 @@ def floor_worker(dsn: str, backend_id: str) -> None:
                 "o_delay": [],
                 "o_error": [],
             }
-            conn.execute(_FINISH, params).fetchall()
+            conn.execute(FINISH, params).fetchall()
 
 
 # -- the driver ----------------------------------------------------------------------------
@@ -204,7 +202,7 @@ def measure(dsn: str, workers: int, items: int, argv: list[str]) -> float:
                 assert proc.stdin is not None
                 proc.stdin.write("go\n")
                 proc.stdin.flush()
-            while conn.execute("SELECT EXISTS (SELECT 1 FROM file_queue)").fetchone() != (False,):
+            while conn.execute("SELECT EXISTS (SELECT 1 FROM broker_queue)").fetchone() != (False,):
                 time.sleep(0.005)
             elapsed = time.perf_counter() - start
     finally:

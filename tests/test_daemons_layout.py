@@ -8,17 +8,22 @@
   of the project, neither in the daemons nor in the library: a name that is
   shared is public, or it lives where it is used;
 - no import circle among the daemons' modules, counting every import statement
-  (those deferred into a function and those for type checking only included).
+  (those deferred into a function and those for type checking only included);
+- no string in the daemons' code is SQL on the library's queue tables: the
+  application reaches them through :mod:`trio_broker.trio.store` only.
 """
 
 from __future__ import annotations
 
+import ast
+import re
 from pathlib import Path
 from typing import Final
 
 import pytest
 
 from tests.support.imports import import_cycles, import_graph, underscore_imports
+from trio_broker.trio.queue_sql import TABLES
 
 ROOT = Path(__file__).resolve().parents[1]
 DAEMONS = ROOT / "daemons"
@@ -99,3 +104,97 @@ def test_the_circle_check_finds_a_deferred_circle(tmp_path: Path) -> None:
     assert import_cycles(package) == [
         ["trio_broker_daemons.daemon", "trio_broker_daemons.execserver"]
     ]
+
+
+# -- the queue's tables are the store's ------------------------------------------------------
+
+QUEUE_TABLES: Final = (*TABLES, "file_queue")
+"""The library's queue tables, and the queue's name before migration 003."""
+_TABLE = re.compile(r"(?<![\w.])\"?(" + "|".join(QUEUE_TABLES) + r")\"?(?!\w)")
+_OLD_BACKENDS = re.compile(r"\b(from|join|into|update|table)\s+(only\s+)?\"?backends\b", re.I)
+_SQL_WORD = re.compile(
+    r"\b(select|insert|update|delete|from|join|into|where|returning|table|truncate|alter|copy)\b",
+    re.I,
+)
+
+
+def _documentation(tree: ast.AST) -> set[int]:
+    """The string constants that stand alone as statements: docstrings, never run."""
+    return {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str | bytes)
+    }
+
+
+def _queue_sql(text: str) -> bool:
+    """Whether one string constant is (part of) SQL on a queue table."""
+    if _OLD_BACKENDS.search(text):
+        return True
+    if _TABLE.search(text) is None:
+        return False
+    return _SQL_WORD.search(text) is not None or _TABLE.fullmatch(text.strip()) is not None
+
+
+def queue_sql_in(root: Path) -> list[str]:
+    """Every string constant of the modules under ``root`` that names a queue table in SQL.
+
+    Each constant is read from the parsed source (adjacent literals joined, the
+    literal parts of f-strings one by one, bytes too); docstrings are skipped. A
+    constant counts when it names a table with an SQL word beside it, or is the
+    bare table name (a name kept to build SQL with). Returns ``path:line: text``.
+    """
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text("utf-8"), filename=str(path))
+        skip = _documentation(tree)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Constant) or id(node) in skip:
+                continue
+            value = node.value
+            if isinstance(value, bytes):
+                value = value.decode("utf-8", "replace")
+            if isinstance(value, str) and _queue_sql(value):
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {value.strip()[:80]}")
+    return found
+
+
+def test_no_daemon_module_holds_queue_sql() -> None:
+    """No string in the daemons' code is SQL on the queue's tables: the application
+    reaches them through the store's methods only."""
+    assert queue_sql_in(PACKAGE) == []
+
+
+def test_only_queue_sql_names_the_queue_tables_in_the_library() -> None:
+    """Under trio_broker/ every statement on the queue's tables is in trio/queue_sql.py."""
+    found = queue_sql_in(ROOT / "trio_broker")
+    assert found
+    assert {line.split(":", 1)[0] for line in found} == {"trio/queue_sql.py"}
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ('conn.execute("SELECT id FROM broker_queue WHERE id = %s", (1,))\n', 1),
+        ('conn.execute(f"UPDATE broker_backends SET heartbeat = {now}")\n', 1),
+        ('conn.execute("DELETE FROM file_queue" " WHERE action = %s", (a,))\n', 1),
+        ('conn.execute(b"INSERT INTO broker_queue (file_ref) VALUES (1)")\n', 1),
+        ('q = "SELECT backend_id FROM backends WHERE heartbeat > now()"\n', 1),
+        ('TABLE = "broker_queue"\nq = f"SELECT * FROM {TABLE}"\n', 1),
+        ('ident = sql.Identifier("broker_backends")\n', 1),
+        ('"""Rows of broker_queue: read FROM the store."""\n', 0),
+        ('def f():\n    """Deletes FROM broker_queue."""\n', 0),
+        ('log.info("rows of broker_queue by state")\n', 0),
+        ('conn.execute("SELECT id FROM files WHERE id = %s", (1,))\n', 0),
+        ('text = "the backends from every fylr"\n', 0),
+    ],
+)
+def test_the_queue_sql_check_sees_what_it_should(
+    tmp_path: Path, source: str, expected: int
+) -> None:
+    """The check itself: SQL on a queue table counts in any literal form (joined,
+    f-string, bytes, a bare table name); docstrings, prose and other tables do not."""
+    (tmp_path / "mod.py").write_text(source)
+    assert len(queue_sql_in(tmp_path)) == expected

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from trio_broker.core.broker import Broker, BrokerConfig
     from trio_broker.core.client import ClientConfig, ClientCore
     from trio_broker.core.dispatch import DispatchCore, judge
+    from trio_broker.core.endings import JobFailed
     from trio_broker.core.errors import (
         BrokerError,
         BrokerUsageError,
@@ -45,9 +46,11 @@ if TYPE_CHECKING:
         NoSlot,
         ProtocolError,
         RetryLater,
+        ServiceNotOffered,
         StoreUnavailable,
         UnknownService,
         UsageError,
+        WorkFailed,
     )
     from trio_broker.core.job import JobSpec
     from trio_broker.core.pool import PoolConfig, SlotPool
@@ -74,9 +77,12 @@ _EXPORTS: dict[str, str] = {
     "NoSlot": "trio_broker.core.errors",
     "ProtocolError": "trio_broker.core.errors",
     "RetryLater": "trio_broker.core.errors",
+    "ServiceNotOffered": "trio_broker.core.errors",
     "StoreUnavailable": "trio_broker.core.errors",
     "UnknownService": "trio_broker.core.errors",
     "UsageError": "trio_broker.core.errors",
+    "WorkFailed": "trio_broker.core.errors",
+    "JobFailed": "trio_broker.core.endings",
     "Broker": "trio_broker.core.broker",
     "BrokerConfig": "trio_broker.core.broker",
     "PoolConfig": "trio_broker.core.pool",
@@ -135,6 +141,7 @@ __all__ = [
     "ExecserverStatistics",
     "InstanceLoad",
     "JobControl",
+    "JobFailed",
     "JobLost",
     "JobRequest",
     "JobSpec",
@@ -147,12 +154,14 @@ __all__ = [
     "ProtocolError",
     "RetryLater",
     "Runner",
+    "ServiceNotOffered",
     "SlotPool",
     "Store",
     "StoreUnavailable",
     "UnknownService",
     "UsageError",
     "WantBook",
+    "WorkFailed",
     "__version__",
     "judge",
     "open_broker_client",

@@ -27,6 +27,7 @@ from trio_broker.core.errors import (
     NoExecserver,
     NoSlot,
     RetryLater,
+    ServiceNotOffered,
     StoreUnavailable,
     UnknownService,
 )
@@ -158,6 +159,13 @@ class Item:
 LOADS = [InstanceLoad(instance_id="x", processes=4, clients=1, idle=0)]
 
 
+def decide(c: DispatchCore, item: Item, exc: BaseException | None) -> dispatch.Decision:
+    """The item's handler ended with ``exc``; its decision settled at once (nothing to settle)."""
+    decision = c.finished(item, exc)
+    c.settled(decision)
+    return decision
+
+
 def core(**overrides: Any) -> DispatchCore:
     settings: dict[str, Any] = {
         "exec_actions": frozenset({"exec"}),
@@ -249,7 +257,7 @@ def test_finishing_frees_the_slot_and_queues_one_decision() -> None:
     c.plan(LOADS)
     item = Item(1, "exec", priority=3)
     c.claimed([item])
-    decision = c.finished(item, NoSlot("busy"))
+    decision = decide(c, item, NoSlot("busy"))
     assert decision.verdict.delay == RETRY
     assert c.statistics().exec_in_flight == c.statistics().odd_in_flight == 0
     assert c.take_outcomes() == [decision]
@@ -264,9 +272,9 @@ def test_a_failed_write_goes_first_in_the_next_batch() -> None:
     c.plan(LOADS)
     a, b = Item(1, "exec"), Item(2, "exec")
     c.claimed([a, b])
-    first = c.finished(a, None)
+    first = decide(c, a, None)
     assert c.take_outcomes() == [first]
-    second = c.finished(b, None)
+    second = decide(c, b, None)
     c.write_failed()
     assert c.take_outcomes() == [first, second]
     c.written({2})  # 1 committed unseen before: fenced now
@@ -296,7 +304,7 @@ def test_shutdown_returns_what_is_unwritten() -> None:
     a, b = Item(1, "exec"), Item(2, "sync")
     c.claimed([a, b])
     c.abandoned(a)
-    c.finished(b, None)
+    decide(c, b, None)
     c.close()
     assert c.plan(LOADS).total == 0
     c.stopped(returned=2)
@@ -363,7 +371,7 @@ def test_a_known_claim_a_second_batch_and_stopping_while_running_are_misuse() ->
         c.claimed([item])
     assert c.statistics() == before
     c.claimed([])
-    c.finished(item, None)
+    decide(c, item, None)
     c.take_outcomes()
     with pytest.raises(DispatchUsageError, match="being written"):
         c.take_outcomes()
@@ -381,7 +389,7 @@ def test_a_stopped_core_claims_and_writes_nothing() -> None:
     c.plan(LOADS)
     item = Item(1, "exec")
     c.claimed([item])
-    c.finished(item, None)
+    decide(c, item, None)
     assert c.take_outcomes()
     c.stopped(returned=None)
     assert c.plan(LOADS) == ClaimPlan()
@@ -414,8 +422,8 @@ def test_sweep_reclaim_outcomes_in_one_batch_race() -> None:
     c.plan(LOADS)
     second = Item(5, "exec", attempts=2)
     c.claimed([second])
-    c.finished(first, None)
-    c.finished(second, None)
+    decide(c, first, None)
+    decide(c, second, None)
     assert [d.key for d in c.take_outcomes()] == [(5, 1), (5, 2)]
     c.written({5})
     stats = c.statistics()
@@ -444,3 +452,121 @@ def test_a_waiting_caller_gets_an_error_where_a_step_would_be_requeued(
     answer = answer_caller(exc)
     assert (answer.outcome, answer.status, answer.retry_after) == (outcome, status, retry_after)
     assert answer.error == judge(exc, retry_delay=60.0).error
+
+
+# -- the bound of unknown_service, the cause, settling ---------------------------------------
+
+
+def test_unknown_service_fails_from_its_actions_bound_on() -> None:
+    """Below the action's bound an UnknownService requeues; from the bound on it fails as
+    ServiceNotOffered, saying how often the item came back; an action without a bound waits."""
+    c = core(unknown_service_attempts={"exec": 3})
+    c.plan(LOADS)
+    c.claimed(
+        [Item(1, "exec", attempts=2), Item(2, "exec", attempts=3), Item(3, "sync", attempts=9)]
+    )
+    early = c.finished(Item(1, "exec", attempts=2), UnknownService("nobody offers 'x'"))
+    bounded = c.finished(Item(2, "exec", attempts=3), UnknownService("nobody offers 'x'"))
+    unbounded = c.finished(Item(3, "sync", attempts=9), UnknownService("nobody offers 'x'"))
+    assert (early.verdict.outcome, early.verdict.kind) == ("unknown_service", "requeue")
+    assert unbounded.verdict.kind == "requeue"
+    assert bounded.verdict == Verdict(
+        outcome="service_not_offered",
+        kind="fail",
+        error="ServiceNotOffered: nobody offers 'x', after 3 attempts",
+    )
+    cause = bounded.verdict.cause
+    assert isinstance(cause, ServiceNotOffered)
+    assert isinstance(cause.__cause__, UnknownService)
+
+
+def test_the_bound_applies_to_the_unknown_service_of_a_group() -> None:
+    """In a group the bounded UnknownService is a failure, and a failure wins."""
+    group = ExceptionGroup("", [RetryLater(3600, "later"), UnknownService("nobody")])
+    verdict = judge(group, retry_delay=RETRY, attempts=5, unknown_service_attempts=5)
+    assert (verdict.outcome, verdict.kind) == ("service_not_offered", "fail")
+    assert judge(group, retry_delay=RETRY, attempts=4, unknown_service_attempts=5).outcome == (
+        "retry_later"
+    )
+
+
+def test_a_verdict_names_the_exception_that_decided() -> None:
+    """The cause is the deciding part's first leaf, not part of the value."""
+    slot, bug = NoSlot("busy"), KeyError("k")
+    assert judge(ExceptionGroup("", [ExceptionGroup("", [slot])]), retry_delay=RETRY).cause is slot
+    assert judge(ExceptionGroup("", [slot, bug]), retry_delay=RETRY).cause is bug
+    assert judge(None, retry_delay=RETRY).cause is None
+    assert judge(slot, retry_delay=RETRY) == Verdict(
+        outcome="no_slot", kind="requeue", delay=RETRY, error="NoSlot: busy"
+    )
+    assert "cause" not in repr(judge(slot, retry_delay=RETRY))
+
+
+def test_a_retry_later_without_a_delay_waits_the_retry_delay() -> None:
+    """RetryLater(None) leaves the delay to the queue's one retry_delay."""
+    verdict = judge(RetryLater(None, "storage: disk full"), retry_delay=RETRY)
+    assert (verdict.outcome, verdict.delay, verdict.error) == (
+        "retry_later",
+        RETRY,
+        "storage: disk full",
+    )
+    assert str(RetryLater(None, "x")) == "retry later: x"
+    group = ExceptionGroup("", [RetryLater(None, "a"), RetryLater(5, "b")])
+    assert judge(group, retry_delay=RETRY).delay == RETRY
+
+
+def test_a_decision_is_written_only_once_settled() -> None:
+    """Between finished() and settled() the decision is neither in flight nor to be written;
+    shutdown meanwhile abandons the item, and its decision is never written."""
+    c = core()
+    c.plan(LOADS)
+    a, b = Item(1, "exec"), Item(2, "exec")
+    c.claimed([a, b])
+    first = c.finished(a, JobLost("gone"))
+    second = c.finished(b, ValueError("bad input"))
+    stats = c.statistics()
+    assert (stats.exec_in_flight, stats.settling, stats.pending_outcomes) == (0, 2, 0)
+    assert c.take_outcomes() == []
+    c.settled(first)
+    c.check_invariants()
+    c.close()
+    c.abandoned(b)
+    assert c.take_outcomes() == [first]
+    c.written({1})
+    c.stopped(returned=1)
+    stats = c.statistics()
+    assert (stats.requeued, stats.failed, stats.returned, stats.settling) == (1, 0, 1, 0)
+    assert second.verdict.kind == "fail"
+
+
+def test_settling_misuse_raises_and_changes_nothing() -> None:
+    """A decision settled twice, one never made, and stopping while one is settled raise."""
+    c = core()
+    c.plan(LOADS)
+    item = Item(1, "exec")
+    c.claimed([item])
+    decision = c.finished(item, None)
+    foreign = attrs.evolve(decision, item_id=9)
+    before = c.statistics()
+    with pytest.raises(DispatchUsageError, match="not being settled"):
+        c.settled(foreign)
+    with pytest.raises(DispatchUsageError, match="1 are being settled"):
+        c.stopped(0)
+    assert c.statistics() == before
+    c.settled(decision)
+    with pytest.raises(DispatchUsageError, match="not being settled"):
+        c.settled(decision)
+    with pytest.raises(DispatchUsageError, match="neither running nor settling"):
+        c.abandoned(item)
+    c.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("attempts", "match"),
+    [({"other": 2}, "unknown action 'other'"), ({"exec": 0}, r"\['exec'\] must be at least 1")],
+)
+def test_a_bound_for_an_unknown_action_or_below_one_is_refused(
+    attempts: dict[str, int], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        core(unknown_service_attempts=attempts)

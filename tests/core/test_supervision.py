@@ -1,4 +1,4 @@
-"""The pure supervision rules: Watchdog, MemoryBudget and the sentence helpers."""
+"""The pure supervision rules: Watchdog, MemoryBudget, how a job ends, the sentence helpers."""
 
 from __future__ import annotations
 
@@ -8,12 +8,19 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from trio_broker.core.supervision import (
+    Ending,
     MemoryBudget,
+    PipeWait,
     Verdict,
     Watchdog,
+    abort_ending,
     budget_verdict,
+    command_end,
     format_bytes,
     format_duration,
+    pipe_ending,
+    receipt_end,
+    verdict_ending,
 )
 
 MB = 1_000_000
@@ -441,3 +448,78 @@ class BudgetMachine(RuleBasedStateMachine):
 
 
 TestBudgetMachine = BudgetMachine.TestCase
+
+
+# -- how a job ends ------------------------------------------------------------------
+
+STALLED = Verdict(status="stalled", error="stalled: no progress for 10s")
+WAITING_INPUT = PipeWait(stream="input", where="http://10.0.0.5:8000", since=100.0, moved=4096)
+WAITING_OUTPUT = PipeWait(stream="output", where="http://10.0.0.5:8000", since=104.0, moved=7)
+
+
+def test_a_stall_while_a_pipe_waited_the_whole_window_is_that_streams_failure() -> None:
+    """A stall whose window a pipe spent waiting on the network ends ``stopped`` naming that
+    stream; a pipe that waited less, or another verdict, keeps the verdict."""
+    ending = verdict_ending(STALLED, waits=[WAITING_INPUT], now=110.0, window=10.0)
+    assert ending == Ending(
+        status="stopped",
+        error="the input stream from http://10.0.0.5:8000 moved no bytes for 10.0s after "
+        "4096 bytes: the network or the client went silent",
+    )
+    output = verdict_ending(STALLED, waits=[WAITING_INPUT, WAITING_OUTPUT], now=114.0, window=12.0)
+    assert output.error.startswith("the input stream")  # the input is asked first
+    only_output = verdict_ending(STALLED, waits=[WAITING_OUTPUT], now=114.0, window=10.0)
+    assert only_output.error == (
+        "the output stream to http://10.0.0.5:8000 took no bytes for 10.0s after 7 bytes: "
+        "the network or the client went silent"
+    )
+    short = verdict_ending(STALLED, waits=[WAITING_OUTPUT], now=113.9, window=10.0)
+    assert short == Ending(status="stalled", error=STALLED.error)
+    timed_out = Verdict(status="timed_out", error="timed out after 10s")
+    assert verdict_ending(timed_out, waits=[WAITING_INPUT], now=500.0, window=10.0) == Ending(
+        status="timed_out", error="timed out after 10s"
+    )
+    assert verdict_ending(STALLED, waits=[WAITING_INPUT], now=500.0).status == "stalled"
+
+
+def test_aborts_and_pipe_failures_end_a_job_stopped_not_failed() -> None:
+    assert abort_ending("stopped", "the execserver is draining") == Ending(
+        status="stopped", error="the execserver is draining"
+    )
+    assert abort_ending("cancelled", "cancelled by the client").status == "cancelled"
+    assert pipe_ending("the input stream broke") == Ending(
+        status="stopped", error="the input stream broke"
+    )
+
+
+@given(exit_code=st.integers(-64, 255), ended=st.booleans())
+def test_the_commands_end(exit_code: int, ended: bool) -> None:
+    """An ending wins; else 0 is ok, a positive status or a signal is failed, named."""
+    ending = Ending(status="timed_out", error="timed out after 1s") if ended else None
+    status, error = command_end(ending, exit_code)
+    if ended:
+        assert (status, error) == ("timed_out", "timed out after 1s")
+    elif exit_code == 0:
+        assert (status, error) == ("ok", None)
+    elif exit_code > 0:
+        assert (status, error) == ("failed", f"exit status {exit_code}")
+    else:
+        assert (status, error) == ("failed", f"killed by signal {-exit_code}")
+
+
+def test_the_pipes_amend_the_commands_end() -> None:
+    """A failed pipe turns ok into stopped; an aborted output stream is named in the error."""
+    assert receipt_end("ok", None, pipe_fault=None, output_aborted_after=None) == ("ok", None)
+    assert receipt_end(
+        "ok", None, pipe_fault="the output stream broke", output_aborted_after=9
+    ) == (
+        "stopped",
+        "the output stream broke",
+    )
+    assert receipt_end(
+        "failed", "exit status 1", pipe_fault="broke", output_aborted_after=4096
+    ) == ("failed", "exit status 1; the output stream was aborted after 4096 bytes")
+    assert receipt_end("timed_out", "timed out", pipe_fault=None, output_aborted_after=None) == (
+        "timed_out",
+        "timed out",
+    )

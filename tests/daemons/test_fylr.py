@@ -284,7 +284,7 @@ async def test_a_service_nobody_offers_requeues_the_step(pg_dsn: str, tmp_path: 
             "no connected execserver offers service 'not_offered'"
             " (offered: fail, gzip, mime, sha256, slow_sha256)"
         )
-        queued = rows(pg_dsn, "SELECT status, last_error, start_after > now() FROM file_queue")
+        queued = rows(pg_dsn, "SELECT status, last_error, start_after > now() FROM broker_queue")
         assert len(queued) == 1
         status, error, later = queued[0]
         assert (status, later) == ("new", True)
@@ -321,7 +321,7 @@ async def test_a_misspelled_service_fails_after_its_attempts_with_a_suggestion(
     assert fylr.statistics().steps["produce.requeued"] == 2
     assert fylr.statistics().steps["produce.error"] == 1
     [(status, attempts, error)] = rows(
-        pg_dsn, "SELECT status, attempts, last_error FROM file_queue"
+        pg_dsn, "SELECT status, attempts, last_error FROM broker_queue"
     )
     assert (status, attempts) == ("failed", 3)
     assert "did you mean 'sha256'?" in error
@@ -385,7 +385,7 @@ async def test_resyncing_an_unchanged_file_produces_nothing(pg_dsn: str, tmp_pat
                 version["updated_at"],
             )
         await settled(fylr)
-        assert rows(pg_dsn, "SELECT count(*) FROM file_queue") == [(0,)]
+        assert rows(pg_dsn, "SELECT count(*) FROM broker_queue") == [(0,)]
 
 
 async def test_a_changed_configuration_redoes_exactly_the_changed_versions(
@@ -479,7 +479,7 @@ async def test_an_interrupted_upload_leaves_no_file_row(pg_dsn: str, tmp_path: P
             await fylr.wait_until(lambda stats: stats.uploads_aborted == 1)
         assert fylr.statistics().uploads == 0
         assert rows(pg_dsn, "SELECT count(*) FROM files") == [(0,)]
-        assert rows(pg_dsn, "SELECT count(*) FROM file_queue") == [(0,)]
+        assert rows(pg_dsn, "SELECT count(*) FROM broker_queue") == [(0,)]
         assert stored_files(tmp_path / "state") == []
 
 

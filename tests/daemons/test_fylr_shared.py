@@ -206,7 +206,7 @@ async def test_a_vanished_temporary_file_requeues_the_step(pg_dsn: str, tmp_path
         assert steps["produce.requeued"] == 1
         assert not {"produce.error", "produce.failed"} & set(steps)
         await settled(fylr)
-        assert rows(pg_dsn, "SELECT count(*) FROM file_queue") == [(0,)]
+        assert rows(pg_dsn, "SELECT count(*) FROM broker_queue") == [(0,)]
 
 
 async def test_a_storage_folder_error_requeues_until_it_is_fixed(
@@ -235,7 +235,7 @@ async def test_a_storage_folder_error_requeues_until_it_is_fixed(
         assert fylr.dispatcher is not None
         with trio.fail_after(WAIT):  # the requeue is written
             await fylr.dispatcher.wait_until(lambda d: d.requeued >= 1)
-        ((status, error),) = rows(pg_dsn, "SELECT status, last_error FROM file_queue")
+        ((status, error),) = rows(pg_dsn, "SELECT status, last_error FROM broker_queue")
         assert status in ("new", "claimed")
         assert "storage: NotADirectoryError" in error
         document = (await http.get(f"/api/v1/eas/{created['id']}")).json()
@@ -252,7 +252,8 @@ async def test_corrupt_input_fails_the_version_for_good_with_the_converters_erro
     pg_dsn: str, tmp_path: Path
 ) -> None:
     """A converter that rejects its input fails the version for good, with its own message,
-    and the versions made from it; nothing is left in the queue."""
+    and the versions made from it; its queue row stays failed with that message, nothing
+    else is left in the queue."""
     classes = {
         "archive": {
             "extensions": ["gz"],
@@ -276,7 +277,11 @@ async def test_corrupt_input_fails_the_version_for_good_with_the_converters_erro
         assert versions["unpacked_sha256"]["error"] == "source version 'unpacked' failed"
         assert "produce.requeued" not in fylr.statistics().steps
         await settled(fylr)
-        assert rows(pg_dsn, "SELECT count(*) FROM file_queue") == [(0,)]
+        [(action, status, error)] = rows(
+            pg_dsn, "SELECT action, status, last_error FROM broker_queue"
+        )
+        assert (action, status) == ("produce", "failed")
+        assert "not in gzip format" in error
 
 
 # -- the database unavailable -------------------------------------------------------------------

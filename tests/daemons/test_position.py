@@ -42,7 +42,8 @@ def insert_rows(dsn: str, priority: int, count: int) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         for _ in range(count):
             conn.execute(
-                "INSERT INTO file_queue (file_ref, action, priority) VALUES ('0', 'metadata', %s)",
+                "INSERT INTO broker_queue (file_ref, action, priority)"
+                " VALUES ('0', 'metadata', %s)",
                 (priority,),
             )
 

@@ -3,12 +3,13 @@
 And the failed queue rows: listed with their reasons, retried by id or all.
 
 Each test plays several fylrs on one folder and one database: storages with
-distinct backend ids, registered (alive) or not (dead) in ``backends``. File
+distinct backend ids, registered (alive) or not (dead) in ``broker_backends``. File
 ages are set with ``os.utime`` rather than waited for.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import AsyncIterator
@@ -17,12 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 import trio
+from trio_broker_daemons.commands.requeue import requeue_main
 from trio_broker_daemons.fylr.failed import failed_items, retry_failed
 from trio_broker_daemons.fylr.files import fylr_migrations
 from trio_broker_daemons.fylr.storage import Storage, StoredFile
 from trio_broker_daemons.fylr.sweep import GRACE_STALE, StorageSweeper
 
+from trio_broker.trio.schema import apply_migrations, load_migrations
 from trio_broker.trio.store import Store, open_store
 
 STALE_AFTER = 30.0
@@ -99,7 +103,7 @@ async def test_only_dead_writers_old_leftovers_are_removed(pg_dsn: str, tmp_path
             # the live writer's heartbeat goes stale: now its old leftovers go too
             with psycopg.connect(pg_dsn, autocommit=True) as conn:
                 conn.execute(
-                    "UPDATE backends SET heartbeat = now() - interval '1 hour'"
+                    "UPDATE broker_backends SET heartbeat = now() - interval '1 hour'"
                     " WHERE backend_id = 'fylr-live'"
                 )
             result = await sweeper.sweep()
@@ -170,7 +174,7 @@ async def test_failed_rows_of_any_file_ref_are_listed_and_retried(pg_dsn: str) -
         async with fylr_store(pg_dsn) as store:
             with psycopg.connect(pg_dsn, autocommit=True) as conn:
                 conn.execute(
-                    "INSERT INTO file_queue (file_ref, action, status, last_error) VALUES"
+                    "INSERT INTO broker_queue (file_ref, action, status, last_error) VALUES"
                     " ('not-a-number', 'other', 'failed', 'ValueError: bad'),"
                     " ('12345', 'produce', 'failed', 'KeyError: gone'),"
                     " ('7', 'sync', 'new', NULL)"
@@ -185,7 +189,7 @@ async def test_failed_rows_of_any_file_ref_are_listed_and_retried(pg_dsn: str) -
             assert [i["file_ref"] for i in await failed_items(store)] == ["not-a-number"]
             with psycopg.connect(pg_dsn) as conn:
                 row = conn.execute(
-                    "SELECT status, last_error FROM file_queue WHERE file_ref = '12345'"
+                    "SELECT status, last_error FROM broker_queue WHERE file_ref = '12345'"
                 ).fetchone()
             assert row == ("new", "requeued by an operator; it had failed: KeyError: gone")
             assert len(await retry_failed(store)) == 1
@@ -228,7 +232,7 @@ async def test_retrying_a_failed_produce_resets_the_version_its_chain_and_the_or
                         (original, name, source, status, error),
                     )
                 conn.execute(
-                    "INSERT INTO file_queue (file_ref, action, status, last_error)"
+                    "INSERT INTO broker_queue (file_ref, action, status, last_error)"
                     " VALUES (%s, 'produce', 'failed', 'KeyError: x')",
                     (str(ids["a"]),),
                 )
@@ -241,7 +245,7 @@ async def test_retrying_a_failed_produce_resets_the_version_its_chain_and_the_or
                         " FROM files"
                     ).fetchall()
                 )
-                queued = conn.execute("SELECT status FROM file_queue").fetchall()
+                queued = conn.execute("SELECT status FROM broker_queue").fetchall()
     assert states == {
         "original": "produce:",
         "a": "new:",
@@ -251,3 +255,39 @@ async def test_retrying_a_failed_produce_resets_the_version_its_chain_and_the_or
         "e": "done:",
     }
     assert queued == [("new",)]
+
+
+def test_requeue_on_a_database_not_yet_migrated_says_so_and_changes_nothing(
+    pg_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``fylr requeue --failed`` on a database still at the old queue names (no fylr of this
+    version started on it) is one line saying so, exit 1, the failed row untouched; once a
+    start has migrated it, the same command puts the row back."""
+    old = [m for m in load_migrations() if m.version < 3]
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        apply_migrations(conn, [*old, *fylr_migrations()])
+        conn.execute(
+            "INSERT INTO file_queue (file_ref, action, status, last_error)"
+            " VALUES ('x', 'other', 'failed', 'ValueError: bad')"
+        )
+    config = tmp_path / "fylr.yml"
+    config.write_text(
+        f"database: {json.dumps(pg_dsn)}\nstate_dir: {json.dumps(str(tmp_path / 'state'))}\n"
+        'execservers: ["127.0.0.1:7000"]\n'
+    )
+    assert requeue_main(str(config), environ={}) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "no queue of this version" in line
+    assert "broker_queue" in line
+    with psycopg.connect(pg_dsn) as conn:
+        assert conn.execute("SELECT status FROM file_queue").fetchall() == [("failed",)]
+
+    async def start() -> None:
+        async with fylr_store(pg_dsn):
+            pass
+
+    trio.run(start)
+    assert requeue_main(str(config), environ={}) == 0
+    out = capsys.readouterr().out
+    assert "it had failed: ValueError: bad" in out
+    assert "1 failed item(s) requeued" in out

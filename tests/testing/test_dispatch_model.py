@@ -26,6 +26,7 @@ TestFixedCapBigReserve = dispatch_machine(
     local_limit=3,
     retry_delay=0.0,
     priorities=(-1, 0, 1, 4),
+    unknown_service_attempts={"local": 1, "exec_b": 3},
 ).TestCase
 TestFixedCapBigReserve.settings = _STEPS
 

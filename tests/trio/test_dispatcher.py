@@ -23,6 +23,7 @@ from tests.support.wire import WAIT, start_execserver
 from trio_broker.core import protocol as p
 from trio_broker.core.admission import AdmissionConfig, InstanceLoad
 from trio_broker.core.client import ClientConfig
+from trio_broker.core.dispatch import Decision
 from trio_broker.core.errors import (
     ClientClosed,
     JobLost,
@@ -60,6 +61,9 @@ class StaticExec:
 
     def waiting(self) -> int:
         return self.waiting_jobs
+
+    async def wait_capacity_changed(self) -> None:
+        await trio.sleep_forever()  # fixed: it never changes
 
 
 def one_instance(processes: int, clients: int = 1) -> StaticExec:
@@ -107,7 +111,7 @@ def rows(store_dsn: str) -> dict[int, tuple[str, int, str | None, bool]]:
         return {
             r[0]: (r[1], r[2], r[3], r[4])
             for r in conn.execute(
-                "SELECT id, status, attempts, last_error, start_after <= now() FROM file_queue"
+                "SELECT id, status, attempts, last_error, start_after <= now() FROM broker_queue"
             )
         }
 
@@ -186,6 +190,92 @@ async def test_handler_outcomes_map_to_rows(pg_dsn: str) -> None:
     )
     assert state[ids["unknown"]] == ("new", 1, "UnknownService: nobody offers it", False)
     assert state[ids["mixed"]][0:3] == ("failed", 1, "KeyError: 'a bug'")
+
+
+async def test_each_decision_is_settled_once_before_it_is_written(pg_dsn: str) -> None:
+    """The action's settle hook gets each item's one decision (an UnknownService beyond the
+    action's bound already a failure) while the row is still claimed; a hook that raises
+    StoreUnavailable is called again; the rows then hold exactly the decisions."""
+    settled: list[tuple[str, str, str, str | None]] = []
+    calls: Counter[str] = Counter()
+
+    async def handler(item: QueueItem) -> None:
+        kind = item.file_ref
+        if kind == "lost" and item.attempts == 1:
+            raise JobLost("the connection closed")
+        if kind == "bad":
+            raise ExceptionGroup("steps", [ValueError("bad input")])
+        if kind == "unknown":
+            raise UnknownService("nobody offers 'x'")
+
+    async def settle(item: QueueItem, decision: Decision) -> None:
+        calls[item.file_ref] += 1
+        if item.file_ref == "lost" and calls["lost"] == 1:
+            raise StoreUnavailable("the database went away while settling")
+        (row,) = [r for i, r in rows(pg_dsn).items() if i == item.id]
+        cause = decision.verdict.cause
+        settled.append(
+            (item.file_ref, decision.verdict.outcome, row[0], None if cause is None else str(cause))
+        )
+
+    async with open_store(pg_dsn, pool_size=4) as store:
+        kinds = ["ok", "lost", "bad", "unknown"]
+        ids = dict(
+            zip(
+                kinds,
+                await store.enqueue_many(NewItem(file_ref=k, action="work") for k in kinds),
+                strict=True,
+            )
+        )
+        action = Action("work", True, handler, settle=settle, unknown_service_attempts=1)
+        config = dconfig(retry_min=0.01, retry_max=0.05)
+        async with running(store, [action], config, one_instance(8)) as dispatcher:
+            await until(dispatcher, lambda s: s.completed == 2 and s.failed == 2)
+            stats = dispatcher.statistics()
+        state = rows(pg_dsn)
+    assert sorted(settled, key=str) == sorted(
+        [
+            ("bad", "failed", "claimed", "bad input"),
+            ("lost", "lost", "claimed", "the connection closed"),  # the second settling
+            ("lost", "ok", "claimed", None),  # requeued at once, then done
+            ("ok", "ok", "claimed", None),
+            ("unknown", "service_not_offered", "claimed", "nobody offers 'x', after 1 attempts"),
+        ],
+        key=str,
+    )
+    assert dict(calls) == {"ok": 1, "lost": 3, "bad": 1, "unknown": 1}
+    assert stats.store_errors == 1
+    assert ids["ok"] not in state
+    assert ids["lost"] not in state
+    assert state[ids["bad"]][0:3] == ("failed", 1, "ValueError: bad input")
+    assert state[ids["unknown"]][0:3] == (
+        "failed",
+        1,
+        "ServiceNotOffered: nobody offers 'x', after 1 attempts",
+    )
+
+
+async def test_a_settling_cancelled_at_shutdown_leaves_no_outcome(pg_dsn: str) -> None:
+    """Shutdown while the application settles a decision: the decision is never written and
+    the row goes back to the queue, due now."""
+    settling = trio.Event()
+
+    async def handler(item: QueueItem) -> None:
+        raise ValueError("bad input")
+
+    async def settle(item: QueueItem, decision: Decision) -> None:
+        settling.set()
+        await trio.sleep_forever()
+
+    async with open_store(pg_dsn, pool_size=4) as store:
+        item_id = await store.enqueue("x", "work")
+        action = Action("work", False, handler, settle=settle)
+        async with running(store, [action], dconfig()) as dispatcher:
+            with trio.fail_after(WAIT):
+                await settling.wait()
+        stats = dispatcher.statistics()
+    assert rows(pg_dsn)[item_id] == ("new", 1, None, True)
+    assert (stats.failed, stats.returned, stats.pending_outcomes) == (0, 1, 0)
 
 
 async def test_claims_follow_finishes_not_only_ticks(pg_dsn: str) -> None:
@@ -652,6 +742,25 @@ async def test_idle_slots_raise_admission(pg_dsn: str) -> None:
             async with running(store, [action], dconfig(), client) as dispatcher:
                 await until(dispatcher, lambda s: s.exec_in_flight == s.exec_base)  # 8 / 2 + CPUs
                 await until(dispatcher, lambda s: s.peak_exec_in_flight >= 7)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_change_of_capacity_claims_at_once(pg_dsn: str) -> None:
+    """The dispatcher watches its broker client: with an hour between ticks, work queued
+    unannounced is claimed as soon as the execserver's capacity changes (a second client
+    arrives), with no wake-up from the application."""
+    async with trio.open_nursery() as nursery, open_store(pg_dsn, pool_size=4) as store:
+        handle = await start_execserver(nursery, slots=4)
+        async with open_broker_client(client_config(address(handle), "watcher")) as client:
+            await client.wait_until(partial(sees_clients, client, 1), timeout=WAIT)
+            config = dconfig(tick_interval=3600.0, heartbeat_interval=30.0)
+            async with running(store, [exec_action(client, "noop", {})], config, client) as d:
+                await until(d, lambda s: s.ticks == 1)  # the first tick found nothing
+                await store.enqueue_many(NewItem(file_ref=str(i), action="noop") for i in range(3))
+                assert d.statistics().ticks == 1
+                async with open_broker_client(client_config(address(handle), "other")):
+                    # claimed at the change (then after each finish), long before the tick
+                    await until(d, lambda s: s.completed == 3)
         nursery.cancel_scope.cancel()
 
 

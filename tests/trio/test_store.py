@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import AsyncIterator
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import attrs
 import psycopg
@@ -12,14 +14,21 @@ import pytest
 import trio
 from trio_broker_daemons.fylr.pgcluster import PgCluster
 
+from trio_broker.trio.dispatcher import Action, Dispatcher, DispatcherConfig
 from trio_broker.trio.schema import Migration, apply_migrations, load_migrations
 from trio_broker.trio.store import (
     ClaimRequest,
+    FailedItem,
     NewItem,
     Outcome,
+    QueueItem,
     Store,
     StoreUnavailable,
+    delete_unclaimed_in,
+    enqueue_in,
+    failed_in,
     open_store,
+    requeue_failed_in,
 )
 
 WAIT = 30.0
@@ -237,7 +246,8 @@ async def test_stale_backends_are_swept_once(store: Store, pg_dsn: str) -> None:
 
     def age(conn: psycopg.Connection[tuple[object, ...]]) -> None:
         conn.execute(
-            "UPDATE backends SET heartbeat = now() - interval '2 hours' WHERE backend_id = 'dead'"
+            "UPDATE broker_backends SET heartbeat = now() - interval '2 hours'"
+            " WHERE backend_id = 'dead'"
         )
 
     await store.call(age)
@@ -293,3 +303,302 @@ async def test_store_survives_a_database_restart(pg_cluster: PgCluster, pg_dsn: 
         assert errors >= 1  # the pooled connections broke with the restart
         assert counts.ready == 3
         assert store.statistics().unavailable == errors
+
+
+# -- the library's table names ---------------------------------------------------------------
+
+
+async def test_an_old_schema_keeps_every_row_under_the_new_names(pg_dsn: str) -> None:
+    """A database at the old names (file_queue, backends) with an application's own
+    migration and new, claimed and failed rows migrates to broker_queue and broker_backends
+    keeping every row as it was; ids go on from where they were, and a dispatcher claims the
+    rows (the one it held before a restart included) while the failed one stays failed."""
+    old = [m for m in load_migrations() if m.version < 3]
+    app = Migration(
+        scope="app", version=1, name="001_app.sql", sql="CREATE TABLE app_files (id bigint);"
+    )
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        assert apply_migrations(conn, [*old, app]) == [("queue", 1), ("queue", 2), ("app", 1)]
+        conn.execute(
+            "INSERT INTO file_queue (file_ref, action, priority, payload) VALUES"
+            " ('r1', 'work', 0, '{\"k\": 1}'), ('r2', 'work', 3, '{}'), ('r3', 'work', -2, '{}')"
+        )
+        conn.execute(
+            "INSERT INTO file_queue (file_ref, action, status, claimed_by, claimed_at, attempts)"
+            " VALUES ('r4', 'work', 'claimed', 'd1', now(), 1)"
+        )
+        conn.execute(
+            "INSERT INTO file_queue (file_ref, action, status, attempts, last_error)"
+            " VALUES ('r5', 'work', 'failed', 2, 'ValueError: bad input')"
+        )
+        conn.execute(
+            "INSERT INTO backends (backend_id, name, view, view_at)"
+            " VALUES ('old', 'O', '{\"n\": 1}', now())"
+        )
+        queue_before = conn.execute("SELECT * FROM file_queue ORDER BY id").fetchall()
+        backends_before = conn.execute("SELECT * FROM backends").fetchall()
+
+    def read(conn: psycopg.Connection[tuple[Any, ...]]) -> tuple[list[Any], list[Any], list[Any]]:
+        queue = conn.execute("SELECT * FROM broker_queue ORDER BY id").fetchall()
+        backends = conn.execute("SELECT * FROM broker_backends").fetchall()
+        gone = conn.execute("SELECT to_regclass('file_queue'), to_regclass('backends')")
+        return queue, backends, gone.fetchall()
+
+    async with open_store(pg_dsn, pool_size=4, migrations=[app]) as store:
+        assert await store.migrate([app]) == []  # open_store applied 003 already
+        queue_after, backends_after, gone = await store.call(read)
+        assert queue_after == queue_before
+        assert backends_after == backends_before
+        assert gone == [(None, None)]
+        assert await store.enqueue("r6", "work") > max(row[0] for row in queue_before)
+        seen: list[str] = []
+
+        async def handler(item: QueueItem) -> None:
+            seen.append(item.file_ref)
+
+        config = DispatcherConfig(backend_id="d1", name="d1", tick_interval=0.2)
+        async with trio.open_nursery() as nursery:
+            dispatcher = Dispatcher(store, [Action("work", False, handler)], config)
+            await nursery.start(dispatcher.serve)
+            with trio.fail_after(WAIT):
+                await dispatcher.wait_until(lambda s: s.completed == 5)
+            nursery.cancel_scope.cancel()
+        assert sorted(seen) == ["r1", "r2", "r3", "r4", "r6"]
+        assert [(f.file_ref, f.reason) for f in await store.failed()] == [
+            ("r5", "ValueError: bad input")
+        ]
+
+
+# -- what an application needs -----------------------------------------------------------------
+
+
+async def test_enqueue_in_commits_and_rolls_back_with_the_callers_transaction(
+    store: Store,
+) -> None:
+    """Items queued with enqueue_in inside an application's transaction appear with its own
+    change when it commits, and vanish with it when it rolls back; a bad priority adds
+    nothing."""
+
+    def create(conn: psycopg.Connection[tuple[Any, ...]]) -> None:
+        conn.execute("CREATE TABLE app_files (id bigint PRIMARY KEY, state text)")
+
+    await store.call(create)
+
+    def hand_on(conn: psycopg.Connection[tuple[Any, ...]], file_id: int, fail: bool) -> list[int]:
+        with conn.transaction():
+            conn.execute("INSERT INTO app_files VALUES (%s, 'sync')", (file_id,))
+            ids = enqueue_in(
+                conn,
+                [
+                    NewItem(file_ref=str(file_id), action="sync", priority=2),
+                    NewItem(file_ref=str(file_id), action="note", payload={"n": 1}),
+                ],
+            )
+            if fail:
+                raise RuntimeError("the application changed its mind")
+            return ids
+
+    with pytest.raises(RuntimeError, match="changed its mind"):
+        await store.call(partial(hand_on, file_id=1, fail=True))
+    assert (await store.counts()).total == 0
+    sync, note = await store.call(partial(hand_on, file_id=2, fail=False))
+    claimed = await store.claim("b1", 5)
+    assert [(c.id, c.file_ref, c.action) for c in claimed] == [
+        (sync, "2", "sync"),
+        (note, "2", "note"),
+    ]
+    assert claimed[1].payload == {"n": 1}
+
+    def states(conn: psycopg.Connection[tuple[Any, ...]]) -> list[Any]:
+        return conn.execute("SELECT id, state FROM app_files").fetchall()
+
+    assert await store.call(states) == [(2, "sync")]
+    with pytest.raises(ValueError, match="32-bit"):
+        await store.call(
+            lambda conn: enqueue_in(
+                conn, [NewItem(file_ref="x", action="a", priority=-(2**31) - 1)]
+            )
+        )
+    assert await store.call(lambda conn: enqueue_in(conn, [])) == []
+    assert (await store.counts()).total == 2
+
+
+async def test_positions_count_the_rows_a_claim_takes_first(store: Store) -> None:
+    """A row's position is the number of ready rows of the same actions the claim order
+    puts before it: claiming exactly that many leaves it, and the next claim takes it;
+    rows not ready yet, of other actions, of other files, failed or gone do not count."""
+    later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(hours=1)
+    ids = await store.enqueue_many(
+        [
+            NewItem(file_ref="f1", action="exec", priority=0),
+            NewItem(file_ref="f2", action="exec", priority=2),
+            NewItem(file_ref="f3", action="exec", priority=0),
+            NewItem(file_ref="f4", action="exec", priority=3),
+            NewItem(file_ref="f5", action="exec", priority=2),
+            NewItem(file_ref="f6", action="exec", priority=9, start_after=later),
+            NewItem(file_ref="f7", action="local", priority=9),
+            NewItem(file_ref="f8", action="exec", priority=-1),
+        ]
+    )
+    refs = [f"f{i}" for i in range(1, 9)]
+    positions = await store.positions(refs, actions=["exec"])
+    ahead = {p.item.file_ref: p.ahead for p in positions}
+    # f4 (3), f2 and f5 (2, by id), f1 and f3 (0, by id), f8 (-1); f6 is not ready yet
+    assert ahead == {"f4": 0, "f2": 1, "f5": 2, "f1": 3, "f3": 4, "f8": 5, "f6": 0}
+    assert [p.item.id for p in positions] == sorted(p.item.id for p in positions)
+    assert all(p.item.status == "new" for p in positions)
+    everything = await store.positions(refs)
+    assert {p.item.file_ref: p.ahead for p in everything}["f2"] == 2  # f7 counts too
+    # the claim order agrees, row by row
+    for ref, count in sorted(ahead.items(), key=lambda pair: pair[1]):
+        if ref == "f6":
+            continue
+        (taken,) = await store.claim("b1", 1, actions=["exec"])
+        assert taken.file_ref == ref, (ref, count)
+        now = {p.item.file_ref: p for p in await store.positions([ref], actions=["exec"])}
+        assert now[ref].item.status == "claimed"
+    assert await store.positions(["nothing"]) == []
+    await store.fail((await store.claim("b1", 1, actions=["local"]))[0], "boom")
+    assert [p.item.file_ref for p in await store.positions(["f7"])] == []
+    assert len(ids) == 8
+
+
+async def test_figures_count_by_state_and_priority(store: Store) -> None:
+    """figures() counts every state per priority (highest first) and in all, as counts()
+    does; an empty queue has no priorities and zero counts."""
+    empty = await store.figures()
+    assert (empty.counts, dict(empty.by_priority)) == (await store.counts(), {})
+    later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(hours=1)
+    await store.enqueue_many(
+        [
+            NewItem(file_ref="a", action="x", priority=4),
+            NewItem(file_ref="b", action="x", priority=4),
+            NewItem(file_ref="c", action="x", priority=0),
+            NewItem(file_ref="d", action="x", priority=0, start_after=later),
+            NewItem(file_ref="e", action="x", priority=-2),
+        ]
+    )
+    first, second = await store.claim("b1", 2)  # both priority 4
+    await store.fail(second, "boom")
+    figures = await store.figures()
+    assert list(figures.by_priority) == [4, 0, -2]
+    as_tuples = {
+        p: (c.ready, c.delayed, c.claimed, c.failed) for p, c in figures.by_priority.items()
+    }
+    assert as_tuples == {4: (0, 0, 1, 1), 0: (1, 1, 0, 0), -2: (1, 0, 0, 0)}
+    assert figures.counts == await store.counts()
+    assert figures.counts.total == 5
+    assert first.priority == 4
+
+
+async def test_failed_rows_are_listed_with_reason_attempts_and_time(store: Store) -> None:
+    """failed() lists the failed rows oldest first, at most ``limit``, each with its reason,
+    attempts and creation time; failed_in reads the same on the caller's connection."""
+    before = datetime.datetime.now(datetime.UTC)
+    await store.enqueue_many(items(4))
+    a, b, c, d = await store.claim("b1", 4)
+    await store.fail(c, "KeyError: gone")
+    await store.fail(a, "ValueError: bad")
+    await store.requeue(b, 0, "NoSlot")
+    (b_again,) = await store.claim("b1", 1)
+    await store.fail(b_again, "RuntimeError: twice")
+    listed = await store.failed()
+    assert [(f.id, f.file_ref, f.reason, f.attempts) for f in listed] == [
+        (a.id, "f0", "ValueError: bad", 1),
+        (b.id, "f1", "RuntimeError: twice", 2),
+        (c.id, "f2", "KeyError: gone", 1),
+    ]
+    assert all(f.created_at >= before - datetime.timedelta(seconds=5) for f in listed)
+    assert listed[0].payload == {"i": 0}
+    assert [f.id for f in await store.failed(limit=2)] == [a.id, b.id]
+    assert await store.call(lambda conn: failed_in(conn, limit=100)) == listed
+    assert d.status == "claimed"
+
+
+async def test_requeue_failed_in_the_callers_transaction(store: Store) -> None:
+    """requeue_failed_in puts failed rows (all, or some ids) back to new inside the caller's
+    transaction: a rollback leaves them failed; a commit makes them claimable, with what had
+    failed noted; rows that are not failed are left alone."""
+    await store.enqueue_many(items(4))
+    a, b, c, d = await store.claim("b1", 4)
+    for item in (a, b, c):
+        await store.fail(item, f"E{item.file_ref}")
+
+    def retry(
+        conn: psycopg.Connection[tuple[Any, ...]], ids: list[int] | None, fail: bool
+    ) -> list[FailedItem]:
+        with conn.transaction():
+            put_back = requeue_failed_in(conn, ids=ids)
+            if fail:
+                raise RuntimeError("the application could not reset its state")
+            return put_back
+
+    with pytest.raises(RuntimeError, match="could not reset"):
+        await store.call(partial(retry, ids=None, fail=True))
+    assert [f.id for f in await store.failed()] == [a.id, b.id, c.id]
+    put_back = await store.call(partial(retry, ids=[c.id, a.id, d.id, 10**9], fail=False))
+    assert [(f.id, f.reason, f.attempts) for f in put_back] == [(a.id, "Ef0", 1), (c.id, "Ef2", 1)]
+    again = await store.item(a.id)
+    assert again is not None
+    assert (again.status, again.last_error) == (
+        "new",
+        "requeued by an operator; it had failed: Ef0",
+    )
+    assert (await store.item(d.id)) == d  # claimed: untouched
+    assert [f.id for f in await store.failed()] == [b.id]
+    assert [i.id for i in await store.claim("b2", 5)] == [a.id, c.id]
+    # the store's own form: every failed row, with a note of the caller's
+    (rest,) = await store.requeue_failed(note="retried by the nightly job")
+    assert rest.id == b.id
+    b_now = await store.item(b.id)
+    assert b_now is not None
+    assert b_now.last_error == "retried by the nightly job; it had failed: Ef1"
+    assert await store.requeue_failed() == []
+
+
+async def test_delete_unclaimed_leaves_claimed_rows_and_other_actions(store: Store) -> None:
+    """delete_unclaimed removes the new and failed rows of one action for some files, in the
+    caller's transaction or on its own; a claimed row, other actions and other files stay."""
+    ids = await store.enqueue_many(
+        [
+            NewItem(file_ref="1", action="produce"),
+            NewItem(file_ref="2", action="produce"),
+            NewItem(file_ref="3", action="produce"),
+            NewItem(file_ref="1", action="sync"),
+            NewItem(file_ref="4", action="produce"),
+        ]
+    )
+    (claimed,) = await store.claim("b1", 1)  # file 1's produce (the lowest id)
+    (failed,) = await store.claim("b1", 1)
+    await store.fail(failed, "boom")  # file 2's produce
+
+    def remove(conn: psycopg.Connection[tuple[Any, ...]]) -> int:
+        with conn.transaction():
+            return delete_unclaimed_in(conn, "produce", ["1", "2", "3"])
+
+    assert await store.call(remove) == 2
+    left = [await store.item(i) for i in ids]
+    assert [i.id for i in left if i is not None] == [claimed.id, ids[3], ids[4]]
+    assert await store.delete_unclaimed("produce", ["4"]) == 1
+    assert await store.delete_unclaimed("produce", []) == 0
+    assert (await store.counts()).total == 2
+
+
+async def test_live_backends_are_those_with_a_recent_heartbeat(store: Store) -> None:
+    """live_backends names, by id, the backends whose heartbeat is younger than the
+    threshold (on the database's clock); an unregistered one is not alive."""
+    assert await store.live_backends(60) == []
+    for backend in ("b2", "b1", "old"):
+        await store.register_backend(backend, backend.upper())
+
+    def age(conn: psycopg.Connection[tuple[Any, ...]]) -> None:
+        conn.execute(
+            "UPDATE broker_backends SET heartbeat = now() - interval '2 minutes'"
+            " WHERE backend_id = 'old'"
+        )
+
+    await store.call(age)
+    assert await store.live_backends(60) == ["b1", "b2"]
+    assert await store.live_backends(3600) == ["b1", "b2", "old"]
+    await store.unregister_backend("b1")
+    assert await store.live_backends(60) == ["b2"]

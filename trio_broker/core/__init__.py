@@ -13,7 +13,10 @@ any module of this folder leaves trio unloaded.
 - :mod:`~trio_broker.core.sansio`, :mod:`~trio_broker.core.liveness`: what both sides share.
 - :mod:`~trio_broker.core.admission`: how much work a dispatcher may have in flight.
 - :mod:`~trio_broker.core.callers`: errors, not requeues, for work a caller waits for.
-- :mod:`~trio_broker.core.supervision`: the verdicts of a running job's watchdog.
+- :mod:`~trio_broker.core.endings`: what a job's end means to its caller: the receipt's
+  rules (interrupted, whole output, the decisive line) and one exception per failure.
+- :mod:`~trio_broker.core.supervision`: the verdicts of a running job's watchdog, and
+  how a job ends (its receipt's status and error from what the runner observed).
 - :mod:`~trio_broker.core.errors`: every exception the library raises, by blame, and
   the protocol's ``ERROR`` codes.
 """

@@ -80,6 +80,7 @@ __all__ = [
     "InstanceLoad",
     "Limits",
     "auto_max_in_flight",
+    "capacity",
     "exec_limit",
     "fair_share",
     "idle_share",
@@ -205,6 +206,16 @@ def fair_share(loads: Iterable[InstanceLoad]) -> int:
     connection counted) is treated as having one.
     """
     return sum(math.ceil(load.processes / max(1, load.clients)) for load in loads)
+
+
+def capacity(loads: Iterable[InstanceLoad]) -> tuple[tuple[str, int, int], ...]:
+    """What of the execservers' loads moves the base: which instances, their slots and clients.
+
+    A dispatcher claims at once when it changes (a first ``HELLO``, an execserver
+    gone, a client more). ``idle`` is left out: it moves with every job, and the
+    rise follows it second by second anyway.
+    """
+    return tuple(sorted((load.instance_id, load.processes, load.clients) for load in loads))
 
 
 def idle_share(loads: Iterable[InstanceLoad]) -> int:

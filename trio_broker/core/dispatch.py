@@ -4,9 +4,10 @@ Theory of operation
 ===================
 
 A dispatcher claims rows of the queue, runs each through the handler of its
-action, and writes how it ended. This module is every decision of that loop,
+action, decides once how it ended, lets the application settle its own state
+by that decision, and writes it. This module is every decision of that loop,
 without I/O: the trio dispatcher (:mod:`trio_broker.trio.dispatcher`) claims,
-runs and writes for it and owns no policy.
+runs, settles and writes for it and owns no policy.
 
 The outcome table
 -----------------
@@ -14,20 +15,21 @@ The outcome table
 A handler ends in one of these outcomes; :data:`OUTCOMES` is the table itself,
 in this order, and :func:`judge` the only reader of it:
 
-=====================  ===============================  =================================
-outcome                the handler…                     the item
-=====================  ===============================  =================================
-``ok``                 returns                          complete: its row is deleted
-``no_slot``            raises ``NoSlot``                requeued after ``retry_delay``
-``stopped``            raises ``JobStopped``            requeued after ``retry_delay``
-``unknown_service``    raises ``UnknownService``        requeued after ``retry_delay``
-``no_execserver``      raises ``NoExecserver``          requeued at once
-``lost``               raises ``JobLost``               requeued at once
-``client_closed``      raises ``ClientClosed``          requeued at once
-``store_unavailable``  raises ``StoreUnavailable``      requeued at once
-``retry_later``        raises ``RetryLater``            requeued after its ``delay``
-``failed``             raises anything else             failed, with the exception's text
-=====================  ===============================  =================================
+=========================  ===============================  =================================
+outcome                    the handler…                     the item
+=========================  ===============================  =================================
+``ok``                     returns                          complete: its row is deleted
+``no_slot``                raises ``NoSlot``                requeued after ``retry_delay``
+``stopped``                raises ``JobStopped``            requeued after ``retry_delay``
+``unknown_service``        raises ``UnknownService``        requeued after ``retry_delay``
+``no_execserver``          raises ``NoExecserver``          requeued at once
+``lost``                   raises ``JobLost``               requeued at once
+``client_closed``          raises ``ClientClosed``          requeued at once
+``store_unavailable``      raises ``StoreUnavailable``      requeued at once
+``retry_later``            raises ``RetryLater``            requeued after its ``delay``
+``service_not_offered``    raises ``ServiceNotOffered``     failed, with the exception's text
+``failed``                 raises anything else             failed, with the exception's text
+=========================  ===============================  =================================
 
 Why. *Later* (``retry_delay``, a minute by default) when trying again at once
 would meet the same wall: every slot was busy for all of ``connect_timeout``
@@ -35,27 +37,42 @@ would meet the same wall: every slot was busy for all of ``connect_timeout``
 whole fleet does during a rolling restart (``stopped``); no execserver offers
 the service, which is what a fleet that is being redeployed looks like, so the
 item waits instead of failing its file (``unknown_service``; the client raises
-it only once no pool can still reach a server offering the service, and an
-application bounds how often it comes back: the reference fylr fails the step
-after ``unknown_service_attempts`` claims, naming the closest offered service).
+it only once no pool can still reach a server offering the service).
 *At once* when the queue itself already holds the item back, or the reason is
 gone by the time it is claimed again: while no execserver is connected nothing
 exec-bound is claimed at all (``no_execserver``); the connection that broke
 under a running job is redialled and other execservers may be free (``lost``);
 this process is closing and another one takes the item (``client_closed``); the
 handler's own database work failed, and the claim loop backs off until the
-database answers (``store_unavailable``). Every step a handler runs must be safe
+database answers (``store_unavailable``). A handler's own temporary reason
+(``retry_later``) names its delay, or leaves it to ``retry_delay``
+(``RetryLater(None, …)``). Every step a handler runs must be safe
 to run twice for that to hold: the item may have done its work before its end
 was lost. Anything else is a bug or bad input that would fail the same way
 again, so the item fails and its row keeps the text for someone to read
-(``failed``).
+(``failed``): a job that ran and failed
+(:class:`~trio_broker.core.endings.JobFailed`, whose text is the receipt's decisive
+line) is one of these.
+
+*Bounded.* A service nobody offers may be a fleet being redeployed, or a recipe
+naming a service that does not exist (a misspelling), which would wait for ever.
+So ``unknown_service`` is bounded per action
+(:attr:`DispatchConfig.unknown_service_attempts`): from the claim that reaches
+the bound on, an ``UnknownService`` is judged as the
+:class:`~trio_broker.core.errors.ServiceNotOffered` it has become
+(``ServiceNotOffered: <its text>, after <attempts> attempts``), which fails the
+item (``service_not_offered``). The bound is the core's alone: whatever rule
+decides that a service will not come (today the count of claims) changes here,
+and the application only learns the decision.
 
 Exception groups are judged by the same table: the group is split by each
 row's exception types in turn (:meth:`BaseExceptionGroup.split`), what no row
 takes is ``failed``, and of the parts, a failure wins (a bug must surface, not
 be retried forever), else the longest delay (the most patient reason is the
 safe one), ties going to the earlier row. A group of one exception is judged
-as that exception.
+as that exception. A verdict names its :attr:`~Verdict.cause`: the exception of
+the deciding part (its first leaf), for the application to describe the
+decision with (a receipt, a notice), never to change it.
 
 Queued steps and waiting callers
 --------------------------------
@@ -79,9 +96,15 @@ The bookkeeping
   more than ``max_in_flight``), even ones never exceed the limit, and local-bound
   ones never exceed the local limit plus its odd reserve (even ones the limit);
 - the items in flight: exec-bound (all, and odd ones) and local-bound counts,
-  the peak, from the claim until :meth:`~DispatchCore.finished` (a decision) or
-  :meth:`~DispatchCore.abandoned` (cancelled at shutdown: no decision, the row
-  goes back to the queue);
+  the peak, from the claim until :meth:`~DispatchCore.finished` (the one
+  decision) or :meth:`~DispatchCore.abandoned` (cancelled at shutdown: no
+  decision, the row goes back to the queue);
+- the decisions being settled: the application moves its own state by the
+  decision (a file back to where its step started, or to its error) before the
+  decision may be written (:meth:`~DispatchCore.settled`); cancelled at
+  shutdown meanwhile, the item is abandoned and its row goes back (every
+  settling is fenced by the state it expects, so the step's next run finds its
+  way);
 - the decisions not yet written, handed out one batch at a time
   (:meth:`~DispatchCore.take_outcomes`, then :meth:`~DispatchCore.written` or
   :meth:`~DispatchCore.write_failed`);
@@ -91,7 +114,7 @@ The bookkeeping
 
 Invariants (:meth:`DispatchCore.check_invariants`): the counts in flight are
 the running items' counts; every unwritten row is exactly one of running,
-decided (pending or being written) or abandoned; a row has at most one
+settling, decided (pending or being written) or abandoned; a row has at most one
 decision; the peak is at least what is in flight. Each claimed row therefore
 ends with exactly one written outcome, or goes back to the queue.
 
@@ -100,7 +123,7 @@ Everything here is pure: no trio, no I/O, no clock.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final, Literal, Protocol, TypeAlias
 
 import attrs
@@ -122,6 +145,7 @@ from trio_broker.core.errors import (
     NoExecserver,
     NoSlot,
     RetryLater,
+    ServiceNotOffered,
     StoreUnavailable,
     UnknownService,
     describe,
@@ -152,6 +176,7 @@ OutcomeName: TypeAlias = Literal[
     "client_closed",
     "store_unavailable",
     "retry_later",
+    "service_not_offered",
     "failed",
 ]
 """The rows of the outcome table."""
@@ -195,12 +220,15 @@ OUTCOMES: Final[tuple[Rule, ...]] = (
     Rule("client_closed", (ClientClosed,), "requeue", "at_once"),
     Rule("store_unavailable", (StoreUnavailable,), "requeue", "at_once"),
     Rule("retry_later", (RetryLater,), "requeue", "raised"),
+    Rule("service_not_offered", (ServiceNotOffered,), "fail", None),
     Rule("failed", (), "fail", None),
 )
 """The outcome table of the module docstring, row by row."""
 
 _FAILED: Final = OUTCOMES[-1]
 _RAISED: Final = tuple(rule for rule in OUTCOMES if rule.raised)
+_NOT_OFFERED: Final = next(rule for rule in OUTCOMES if rule.outcome == "service_not_offered")
+_ROW: Final = {rule.outcome: index for index, rule in enumerate(OUTCOMES)}
 
 
 @attrs.frozen(kw_only=True)
@@ -212,35 +240,71 @@ class Verdict:
         kind: what is written.
         delay: seconds before a requeued item may be claimed again (0 otherwise).
         error: the text stored as the row's ``last_error`` (``None`` for ``ok``).
+        cause: the exception of the deciding part (its first leaf; for
+            ``service_not_offered`` the ``ServiceNotOffered`` the bound made),
+            ``None`` for ``ok``: what the application describes the decision
+            with. Not part of the value (equality and repr leave it out).
     """
 
     outcome: OutcomeName
     kind: Kind
     delay: float = 0.0
     error: str | None = None
+    cause: BaseException | None = attrs.field(default=None, eq=False, repr=False)
 
 
 _OK_VERDICT: Final = Verdict(outcome="ok", kind="complete")
 
 
-def judge(exc: BaseException | None, *, retry_delay: float) -> Verdict:
+@attrs.frozen(kw_only=True)
+class _Judging:
+    """What a verdict depends on besides the exception."""
+
+    retry_delay: float
+    attempts: int
+    unknown_service_attempts: int | None
+
+    @property
+    def bounded(self) -> bool:
+        """Whether an ``UnknownService`` has become a ``ServiceNotOffered``."""
+        limit = self.unknown_service_attempts
+        return limit is not None and self.attempts >= limit
+
+
+def judge(
+    exc: BaseException | None,
+    *,
+    retry_delay: float,
+    attempts: int = 0,
+    unknown_service_attempts: int | None = None,
+) -> Verdict:
     """Judge one handler's end by the outcome table.
 
     Args:
         exc: what the handler raised (an exception group is judged as the
             module docstring says), or ``None`` when it returned.
         retry_delay: the delay of the rows that requeue *later*.
+        attempts: how often the item has been claimed, this claim included.
+        unknown_service_attempts: the bound of ``unknown_service``: from this
+            many attempts on, an ``UnknownService`` is judged as a
+            ``ServiceNotOffered`` (``None``: unbounded).
 
     Returns:
-        The verdict: the deciding row, what to write, the delay and the text.
+        The verdict: the deciding row, what to write, the delay, the text and
+        the cause.
     """
     if exc is None:
         return _OK_VERDICT
+    how = _Judging(
+        retry_delay=retry_delay,
+        attempts=attempts,
+        unknown_service_attempts=unknown_service_attempts,
+    )
     if not isinstance(exc, BaseExceptionGroup):
         for rule in _RAISED:
             if isinstance(exc, rule.raised):
-                return _verdict(rule, exc, retry_delay)
-        return _verdict(_FAILED, exc, retry_delay)
+                return _verdict(rule, exc, how)
+        return _verdict(_FAILED, exc, how)
     parts: list[Verdict] = []
     rest: BaseExceptionGroup[BaseException] | None = exc
     for rule in _RAISED:
@@ -248,21 +312,33 @@ def judge(exc: BaseException | None, *, retry_delay: float) -> Verdict:
             break
         matched, rest = rest.split(rule.raised)
         if matched is not None:
-            parts.append(_verdict(rule, matched, retry_delay))
+            parts.append(_verdict(rule, matched, how))
     if rest is not None:
-        parts.append(_verdict(_FAILED, rest, retry_delay))
+        parts.append(_verdict(_FAILED, rest, how))
     # a failure wins, else the longest delay; max() keeps the earliest row of a tie
-    return max(parts, key=lambda v: (v.kind == "fail", v.delay))
+    return max(parts, key=lambda v: (v.kind == "fail", v.delay, -_ROW[v.outcome]))
 
 
-def _verdict(rule: Rule, exc: BaseException, retry_delay: float) -> Verdict:
+def _verdict(rule: Rule, exc: BaseException, how: _Judging) -> Verdict:
+    leaves = list(_leaves(exc))
+    if rule.outcome == "unknown_service" and how.bounded:
+        texts = "; ".join(str(leaf) for leaf in leaves)
+        bounded = ServiceNotOffered(f"{texts}, after {how.attempts} attempts")
+        bounded.__cause__ = leaves[0]
+        return _verdict(_NOT_OFFERED, bounded, how)
     if rule.delay == "retry_delay":
-        delay = retry_delay
+        delay = how.retry_delay
     elif rule.delay == "raised":
-        delay = max(e.delay for e in _leaves(exc) if isinstance(e, RetryLater))
+        delay = max(
+            how.retry_delay if e.delay is None else e.delay
+            for e in leaves
+            if isinstance(e, RetryLater)
+        )
     else:
         delay = 0.0
-    return Verdict(outcome=rule.outcome, kind=rule.kind, delay=delay, error=describe(exc))
+    return Verdict(
+        outcome=rule.outcome, kind=rule.kind, delay=delay, error=describe(exc), cause=leaves[0]
+    )
 
 
 def _leaves(exc: BaseException) -> Iterator[BaseException]:
@@ -317,6 +393,10 @@ def _not_negative(instance: object, attribute: attrs.Attribute[Any], value: floa
         raise ValueError(f"{attribute.name} must be at least 0, got {value}")
 
 
+def _copied(attempts: Mapping[str, int]) -> dict[str, int]:
+    return dict(attempts)
+
+
 @attrs.frozen(kw_only=True)
 class DispatchConfig:
     """What the dispatch core decides with.
@@ -330,6 +410,10 @@ class DispatchConfig:
         admission: CPU count, odd reserve, ``max_in_flight`` and the database pool
             the automatic cap follows (:mod:`trio_broker.core.admission`).
         retry_delay: the delay of the rows that requeue *later* (seconds).
+        unknown_service_attempts: the bound of ``unknown_service`` per action
+            (see the module docstring): from its item's this-many-th claim on, an
+            ``UnknownService`` fails the item as ``ServiceNotOffered``; an action
+            not named here waits for its service as long as it takes.
     """
 
     exec_actions: frozenset[str] = frozenset()
@@ -337,6 +421,9 @@ class DispatchConfig:
     local_limit: int = attrs.field(default=1, validator=_not_negative)
     admission: AdmissionConfig = attrs.field(factory=AdmissionConfig)
     retry_delay: float = attrs.field(default=60.0, validator=_not_negative)
+    unknown_service_attempts: Mapping[str, int] = attrs.field(
+        factory=dict, converter=_copied, hash=False
+    )
 
     def __attrs_post_init__(self) -> None:
         both = self.exec_actions & self.local_actions
@@ -344,6 +431,13 @@ class DispatchConfig:
             raise ValueError(f"actions both exec- and local-bound: {sorted(both)}")
         if self.local_actions and self.local_limit < 1:
             raise ValueError("local_limit must be at least 1 when there are local actions")
+        for action, attempts in self.unknown_service_attempts.items():
+            if action not in self.exec_actions | self.local_actions:
+                raise ValueError(f"unknown_service_attempts names an unknown action {action!r}")
+            if attempts < 1:
+                raise ValueError(
+                    f"unknown_service_attempts[{action!r}] must be at least 1, got {attempts}"
+                )
 
     @property
     def local_reserve(self) -> int:
@@ -373,6 +467,7 @@ class DispatchStatistics:
         fenced: outcomes written that no longer counted (the row was requeued meanwhile).
         returned: rows returned to the queue (an earlier life's, a lost claim's,
             and at shutdown).
+        settling: decisions the application is settling (not yet to be written).
         pending_outcomes: decisions not yet written.
         unwritten: rows claimed whose outcome is not written.
     """
@@ -397,6 +492,7 @@ class DispatchStatistics:
     failed: int
     fenced: int
     returned: int
+    settling: int
     pending_outcomes: int
     unwritten: int
 
@@ -409,7 +505,8 @@ class DispatchCore:
 
     Inputs are method calls in the order the loop meets them: a claim is
     :meth:`plan`, then :meth:`claimed` or :meth:`claim_failed`; an item's end is
-    :meth:`finished` or :meth:`abandoned`; a write is :meth:`take_outcomes`, then
+    :meth:`finished` (the decision), then :meth:`settled`, or :meth:`abandoned`
+    at any point before; a write is :meth:`take_outcomes`, then
     :meth:`written` or :meth:`write_failed`. Misuse raises
     :class:`~trio_broker.core.errors.DispatchUsageError` before anything changes.
 
@@ -420,6 +517,7 @@ class DispatchCore:
     def __init__(self, config: DispatchConfig) -> None:
         self.config = config
         self._running: dict[Key, ClaimedItem] = {}
+        self._settling: dict[Key, Decision] = {}
         self._abandoned: set[Key] = set()
         self._pending: list[Decision] = []
         self._writing: list[Decision] = []
@@ -580,8 +678,13 @@ class DispatchCore:
     def finished(self, item: ClaimedItem, exc: BaseException | None) -> Decision:
         """An item's handler ended: returned (``exc`` is ``None``) or raised ``exc``.
 
+        The item is no longer in flight. Its decision is the only one it gets: the
+        application settles its own state by it, then reports :meth:`settled`
+        (at once when it has nothing to settle), and only then is it written.
+
         Returns:
-            The decision (by :func:`judge`), queued for writing.
+            The decision, by :func:`judge` with this item's attempts and its
+            action's bound of ``unknown_service``.
 
         Raises:
             DispatchUsageError: the item is not running; nothing changed.
@@ -589,25 +692,46 @@ class DispatchCore:
         key = (item.id, item.attempts)
         if key not in self._running:
             raise DispatchUsageError(f"item {item.id} (attempt {item.attempts}) is not running")
-        decision = Decision(
-            item_id=item.id,
+        verdict = judge(
+            exc,
+            retry_delay=self.config.retry_delay,
             attempts=item.attempts,
-            verdict=judge(exc, retry_delay=self.config.retry_delay),
+            unknown_service_attempts=self.config.unknown_service_attempts.get(item.action),
         )
+        decision = Decision(item_id=item.id, attempts=item.attempts, verdict=verdict)
         self._stop_running(key)
-        self._pending.append(decision)
+        self._settling[key] = decision
         return decision
 
-    def abandoned(self, item: ClaimedItem) -> None:
-        """An item's handler was cancelled (shutdown): no decision; its row goes back.
+    def settled(self, decision: Decision) -> None:
+        """The application settled its state by ``decision``: it is queued for writing.
 
         Raises:
-            DispatchUsageError: the item is not running; nothing changed.
+            DispatchUsageError: the decision is not being settled; nothing changed.
+        """
+        key = decision.key
+        if self._settling.get(key) is not decision:
+            raise DispatchUsageError(
+                f"item {decision.item_id} (attempt {decision.attempts}) is not being settled"
+            )
+        del self._settling[key]
+        self._pending.append(decision)
+
+    def abandoned(self, item: ClaimedItem) -> None:
+        """An item's handler or settling was cancelled (shutdown): no decision is written;
+        its row goes back.
+
+        Raises:
+            DispatchUsageError: the item is neither running nor being settled;
+                nothing changed.
         """
         key = (item.id, item.attempts)
-        if key not in self._running:
-            raise DispatchUsageError(f"item {item.id} (attempt {item.attempts}) is not running")
-        self._stop_running(key)
+        if key in self._running:
+            self._stop_running(key)
+        elif self._settling.pop(key, None) is None:
+            raise DispatchUsageError(
+                f"item {item.id} (attempt {item.attempts}) is neither running nor settling"
+            )
         self._abandoned.add(key)
 
     def _stop_running(self, key: Key) -> None:
@@ -703,8 +827,11 @@ class DispatchCore:
         Raises:
             DispatchUsageError: an item is still running; nothing changed.
         """
-        if self._running:
-            raise DispatchUsageError(f"stopped() while {len(self._running)} items run")
+        if self._running or self._settling:
+            raise DispatchUsageError(
+                f"stopped() while {len(self._running)} items run and "
+                f"{len(self._settling)} are being settled"
+            )
         self._closed = True
         if returned is not None:
             self._counts["returned"] += returned
@@ -742,6 +869,7 @@ class DispatchCore:
             failed=c["failed"],
             fenced=c["fenced"],
             returned=c["returned"],
+            settling=len(self._settling),
             pending_outcomes=self.pending,
             unwritten=len(self._unwritten),
         )
@@ -763,9 +891,12 @@ class DispatchCore:
         assert self._peak_exec >= self._exec_in_flight, "peak"
         decided = [d.key for d in (*self._writing, *self._pending)]
         assert len(decided) == len(set(decided)), "a claim decided twice"
-        parts = (set(self._running), set(decided), self._abandoned)
+        assert all(key == d.key for key, d in self._settling.items()), "settling keys"
+        parts = (set(self._running), set(self._settling), set(decided), self._abandoned)
         assert sum(len(part) for part in parts) == len(self._unwritten), "unwritten overlaps"
-        assert set().union(*parts) == self._unwritten, "unwritten != running + decided + abandoned"
+        assert set().union(*parts) == self._unwritten, (
+            "unwritten != running + settling + decided + abandoned"
+        )
 
 
 # -- back-off ------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Theory of operation
 ===================
 
 An exception answers one question for whoever catches it: *who has to do
-something?* The tree has three branches, one per answer::
+something?* The tree has four branches, one per answer::
 
     Exception
     ├── ProtocolError ·············· remote: the peer broke the wire protocol
@@ -12,15 +12,18 @@ something?* The tree has three branches, one per answer::
     │   ├── BrokerUsageError             the execserver core (core.broker)
     │   ├── ClientUsageError             the client core (core.client)
     │   └── DispatchUsageError           the dispatch core (core.dispatch)
-    └── BrokerError ················ operational: the work could not reach a known end
-        ├── NoSlot                       no slot within connect_timeout
-        ├── NoExecserver                 no execserver reachable (or all drain)
-        ├── UnknownService               no reachable execserver offers the service
-        ├── JobLost                      the connection holding the slot closed
-        ├── ClientClosed                 the client closed while the job waited or ran
-        ├── JobStopped                   the execserver stopped the job before its end
-        ├── StoreUnavailable             the queue database could not be reached
-        └── RetryLater                   a handler's own reason to try again later
+    ├── BrokerError ················ operational: the work could not reach a known end
+    │   ├── NoSlot                       no slot within connect_timeout
+    │   ├── NoExecserver                 no execserver reachable (or all drain)
+    │   ├── UnknownService               no reachable execserver offers the service
+    │   ├── JobLost                      the connection holding the slot closed
+    │   ├── ClientClosed                 the client closed while the job waited or ran
+    │   ├── JobStopped                   the execserver stopped the job before its end
+    │   ├── StoreUnavailable             the queue database could not be reached
+    │   └── RetryLater                   a handler's own reason to try again later
+    └── WorkFailed ················· the work: as it stands it fails again, every time
+        ├── JobFailed                    the job ran and failed (core.endings: its receipt)
+        └── ServiceNotOffered            no execserver offered the service, claim after claim
 
 **Remote.** :class:`ProtocolError` is raised only by the codec
 (:func:`trio_broker.core.protocol.decode`); the cores catch it and answer with an
@@ -38,6 +41,14 @@ on (a slot, an execserver, a connection, the database) was not there or went
 away: nobody's code is wrong, and trying again later may succeed. What a queue
 does with each one (requeue at once, requeue later, or fail the item) is the
 table of :mod:`trio_broker.core.dispatch`, the one place that decides it.
+
+**The work.** A :class:`WorkFailed` means the work itself is at fault: the job ran
+to its end and failed (a corrupt input, a converter's own failure, a time or memory
+limit it exceeded: :class:`~trio_broker.core.endings.JobFailed`, which carries the
+receipt), or the service it names was offered by no execserver however often the
+item came back (:class:`ServiceNotOffered`). Running it again as it is fails again:
+a queue fails the item and keeps the reason until someone fixes the input or the
+recipe and requeues it.
 
 :func:`describe` renders any of them (or an exception group of them) as the
 one-line text the queue stores and the logs show.
@@ -60,9 +71,11 @@ __all__ = [
     "NoSlot",
     "ProtocolError",
     "RetryLater",
+    "ServiceNotOffered",
     "StoreUnavailable",
     "UnknownService",
     "UsageError",
+    "WorkFailed",
     "describe",
 ]
 
@@ -191,17 +204,42 @@ class RetryLater(BrokerError):
     """A handler's own temporary reason: requeue the item after ``delay`` seconds.
 
     Args:
-        delay: seconds before the item may be claimed again (negative counts as 0).
+        delay: seconds before the item may be claimed again (negative counts as 0);
+            ``None``: after the queue's own ``retry_delay``, the delay of every
+            reason that tries again *later*.
         reason: stored as the item's ``last_error``.
     """
 
-    def __init__(self, delay: float, reason: str) -> None:
+    def __init__(self, delay: float | None, reason: str) -> None:
         super().__init__(delay, reason)
-        self.delay = max(0.0, float(delay))
+        self.delay = None if delay is None else max(0.0, float(delay))
         self.reason = reason
 
     def __str__(self) -> str:
+        if self.delay is None:
+            return f"retry later: {self.reason}"
         return f"retry in {self.delay:g} s: {self.reason}"
+
+
+# -- the work ----------------------------------------------------------------------------
+
+
+class WorkFailed(Exception):
+    """Base class of the failures of the work itself: as it stands, it fails again.
+
+    A queue fails the item with the reason (it is not retried until someone
+    fixes the input or the recipe and requeues it).
+    """
+
+
+class ServiceNotOffered(WorkFailed):
+    """No execserver offered the service, however often the item came back.
+
+    The dispatch core decides it, from an item's ``UnknownService`` once the item
+    has been claimed as often as its action allows
+    (:class:`~trio_broker.core.dispatch.DispatchConfig`): a recipe that names a
+    service nobody offers (a misspelling) fails instead of waiting for ever.
+    """
 
 
 def describe(exc: BaseException) -> str:

@@ -4,7 +4,11 @@ The runner samples a job's process group every second or so and feeds the number
 to a :class:`Watchdog`; the watchdog answers with a :class:`Verdict` when the job
 must end, or ``None``. A :class:`MemoryBudget` shared by every running job says
 which job to end when all of them together use more memory than the host allows.
-Time is an argument everywhere, so tests drive these objects with plain numbers.
+When the job has ended, the functions of *How a job ends* turn what the runner
+observed (the first of: its leader exited, a verdict, an abort, a pipe failure;
+its exit status; what its pipes did) into the receipt's status and error, so the
+runner only observes and reports. Time is an argument everywhere, so tests drive
+these objects with plain numbers.
 
 Theory of operation
 -------------------
@@ -44,24 +48,57 @@ A verdict is final: later samples return the same verdict. Deadlines compare
 with the same sums that :meth:`Watchdog.next_deadline` returns, so a caller that
 sleeps until the next deadline and samples then always gets the verdict (no
 spinning on float rounding).
+
+How a job ends
+--------------
+
+The runner ends a job early for the first of four reasons, an :class:`Ending`
+each: a verdict (:func:`verdict_ending`), the memory budget
+(:func:`budget_verdict`, then :func:`verdict_ending`), an abort of the execserver
+(``stopped`` while draining, ``cancelled`` by the client: :func:`abort_ending`), or a
+pipe that failed (:func:`pipe_ending`: ``stopped``, the stream's failure is no
+verdict on the command). Otherwise its leader exits on its own. Then:
+
+1. **A stall that was the network's.** A job that made no progress for its whole
+   stall window while one of its pipes waited on the network that long (the
+   in-pipe for the body's next bytes, the out-pipe for a chunk to be taken,
+   :class:`PipeWait`) was held up by that stream: its ending is ``stopped``
+   naming the stream, not ``stalled`` (run it again; the command was not at
+   fault). The bytes a pipe last moved counted as progress, so the job's last
+   progress came no earlier than the wait began.
+2. **The command's end** (:func:`command_end`): an ending wins; else exit status
+   0 is ``ok``, a positive one ``failed`` (``exit status N``), a signal
+   ``failed`` (``killed by signal N``).
+3. **What the pipes say** (:func:`receipt_end`): an ``ok`` command whose pipe
+   failed is ``stopped`` with the pipe's sentence (its output or input is not
+   whole); an output stream aborted in mid-transfer is named in the error.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from typing import Generic, Literal, TypeAlias, TypeVar
 
 import attrs
 
+from trio_broker.core.protocol import Status
+
 __all__ = [
+    "Ending",
     "MemoryBudget",
+    "PipeWait",
     "Verdict",
     "VerdictStatus",
     "Watchdog",
+    "abort_ending",
     "budget_verdict",
+    "command_end",
     "format_bytes",
     "format_duration",
+    "pipe_ending",
+    "receipt_end",
+    "verdict_ending",
 ]
 
 VerdictStatus: TypeAlias = Literal["timed_out", "stalled", "out_of_memory"]
@@ -345,3 +382,129 @@ class MemoryBudget(Generic[K]):
         if self._used <= self._total:
             return None
         return max(self._rss, key=self._rss.__getitem__)
+
+
+# -- how a job ends -----------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Ending:
+    """Why the runner ended a job before its leader exited: the receipt's status and error."""
+
+    status: Status
+    error: str
+
+
+@attrs.frozen(kw_only=True)
+class PipeWait:
+    """One of a job's pipes waiting on the network, as the runner observed it.
+
+    Attributes:
+        stream: ``input`` (the in-pipe waits for the body's next bytes) or
+            ``output`` (the out-pipe waits for a chunk to be taken).
+        where: the pipe's URL, for the sentence.
+        since: when the wait began (the runner's monotonic clock).
+        moved: the bytes the pipe had moved by then.
+    """
+
+    stream: Literal["input", "output"]
+    where: str
+    since: float
+    moved: int
+
+    def sentence(self, silent: float) -> str:
+        """The receipt's error for a job this wait held up for ``silent`` seconds."""
+        if self.stream == "input":
+            return (
+                f"the input stream from {self.where} moved no bytes for {silent:.1f}s "
+                f"after {self.moved} bytes: the network or the client went silent"
+            )
+        return (
+            f"the output stream to {self.where} took no bytes for {silent:.1f}s after "
+            f"{self.moved} bytes: the network or the client went silent"
+        )
+
+
+def verdict_ending(
+    verdict: Verdict,
+    *,
+    waits: Iterable[PipeWait] = (),
+    now: float = 0.0,
+    window: float | None = None,
+) -> Ending:
+    """The ending of a job for a verdict (rule 1 of *How a job ends*).
+
+    Args:
+        verdict: the watchdog's (or the memory budget's) verdict.
+        waits: the job's pipes that wait on the network now (the input first).
+        now: the time of the verdict.
+        window: the job's stall window (``None``: no stall supervision).
+
+    Returns:
+        ``stopped`` naming the stream, for a stall while a pipe waited at least
+        the whole window; else the verdict's own status and error.
+    """
+    if verdict.status == "stalled" and window is not None:
+        for wait in waits:
+            silent = now - wait.since
+            if silent >= window:
+                return Ending(status="stopped", error=wait.sentence(silent))
+    return Ending(status=verdict.status, error=verdict.error)
+
+
+def abort_ending(status: Status, reason: str) -> Ending:
+    """The ending of a job the execserver aborted (``stopped`` draining, ``cancelled``)."""
+    return Ending(status=status, error=reason)
+
+
+def pipe_ending(error: str) -> Ending:
+    """The ending of a job whose pipe failed: ``stopped`` (the stream's failure, not the
+    command's), with the pipe's sentence."""
+    return Ending(status="stopped", error=error)
+
+
+def command_end(ending: Ending | None, exit_code: int) -> tuple[Status, str | None]:
+    """A command's status and error from its ending (if any) and its leader's exit status.
+
+    Args:
+        ending: why the runner ended it, ``None`` when its leader exited on its own.
+        exit_code: the leader's exit status (negative: minus the signal number).
+
+    Returns:
+        The ending's; else ``ok`` for 0, ``failed`` with ``exit status N`` or
+        ``killed by signal N``.
+    """
+    if ending is not None:
+        return ending.status, ending.error
+    if exit_code == 0:
+        return "ok", None
+    if exit_code > 0:
+        return "failed", f"exit status {exit_code}"
+    return "failed", f"killed by signal {-exit_code}"
+
+
+def receipt_end(
+    status: Status,
+    error: str | None,
+    *,
+    pipe_fault: str | None,
+    output_aborted_after: int | None,
+) -> tuple[Status, str | None]:
+    """The receipt's status and error: the command's end as its pipes amend it.
+
+    Args:
+        status, error: the command's end (:func:`command_end`).
+        pipe_fault: the first pipe failure's sentence, ``None`` when none failed.
+        output_aborted_after: the bytes the out-pipe had sent when its transfer
+            was aborted, ``None`` when it was not.
+
+    Returns:
+        ``stopped`` with the pipe's sentence for an ``ok`` command whose pipe
+        failed; otherwise the command's end, its error naming an aborted output
+        stream.
+    """
+    if output_aborted_after is not None:
+        error = f"{error}; the output stream was aborted after {output_aborted_after} bytes"
+    if status == "ok" and pipe_fault is not None:
+        return "stopped", pipe_fault
+    return status, error

@@ -14,24 +14,27 @@ through every one of its inputs, in any order the dispatcher loop allows: claim
 plans over random execserver loads, claim replies and lost claims (which may
 have taken rows unseen) with their reconciliation, the end of each item in each
 outcome of the table (alone, in a group of one, nested, or beside another
-outcome), cancellations at shutdown, writes that succeed, fail, or commit
-unseen, and shutdown with the database reachable or not. Beside the core run two
-plain models:
+outcome; an ``UnknownService`` before and after its action's bound), the
+application settling each decision, cancellations at shutdown (of a running
+handler or of a settling), writes that succeed, fail, or commit unseen, and
+shutdown with the database reachable or not. Beside the core run two plain
+models:
 
 - :class:`QueueModel`, the database: rows, claims in priority order (the odd-only
   request, as the store does it), outcomes fenced to their claim, a stale-backend
   sweep that requeues the rows under a running item, and returning rows. It
   records how each claim left the state *claimed by this backend*;
 - :class:`ReferenceDispatch`, an obviously correct re-statement of the core:
-  counts kept from lists, the outcome table as a plain dictionary, the claim
-  plan as a few lines of arithmetic (the admission limit itself comes from
+  counts kept from lists, the outcome table as plain sets (and its bound as one
+  comparison), the claim plan as a few lines of arithmetic (the admission limit itself comes from
   its own :class:`~trio_broker.core.admission.Admission`, fed the same figures
   and clock, which has its own tests).
 
 After every step the machine checks that:
 
-1. the plan, each verdict, each batch of decisions to write and every statistic
-   of the core equal the reference's;
+1. the plan, each verdict (and its cause), each batch of decisions to write and
+   every statistic of the core equal the reference's; a decision is written only
+   once it was settled;
 2. what is in flight never exceeds the limit plus the odd reserve, nor the cap
    (``max_in_flight``), and even items never exceed the limit; local-bound items
    never exceed the local limit plus its odd reserve, even ones the local limit
@@ -47,7 +50,7 @@ After every step the machine checks that:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Literal, TypeAlias
 
 import attrs
@@ -71,7 +74,7 @@ from trio_broker.core.admission import (
     InstanceLoad,
     local_reserve,
 )
-from trio_broker.core.dispatch import DispatchConfig, DispatchCore
+from trio_broker.core.dispatch import Decision, DispatchConfig, DispatchCore
 from trio_broker.core.errors import (
     ClientClosed,
     JobLost,
@@ -79,6 +82,7 @@ from trio_broker.core.errors import (
     NoExecserver,
     NoSlot,
     RetryLater,
+    ServiceNotOffered,
     StoreUnavailable,
     UnknownService,
 )
@@ -102,6 +106,7 @@ _ORDER = (
     "client_closed",
     "store_unavailable",
     "retry_later",
+    "service_not_offered",
     "failed",
 )
 _LATER = {"no_slot", "stopped", "unknown_service"}
@@ -114,16 +119,18 @@ _RAISE: dict[str, Any] = {
     "lost": JobLost,
     "client_closed": ClientClosed,
     "store_unavailable": StoreUnavailable,
+    "service_not_offered": ServiceNotOffered,
     "failed": ValueError,
 }
 
 
 @attrs.frozen
 class Part:
-    """One exception a handler raises: its outcome and, for ``retry_later``, its delay."""
+    """One exception a handler raises: its outcome and, for ``retry_later``, its delay
+    (``None``: the dispatcher's ``retry_delay``)."""
 
     outcome: str
-    delay: float = 0.0
+    delay: float | None = 0.0
 
     def exception(self, message: str) -> Exception:
         if self.outcome == "retry_later":
@@ -141,23 +148,30 @@ class Shape:
     parts: tuple[Part, ...]
 
 
-def expected_verdict(shape: Shape, retry_delay: float) -> tuple[str, str, float]:
-    """(outcome, kind, delay) the table gives ``shape``, worked out the plain way."""
+def expected_verdict(
+    shape: Shape, retry_delay: float, *, attempts: int = 0, bound: int | None = None
+) -> tuple[str, str, float]:
+    """(outcome, kind, delay) the table gives ``shape``, worked out the plain way, for an
+    item claimed ``attempts`` times whose action bounds ``unknown_service`` at ``bound``."""
     judged = []
     for part in shape.parts:
-        if part.outcome == "ok":
+        outcome = part.outcome
+        if outcome == "unknown_service" and bound is not None and attempts >= bound:
+            outcome = "service_not_offered"
+        if outcome == "ok":
             judged.append(("ok", "complete", 0.0))
-        elif part.outcome == "failed":
-            judged.append(("failed", "fail", 0.0))
-        elif part.outcome in _LATER:
-            judged.append((part.outcome, "requeue", retry_delay))
-        elif part.outcome in _AT_ONCE:
-            judged.append((part.outcome, "requeue", 0.0))
+        elif outcome in ("failed", "service_not_offered"):
+            judged.append((outcome, "fail", 0.0))
+        elif outcome in _LATER:
+            judged.append((outcome, "requeue", retry_delay))
+        elif outcome in _AT_ONCE:
+            judged.append((outcome, "requeue", 0.0))
         else:
-            judged.append(("retry_later", "requeue", part.delay))
+            delay = retry_delay if part.delay is None else part.delay
+            judged.append(("retry_later", "requeue", delay))
     failures = [j for j in judged if j[1] == "fail"]
     if failures:
-        return failures[0]
+        return min(failures, key=lambda j: _ORDER.index(j[0]))
     longest = max(j[2] for j in judged)
     return min((j for j in judged if j[2] == longest), key=lambda j: _ORDER.index(j[0]))
 
@@ -179,7 +193,9 @@ def raised(shape: Shape) -> BaseException | None:
 _raising = st.sampled_from([o for o in _ORDER if o != "ok"])
 # In a pair the precedence rules matter: failures and RetryLaters (whose delays
 # compete) come up more often there.
-_paired = st.sampled_from([o for o in _ORDER if o != "ok"] + ["failed", "retry_later"] * 2)
+_paired = st.sampled_from(
+    [o for o in _ORDER if o != "ok"] + ["failed", "retry_later", "unknown_service"] * 2
+)
 
 
 @st.composite
@@ -191,7 +207,7 @@ def shapes(draw: st.DrawFn) -> Shape:
 
     def part(outcomes: st.SearchStrategy[str]) -> Part:
         outcome = draw(outcomes)
-        delay = draw(st.sampled_from([0.0, 5.0, 3600.0])) if outcome == "retry_later" else 0.0
+        delay = draw(st.sampled_from([0.0, 5.0, 3600.0, None])) if outcome == "retry_later" else 0.0
         return Part(outcome, delay)
 
     if wrapping == "plain" and draw(st.booleans()):
@@ -303,7 +319,8 @@ class ReferenceDispatch:
     def __init__(self, config: DispatchConfig) -> None:
         self.config = config
         self.running: list[ClaimedRow] = []
-        self.pending: list[tuple[Key, str, str, float]] = []  # key, outcome, kind, delay
+        self.settling: list[tuple[Key, str, str, float]] = []  # key, outcome, kind, delay
+        self.pending: list[tuple[Key, str, str, float]] = []
         self.batch: list[tuple[Key, str, str, float]] | None = None
         self.abandoned: list[Key] = []
         self.plan_out: ClaimPlan | None = None
@@ -325,6 +342,7 @@ class ReferenceDispatch:
 
     def unwritten(self) -> set[Key]:
         keys = {(i.id, i.attempts) for i in self.running} | set(self.abandoned)
+        keys |= {d[0] for d in self.settling}
         return keys | {d[0] for d in self.pending} | {d[0] for d in self.batch or ()}
 
     def local_running(self) -> list[ClaimedRow]:
@@ -383,8 +401,10 @@ class DispatchMachine(RuleBasedStateMachine):
     local_limit: ClassVar[int] = 2
     retry_delay: ClassVar[float] = 60.0
     priorities: ClassVar[tuple[int, ...]] = (-2, -1, 0, 1, 2, 3)
+    unknown_service_attempts: ClassVar[Mapping[str, int]] = {"exec_a": 2}
 
     running = Bundle("running")
+    settling = Bundle("settling")
 
     def __init__(self) -> None:
         super().__init__()
@@ -394,6 +414,7 @@ class DispatchMachine(RuleBasedStateMachine):
             local_limit=self.local_limit,
             admission=self.admission,
             retry_delay=self.retry_delay,
+            unknown_service_attempts=self.unknown_service_attempts,
         )
         self.core = DispatchCore(self.config)
         self.ref = ReferenceDispatch(self.config)
@@ -509,22 +530,39 @@ class DispatchMachine(RuleBasedStateMachine):
 
     # -- running -----------------------------------------------------------------------------
 
-    @rule(item=consumes(running), shape=shapes())
-    def finish(self, item: ClaimedRow, shape: Shape) -> None:
-        """An item's handler ends in one of the table's outcomes, in any wrapping."""
+    @rule(target=settling, item=consumes(running), shape=shapes())
+    def finish(self, item: ClaimedRow, shape: Shape) -> Any:
+        """An item's handler ends in one of the table's outcomes, in any wrapping; the
+        decision (bounded by the item's attempts) goes to the application to settle."""
         exc = raised(shape)
         decision = self.core.finished(item, exc)
         verdict = decision.verdict
-        outcome, kind, delay = expected_verdict(shape, self.retry_delay)
+        bound = self.unknown_service_attempts.get(item.action)
+        outcome, kind, delay = expected_verdict(
+            shape, self.retry_delay, attempts=item.attempts, bound=bound
+        )
         note(f"{item} ended {shape}: {verdict}")
         assert (verdict.outcome, verdict.kind, verdict.delay) == (outcome, kind, delay)
         assert (verdict.error is None) == (exc is None)
+        _check_cause(verdict.cause, outcome, exc)
         if len(shape.parts) == 1 and exc is not None:
             name = type(shape.parts[0].exception("")).__name__
             text = "reason 0" if outcome == "retry_later" else f"{name}: reason 0"
+            if outcome == "service_not_offered" and name == "UnknownService":
+                text = f"ServiceNotOffered: reason 0, after {item.attempts} attempts"
             assert verdict.error == text, f"{verdict.error!r} != {text!r}"
         self.ref.running.remove(item)
-        self.ref.pending.append(((item.id, item.attempts), outcome, kind, delay))
+        self.ref.settling.append(((item.id, item.attempts), outcome, kind, delay))
+        return (item, decision)
+
+    @rule(settled=consumes(settling))
+    def settle(self, settled: tuple[ClaimedRow, Decision]) -> None:
+        """The application settled its state by the decision: it may be written now."""
+        item, decision = settled
+        self.core.settled(decision)
+        entry = next(d for d in self.ref.settling if d[0] == (item.id, item.attempts))
+        self.ref.settling.remove(entry)
+        self.ref.pending.append(entry)
 
     @precondition(lambda self: self.ref.closed)
     @rule(item=consumes(running))
@@ -533,6 +571,16 @@ class DispatchMachine(RuleBasedStateMachine):
         self.core.abandoned(item)
         self.ref.running.remove(item)
         self.ref.abandoned.append((item.id, item.attempts))
+
+    @precondition(lambda self: self.ref.closed)
+    @rule(settled=consumes(settling))
+    def abandon_settling(self, settled: tuple[ClaimedRow, Decision]) -> None:
+        """Shutdown cancels the application's settling: its decision is never written."""
+        item, _ = settled
+        self.core.abandoned(item)
+        key = (item.id, item.attempts)
+        self.ref.settling = [d for d in self.ref.settling if d[0] != key]
+        self.ref.abandoned.append(key)
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -614,6 +662,7 @@ class DispatchMachine(RuleBasedStateMachine):
         lambda self: (
             self.ref.closed
             and not self.ref.running
+            and not self.ref.settling
             and self.ref.batch is None
             and self.ref.plan_out is None
             and not self.ref.stopped
@@ -626,7 +675,7 @@ class DispatchMachine(RuleBasedStateMachine):
         self.core.stopped(returned)
         ref = self.ref
         ref.stopped = True
-        ref.pending, ref.abandoned = [], []
+        ref.pending, ref.abandoned, ref.settling = [], [], []
         ref.reconcile = False
         if returned is not None:
             ref.counts["returned"] += returned
@@ -651,6 +700,7 @@ class DispatchMachine(RuleBasedStateMachine):
             "max_in_flight": ref.cap,
             "local_odd_in_flight": sum(1 for i in ref.local_running() if i.priority % 2),
             "queue_deep": ref.queue_deep,
+            "settling": len(ref.settling),
             "pending_outcomes": len(ref.pending) + len(ref.batch or ()),
             "unwritten": 0 if ref.stopped else len(ref.unwritten()),
         }
@@ -668,12 +718,43 @@ class DispatchMachine(RuleBasedStateMachine):
 _COUNTER = {"complete": "completed", "requeue": "requeued", "fail": "failed"}
 
 
+def _check_cause(cause: BaseException | None, outcome: str, exc: BaseException | None) -> None:
+    """A verdict's cause is a leaf of what was raised, of its deciding row's type; the
+    bound's ``ServiceNotOffered`` is caused by a raised ``UnknownService``."""
+    if exc is None:
+        assert cause is None, f"ok with a cause: {cause!r}"
+        return
+    leaves = list(_leaves(exc))
+    assert cause is not None, "no cause"
+    if isinstance(cause, ServiceNotOffered) and cause not in leaves:
+        assert outcome == "service_not_offered", outcome
+        assert isinstance(cause.__cause__, UnknownService)
+        assert cause.__cause__ in leaves
+    elif outcome == "failed":
+        assert cause in leaves
+        assert not isinstance(cause, (RetryLater, *(_RAISE[o] for o in _TABLED)))
+    else:
+        expected = RetryLater if outcome == "retry_later" else _RAISE[outcome]
+        assert cause in leaves
+        assert isinstance(cause, expected), (cause, outcome)
+
+
+_TABLED = [o for o in _ORDER if o not in ("ok", "retry_later", "failed")]
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for member in exc.exceptions for leaf in _leaves(member)]
+    return [exc]
+
+
 def dispatch_machine(
     *,
     admission: AdmissionConfig | None = None,
     local_limit: int = 2,
     retry_delay: float = 60.0,
     priorities: tuple[int, ...] = (-2, -1, 0, 1, 2, 3),
+    unknown_service_attempts: Mapping[str, int] | None = None,
 ) -> type[DispatchMachine]:
     """A :class:`DispatchMachine` for these settings.
 
@@ -682,6 +763,9 @@ def dispatch_machine(
         local_limit: local-bound items in flight at most.
         retry_delay: the delay of the outcomes that requeue *later*.
         priorities: the priorities of the rows enqueued (odd ones are the reserve's).
+        unknown_service_attempts: the bound of ``unknown_service`` per action
+            (``exec_a``, ``exec_b``, ``local``); by default ``exec_a`` fails from
+            its second claim on and the others are unbounded.
 
     Returns:
         A state machine class; run it with ``.TestCase`` under pytest/unittest.
@@ -691,5 +775,8 @@ def dispatch_machine(
         "local_limit": local_limit,
         "retry_delay": retry_delay,
         "priorities": priorities,
+        "unknown_service_attempts": (
+            {"exec_a": 2} if unknown_service_attempts is None else dict(unknown_service_attempts)
+        ),
     }
     return type("ConfiguredDispatchMachine", (DispatchMachine,), attributes)

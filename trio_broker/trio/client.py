@@ -16,8 +16,11 @@ what only a client does:
   ``UNWANT``, ``CANCEL`` and ``QUERY`` frames of its own callers, which may all be
   queued at once: a peer that does not read is closed with 1008);
 - :meth:`BrokerClient.run` submits a job and waits for its effect
-  (``Finished``/``Failed``); a cancelled caller withdraws the want or ``CANCEL``\\ s
-  the running job.
+  (``Finished``/``Failed``; the exception a ``Failed`` raises is the core's,
+  :func:`~trio_broker.core.endings.run_failure`); a cancelled caller withdraws the
+  want or ``CANCEL``\\ s the running job;
+- :meth:`BrokerClient.wait_capacity_changed` wakes whoever plans with the
+  execservers' capacity (a dispatcher) when it changes.
 
 After every input the driver drains the core's frames and effects at once, so
 the order of frames on each connection is exactly the order the core decided
@@ -44,7 +47,7 @@ import attrs
 import trio
 
 from trio_broker.core import protocol as p
-from trio_broker.core.admission import InstanceLoad
+from trio_broker.core.admission import InstanceLoad, capacity
 from trio_broker.core.client import (
     Accepted,
     ClientConfig,
@@ -57,14 +60,8 @@ from trio_broker.core.client import (
     PeerError,
     PositionReport,
 )
-from trio_broker.core.errors import (
-    BrokerError,
-    ClientClosed,
-    JobLost,
-    NoExecserver,
-    NoSlot,
-    UnknownService,
-)
+from trio_broker.core.endings import run_failure
+from trio_broker.core.errors import BrokerError, ClientClosed
 from trio_broker.trio.driver import CLOSE_TIMEOUT, MAX_FRAME_BYTES, CoreDriver
 from trio_broker.trio.pipes import InPipe, OutPipe, PipeRegistry, Sink, serve_pipes
 from trio_broker.trio.websocket import HandshakeRefused
@@ -158,14 +155,6 @@ class _Waiter:
         self.done = trio.Event()
         self.receipt: p.Receipt | None = None
         self.error: BrokerError | None = None
-
-
-_FAILURES: Mapping[str, type[BrokerError]] = {
-    "no_slot": NoSlot,
-    "no_execserver": NoExecserver,
-    "unknown_service": UnknownService,
-    "lost": JobLost,
-}
 
 
 def _split_address(address: str) -> tuple[str, int]:
@@ -392,6 +381,17 @@ class BrokerClient:
         """How many of this client's jobs wait for a slot right now."""
         return self._core.waiting_count()
 
+    async def wait_capacity_changed(self) -> None:
+        """Return once the execservers' capacity differs from what it is now.
+
+        Capacity is :func:`~trio_broker.core.admission.capacity` of
+        :meth:`instance_loads`: which execservers are reachable and not draining,
+        their slots and their clients (not their idle slots, which move with
+        every job). It is re-checked after every input.
+        """
+        seen = capacity(self.instance_loads())
+        await self._driver.wait_until(lambda: capacity(self.instance_loads()) != seen)
+
     def is_running(self, job_id: str) -> bool:
         """Whether the job holds a slot (its ``JOB`` went out and it has not ended)."""
         return self._core.state_of(job_id) == "accepted"
@@ -527,9 +527,9 @@ class BrokerClient:
                     waiter.done.set()
             case Failed():
                 waiter = self._waiters.get(effect.job_id)
-                kind = _FAILURES.get(effect.reason)
-                if waiter is not None and kind is not None:
-                    waiter.error = kind(f"job {effect.job_id}: {effect.detail}")
+                error = run_failure(effect)
+                if waiter is not None and error is not None:
+                    waiter.error = error
                     waiter.done.set()
             case Accepted():
                 # The caller of run() waits for the job's end, not for its slot, and

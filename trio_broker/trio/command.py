@@ -26,6 +26,12 @@ Ending a job:
   ``SIGKILL`` to the group at once, reap, clean up (shielded, bounded), and the
   cancellation propagates.
 
+Every end-of-job verdict (which ending a verdict, an abort or a pipe failure is,
+a stall that was a silent pipe's, the status an exit status means, what a failed
+pipe does to an ``ok`` end) is the supervision core's
+(:mod:`trio_broker.core.supervision`, *How a job ends*): this module observes
+(what came first, the exit status, the pipes) and reports it there.
+
 The leader is waited for through a pidfd, which becomes readable when it exits
 but does not reap it: the group is signalled while the exited leader is still a
 zombie holding its pid, so the group id cannot have been reused by then.
@@ -56,7 +62,18 @@ import trio
 from trio_broker.core.argv import ArgvTemplate, ParameterError
 from trio_broker.core.job import JobSpec, JobSpecError, LastLine, ended_receipt, error_receipt
 from trio_broker.core.protocol import Receipt, Status
-from trio_broker.core.supervision import MemoryBudget, Verdict, Watchdog, budget_verdict
+from trio_broker.core.supervision import (
+    Ending,
+    MemoryBudget,
+    Verdict,
+    Watchdog,
+    abort_ending,
+    budget_verdict,
+    command_end,
+    pipe_ending,
+    receipt_end,
+    verdict_ending,
+)
 from trio_broker.trio import procgroup
 from trio_broker.trio.pipe_io import (
     PIPE_FINISH_TIMEOUT,
@@ -68,8 +85,8 @@ from trio_broker.trio.pipe_io import (
     PipeUrls,
     StdoutReader,
     open_pipes,
+    pipe_waits,
     pump_stdout,
-    silent_pipe,
     wait_stdout_end,
 )
 from trio_broker.trio.runner import JobControl, JobRequest, RunnerStatistics, RunningJob
@@ -182,14 +199,6 @@ class CommandSpec:
 
 
 # -- one job --------------------------------------------------------------------------
-
-
-@attrs.frozen(kw_only=True)
-class _Ending:
-    """Why the runner ended a job (a verdict, a pipe failure or an abort)."""
-
-    status: Status
-    error: str
 
 
 @attrs.frozen(kw_only=True)
@@ -311,7 +320,7 @@ class _CommandJob:
                 await self.terminate(self.limits.kill_grace)
             await self.kill_and_reap()
             await self.wait_output_end()
-            status, error = _command_end(ending, self.exit_code)
+            status, error = command_end(ending, self.exit_code)
             if self.out_pipe is not None:
                 await self.out_pipe.finish(
                     self.stdout, self.fault, status == "ok", self.finish_within
@@ -364,14 +373,14 @@ class _CommandJob:
     def _read(self) -> tuple[procgroup.GroupSample, int]:
         return procgroup.sample_group(self.pgid), procgroup.directory_bytes(self.workdir)
 
-    async def supervise(self, control: JobControl) -> _Ending | None:
+    async def supervise(self, control: JobControl) -> Ending | None:
         """Wait for the first of: the leader exits (``None``), a verdict, an abort, a pipe fault."""
         verdict = await self.sample()  # at least one sample: peak_memory is known
         if verdict is not None:
             return self.ending(verdict)
-        endings: list[_Ending | None] = []
+        endings: list[Ending | None] = []
 
-        def decide(ending: _Ending | None) -> None:
+        def decide(ending: Ending | None) -> None:
             if not endings:
                 endings.append(ending)
                 nursery.cancel_scope.cancel()
@@ -384,10 +393,10 @@ class _CommandJob:
             await control.wait_aborted()
             assert control.status is not None
             assert control.reason is not None
-            decide(_Ending(status=control.status, error=control.reason))
+            decide(abort_ending(control.status, control.reason))
 
         async def pipe_failed() -> None:
-            decide(_Ending(status="stopped", error=await self.fault.wait()))
+            decide(pipe_ending(await self.fault.wait()))
 
         async def sampler() -> None:
             interval = self.limits.sample_interval
@@ -407,16 +416,14 @@ class _CommandJob:
             nursery.start_soon(sampler)
         return endings[0]
 
-    def ending(self, verdict: Verdict) -> _Ending:
-        """The job's end for a verdict: a stall while a pipe waited on the network is
-        that stream's failure (``stopped``), not the command's."""
-        if verdict.status == "stalled" and self.stall_timeout is not None:
-            silent = silent_pipe(
-                self.in_pipe, self.out_pipe, now=trio.current_time(), window=self.stall_timeout
-            )
-            if silent is not None:
-                return _Ending(status="stopped", error=silent)
-        return _Ending(status=verdict.status, error=verdict.error)
+    def ending(self, verdict: Verdict) -> Ending:
+        """The job's end for a verdict, with what its pipes wait for now (the core decides)."""
+        return verdict_ending(
+            verdict,
+            waits=pipe_waits(self.in_pipe, self.out_pipe),
+            now=trio.current_time(),
+            window=self.stall_timeout,
+        )
 
     # -- ending
 
@@ -498,12 +505,15 @@ class _CommandJob:
     # -- the receipt
 
     def receipt(self, start: _Start, status: Status, error: str | None) -> Receipt:
-        """The receipt: the command's end, as the pipes amend it."""
+        """The receipt: the command's end, as the pipes amend it (the core decides)."""
         out_pipe = self.out_pipe
-        if out_pipe is not None and out_pipe.aborted:
-            error = f"{error}; the output stream was aborted after {out_pipe.sent} bytes"
-        if status == "ok" and self.fault.error is not None:
-            status, error = "stopped", self.fault.error
+        aborted = out_pipe is not None and out_pipe.aborted
+        status, error = receipt_end(
+            status,
+            error,
+            pipe_fault=self.fault.error,
+            output_aborted_after=out_pipe.sent if out_pipe is not None and aborted else None,
+        )
         return start.ended(
             status,
             error,
@@ -514,17 +524,6 @@ class _CommandJob:
             stdin_bytes=self.stdin_bytes,
             peak_memory=self.watchdog.peak_memory,
         )
-
-
-def _command_end(ending: _Ending | None, exit_code: int) -> tuple[Status, str | None]:
-    """A command's status and error from the runner's ending (if any) and its exit status."""
-    if ending is not None:
-        return ending.status, ending.error
-    if exit_code == 0:
-        return "ok", None
-    if exit_code > 0:
-        return "failed", f"exit status {exit_code}"
-    return "failed", f"killed by signal {-exit_code}"
 
 
 def _widen_pipes(process: trio.Process) -> None:

@@ -4,15 +4,18 @@ Theory of operation
 ===================
 
 One :class:`Dispatcher` per client process (the reference ``fylr`` daemon) turns
-``file_queue`` rows into running work. It is generic: every action is registered
-as an :class:`Action` with a handler that does the work. An *exec-bound* handler
-runs its command through the broker client itself (``await client.run(…)``); a
-*local-bound* one works in this process.
+``broker_queue`` rows into running work. It is generic: every action is registered
+as an :class:`Action` with a handler that does the work, and optionally a
+*settle* hook through which the application learns the one decision about each
+item. An *exec-bound* handler runs its command through the broker client itself
+(``await client.run(…)``); a *local-bound* one works in this process.
 
 Tasks, all in one nursery (:meth:`Dispatcher.serve`):
 
 - **claimer**: once per ``tick_interval`` (one second), and at once when an item
-  finishes or :meth:`Dispatcher.wake` is called, it asks the admission
+  finishes, when the broker client's capacity changes (a first ``HELLO``, an
+  execserver gone: :meth:`ExecClient.wait_capacity_changed`, watched by a task
+  of its own) or :meth:`Dispatcher.wake` is called, it asks the admission
   arithmetic (:mod:`trio_broker.core.admission`) how many items of each kind may
   start, and claims them in *one* statement (:meth:`Store.claim_batch`). With
   nothing free it sends nothing; with an empty queue it sends one claim per
@@ -26,17 +29,33 @@ Tasks, all in one nursery (:meth:`Dispatcher.serve`):
   requeues the rows of backends silent for ``stale_after`` (any survivor does
   this for a dispatcher that was killed).
 
-Outcomes. Every decision about an item is the sans-IO
-:class:`~trio_broker.core.dispatch.DispatchCore`'s; this module claims, runs and
-writes for it. A handler *returns* (the item is complete: its row is deleted)
-or *raises*; what each exception means is the one outcome table of
+One verdict per item. Every decision about an item is the sans-IO
+:class:`~trio_broker.core.dispatch.DispatchCore`'s, taken once, when its
+handler ends; this module claims, runs, settles and writes for it. A handler
+*returns* (the item is complete: its row is deleted) or *raises*, and never
+judges what it raised: what each exception means is the one outcome table of
 :mod:`trio_broker.core.dispatch`: ``NoSlot``, ``JobStopped`` and
-``UnknownService`` requeue after ``retry_delay``; ``NoExecserver``, ``JobLost``,
-``ClientClosed`` and ``StoreUnavailable`` requeue at once; ``RetryLater``
-after its own delay; anything else fails the item with the exception's text.
-The handler's end is caught with ``except*`` (so an exception group is judged
-by the table, and a cancellation inside one still cancels); a handler that was
-cancelled (shutdown) has no outcome, and its row goes back to the queue.
+``UnknownService`` requeue after ``retry_delay`` (``UnknownService`` fails as
+``ServiceNotOffered`` from the action's ``unknown_service_attempts``-th claim
+on); ``NoExecserver``, ``JobLost``, ``ClientClosed`` and ``StoreUnavailable``
+requeue at once; ``RetryLater`` after its own delay (or ``retry_delay``);
+anything else, a failed job (``JobFailed``) included, fails the item: its row
+stays ``failed`` with the exception's text, its attempts and its claim, for
+someone to read and requeue. The handler's end is caught with ``except*`` (so an
+exception group is judged by the table, and a cancellation inside one still
+cancels); a handler that was cancelled (shutdown) has no outcome, and its row
+goes back to the queue.
+
+Settling. The decision is then handed to the action's ``settle`` hook, once:
+``await settle(item, decision)``, for the application to move its own state by
+it (a file back to where its step started when the item is requeued, to its
+error when it failed) and to describe it (the decision's ``verdict.cause`` is
+the exception that decided: a receipt, a notice). The hook cannot change the
+decision. The decision is written only once the hook returned; a hook that
+raises ``StoreUnavailable`` is called again after a back-off (settling must be
+safe to repeat), one that raises anything else is logged and the decision
+written as it is. Cancelled while settling (shutdown), the item has no outcome
+and its row goes back to the queue, like a cancelled handler's.
 
 Admission. The core plans each claim with the adaptive admission of
 :mod:`trio_broker.core.admission`, fed the client's
@@ -100,6 +119,7 @@ __all__ = [
 log = logging.getLogger("trio_broker.trio.dispatcher")
 
 Handler = Callable[[QueueItem], Awaitable[None]]
+Settle = Callable[[QueueItem, Decision], Awaitable[None]]
 
 
 class ExecClient(Protocol):
@@ -116,6 +136,10 @@ class ExecClient(Protocol):
         """This client's jobs now waiting at execservers for a slot."""
         ...
 
+    async def wait_capacity_changed(self) -> None:
+        """Return once the execservers' capacity (instances, slots, clients) changed."""
+        ...
+
 
 @attrs.frozen
 class Action:
@@ -127,11 +151,19 @@ class Action:
             execservers) or runs locally (the CPU-count semaphore).
         handler: ``async (QueueItem) -> None``; how its end maps to the item's
             outcome is the table of :mod:`trio_broker.core.dispatch`.
+        settle: ``async (QueueItem, Decision) -> None``, called once with the
+            decision about each item of this action before it is written (see
+            *Settling* in the module docstring); ``None``: nothing to settle.
+        unknown_service_attempts: from an item's this-many-th claim on, an
+            ``UnknownService`` fails it (``ServiceNotOffered``) instead of
+            requeueing it; ``None``: it waits for its service as long as it takes.
     """
 
     name: str
     exec_bound: bool
     handler: Handler
+    settle: Settle | None = attrs.field(default=None, kw_only=True)
+    unknown_service_attempts: int | None = attrs.field(default=None, kw_only=True)
 
 
 def _not_negative(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
@@ -163,9 +195,11 @@ class DispatcherConfig:
             whether idle slots count; its ``db_pool`` is replaced by the store's
             pool size, and a ``cpus`` of ``None`` by the CPUs this process may use.
         retry_delay: the requeue delay of the outcomes that try again *later*
-            (``NoSlot``, ``JobStopped``, ``UnknownService``; see
-            :mod:`trio_broker.core.dispatch`).
-        retry_min, retry_max: the back-off range after a database error.
+            (``NoSlot``, ``JobStopped``, ``UnknownService``, a ``RetryLater``
+            without a delay of its own; see :mod:`trio_broker.core.dispatch`):
+            the one delay of the queue, which no handler repeats.
+        retry_min, retry_max: the back-off range after a database error (and
+            a settle hook's).
         shutdown_timeout: bound on writing outcomes and returning rows at shutdown.
     """
 
@@ -248,7 +282,7 @@ class DispatcherStatistics:
 
 
 class Dispatcher:
-    """Drains ``file_queue`` into registered actions (see the module docstring).
+    """Drains ``broker_queue`` into registered actions (see the module docstring).
 
     Args:
         store: the queue database (opened).
@@ -292,6 +326,11 @@ class Dispatcher:
             local_limit=local_limit,
             admission=admission,
             retry_delay=config.retry_delay,
+            unknown_service_attempts={
+                a.name: a.unknown_service_attempts
+                for a in self._actions.values()
+                if a.unknown_service_attempts is not None
+            },
         )
         self._core = DispatchCore(core_config)
         # the claim plan keeps even items within local_limit; odd ones may use the reserve
@@ -319,6 +358,8 @@ class Dispatcher:
                 nursery.start_soon(self._writer)
                 nursery.start_soon(self._heartbeats)
                 nursery.start_soon(self._claimer, nursery)
+                if self._exec is not None and self._exec_names:
+                    nursery.start_soon(self._watch_capacity, self._exec)
                 task_status.started(self)
         finally:
             with trio.CancelScope(shield=True) as scope:
@@ -393,6 +434,12 @@ class Dispatcher:
                 self._store_ok()
             self._notify()
 
+    async def _watch_capacity(self, exec_client: ExecClient) -> None:
+        """Claim at once whenever the execservers' capacity changes."""
+        while True:
+            await exec_client.wait_capacity_changed()
+            self._claim_wanted.set()
+
     def _plan(self) -> ClaimPlan:
         now = trio.current_time()
         if self._exec is not None and self._exec_names:
@@ -429,8 +476,9 @@ class Dispatcher:
     # -- running ---------------------------------------------------------------------------
 
     async def _run_item(self, item: QueueItem, action: Action) -> None:
+        core = self._core
         failure: BaseException | None = None
-        ended = False
+        settled = False
         try:
             try:
                 if action.exec_bound:
@@ -440,20 +488,44 @@ class Dispatcher:
                         await action.handler(item)
             except* Exception as group:
                 failure = group
-            ended = True
+            decision = core.finished(item, failure)  # the one decision; its slot is free
+            self._claim_wanted.set()
+            if action.settle is not None:
+                await self._settle(action.settle, item, decision)
+            core.settled(decision)
+            settled = True
+            if decision.verdict.kind == "fail":
+                log.info("item %d (%s) failed: %s", item.id, item.action, decision.verdict.error)
+            self._outcome_ready.set()
         finally:
-            # on cancellation (shutdown) there is no outcome: the row is returned
-            if ended:
-                self._decided(self._core.finished(item, failure), item)
-            else:
-                self._core.abandoned(item)
+            # cancelled (shutdown) before its decision was settled: no outcome, the row
+            # is returned
+            if not settled:
+                core.abandoned(item)
             self._claim_wanted.set()
             self._notify()
 
-    def _decided(self, decision: Decision, item: QueueItem) -> None:
-        if decision.verdict.kind == "fail":
-            log.info("item %d (%s) failed: %s", item.id, item.action, decision.verdict.error)
-        self._outcome_ready.set()
+    async def _settle(self, settle: Settle, item: QueueItem, decision: Decision) -> None:
+        """Hand the decision to the action's hook; again after a back-off while the
+        database is unavailable."""
+        backoff = Backoff(self.config.retry_min, self.config.retry_max)
+        while True:
+            try:
+                await settle(item, decision)
+            except StoreUnavailable as exc:
+                self._store_failed("settle", exc)
+                await trio.sleep(backoff.failed())
+                continue
+            except Exception:
+                log.exception(
+                    "settling item %d (%s) by its decision (%s) failed; it is written as it is",
+                    item.id,
+                    item.action,
+                    decision.verdict.outcome,
+                )
+            else:
+                self._store_ok()
+            return
 
     # -- writing outcomes ------------------------------------------------------------------
 

@@ -36,11 +36,13 @@ whatever the size:
   it waits on the network (:attr:`InPipe.network_since`: the next bytes of the
   in-pipe's body; :attr:`OutPipe.network_since`: a chunk handed to the ``PUT``
   not yet taken). When the stall watchdog rules that the job made no progress,
-  the runner first asks :func:`silent_pipe`: a pipe that has waited on the
-  network for the whole stall window is the reason (the network to the client,
-  or the client, went silent; the command waited for it), and the job ends
-  ``stopped`` with a sentence naming that stream and for how long it moved
-  nothing, like any other broken stream, instead of ``stalled``.
+  the runner reports these waits (:func:`pipe_waits`) with the verdict, and the
+  supervision core decides (:func:`trio_broker.core.supervision.verdict_ending`):
+  a pipe that has waited on the network for the whole stall window is the
+  reason (the network to the client, or the client, went silent; the command
+  waited for it), and the job ends ``stopped`` with a sentence naming that
+  stream and for how long it moved nothing, like any other broken stream,
+  instead of ``stalled``.
 
 Without an out-pipe stdout is still read to its end here (:class:`StdoutReader`):
 it is counted, and its start kept for the receipt.
@@ -61,6 +63,7 @@ import httpx
 import trio
 
 from trio_broker.core.job import STDOUT_PREFIX_BYTES, JobSpec, JobSpecError, stdout_prefix
+from trio_broker.core.supervision import PipeWait
 
 __all__ = [
     "PIPE_FINISH_TIMEOUT",
@@ -72,8 +75,8 @@ __all__ = [
     "PipeUrls",
     "StdoutReader",
     "open_pipes",
+    "pipe_waits",
     "pump_stdout",
-    "silent_pipe",
     "wait_stdout_end",
 ]
 
@@ -515,33 +518,30 @@ class _StdoutBody(httpx.AsyncByteStream):
         return chunk
 
 
-def silent_pipe(
-    in_pipe: InPipe | None, out_pipe: OutPipe | None, *, now: float, window: float
-) -> str | None:
-    """Why a job that made no progress for ``window`` seconds did not: a silent pipe.
+def pipe_waits(in_pipe: InPipe | None, out_pipe: OutPipe | None) -> list[PipeWait]:
+    """The job's pipes that wait on the network now, the input first (an observation).
 
-    A pipe that has waited on the network for at least ``window`` seconds (the
-    in-pipe for the body's next bytes, the out-pipe for a chunk to be taken) held
-    the command up: the bytes it last moved counted as progress, so the job's
-    last progress came no earlier than the wait began.
-
-    Returns:
-        The receipt's error sentence naming the stream, or ``None`` when no pipe
-        has been waiting that long (the command itself stalled).
+    The in-pipe waits for the body's next bytes, the out-pipe for a chunk handed
+    to its ``PUT`` to be taken; the supervision core decides whether a wait
+    explains a stall (:func:`trio_broker.core.supervision.verdict_ending`).
     """
+    waits = []
     if in_pipe is not None and in_pipe.network_since is not None:
-        silent = now - in_pipe.network_since
-        if silent >= window:
-            return (
-                f"the input stream from {in_pipe.where} moved no bytes for {silent:.1f}s "
-                f"after {in_pipe.bytes} bytes: the network or the client went silent"
+        waits.append(
+            PipeWait(
+                stream="input",
+                where=in_pipe.where,
+                since=in_pipe.network_since,
+                moved=in_pipe.bytes,
             )
+        )
     if out_pipe is not None and out_pipe.network_since is not None:
-        silent = now - out_pipe.network_since
-        if silent >= window:
-            return (
-                f"the output stream to {out_pipe.where} took no bytes for "
-                f"{silent:.1f}s after {out_pipe.sent} bytes: the network or the client "
-                "went silent"
+        waits.append(
+            PipeWait(
+                stream="output",
+                where=out_pipe.where,
+                since=out_pipe.network_since,
+                moved=out_pipe.sent,
             )
-    return None
+        )
+    return waits

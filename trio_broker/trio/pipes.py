@@ -49,7 +49,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
-from typing import Final, Literal, Self, TypeAlias, cast
+from typing import Final, Self, TypeAlias, cast
 
 import attrs
 import trio
@@ -59,6 +59,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
+from trio_broker.core.endings import PipeState
 from trio_broker.trio.listener import listener_config, serve_app
 
 __all__ = [
@@ -93,11 +94,6 @@ sink slows the sender down. A trio ``SendStream``'s bound ``send_all`` is a sink
 If it raises, the transfer stops: the pipe ends :class:`PipeAborted` (with the
 exception as its cause) and the sender gets a 500.
 """
-
-PipeState: TypeAlias = Literal["open", "active", "done", "aborted", "closed"]
-"""``open``: waits for its request; ``active``: a request is being served;
-``done``: the whole stream went through; ``aborted``: the transfer started but
-did not complete; ``closed``: closed before any request came."""
 
 
 class PipeError(Exception):

@@ -53,7 +53,7 @@ class Migration:
 
 
 QUEUE_SCOPE: Final = "queue"
-"""The scope of the library's own migrations (``file_queue``, ``backends``)."""
+"""The scope of the library's own migrations (``broker_queue``, ``broker_backends``)."""
 
 
 # -- migrations ----------------------------------------------------------------------------

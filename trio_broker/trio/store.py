@@ -13,28 +13,53 @@ call that needs several statements opens a transaction explicitly.
 Schema. :meth:`Store.migrate` applies the library's numbered migrations and an
 application's own (:mod:`trio_broker.trio.schema`), once, whoever starts first.
 
-The queue (``file_queue``). A row is ``new`` (claimable once ``start_after``
-has passed), ``claimed`` by one backend, or ``failed``; a finished item's row is
-deleted, so "finished" is "its row is gone" (:meth:`Store.item` returns
-``None``) and the table holds only work still to do and failures to look at.
+The queue (``broker_queue``; every statement on it is in
+:mod:`trio_broker.trio.queue_sql`). A row is ``new`` (claimable once
+``start_after`` has passed), ``claimed`` by one backend, or ``failed``; a
+finished item's row is deleted, so "finished" is "its row is gone"
+(:meth:`Store.item` returns ``None``) and the table holds only work still to do
+and failures to look at.
 
 - **Claim** is one statement: ``UPDATE … WHERE id IN (SELECT … ORDER BY priority
   DESC, id LIMIT n FOR UPDATE SKIP LOCKED) RETURNING …``. Concurrent claimers
   skip each other's locked rows instead of waiting, so every row goes to exactly
   one of them. :meth:`Store.claim_batch` claims several kinds (exec-bound,
   odd-only, local-bound) in that one statement, each a materialised CTE that
-  excludes the rows of the ones before it. A claim increments ``attempts``.
+  excludes the rows of the ones before it. A claim increments ``attempts``. The
+  order is :data:`~trio_broker.trio.queue_sql.CLAIM_ORDER`, the one definition
+  :meth:`Store.positions` counts with too.
 - **Outcomes are fenced.** :meth:`Store.finish` (and ``complete``/``fail``/
   ``requeue`` given a :class:`QueueItem`) touches a row only while it is still
   ``claimed`` by the same backend with the same ``attempts``: an outcome that
   arrives after the row was requeued (a stale heartbeat, a lost reply) and
   claimed again, by anyone, changes nothing. Retrying an outcome is therefore
   always safe.
-- **Backends** heartbeat in ``backends``. :meth:`Store.requeue_stale` deletes the
-  backends whose heartbeat is older than a threshold and returns their rows to
-  ``new`` in one statement; concurrent sweeps requeue each row once.
-  :meth:`Store.return_claimed` returns a live backend's rows (shutdown; or the
-  rows of a claim whose reply was lost, via ``keep``).
+- **Backends** heartbeat in ``broker_backends``. :meth:`Store.requeue_stale`
+  deletes the backends whose heartbeat is older than a threshold and returns
+  their rows to ``new`` in one statement; concurrent sweeps requeue each row
+  once. :meth:`Store.return_claimed` returns a live backend's rows (shutdown; or
+  the rows of a claim whose reply was lost, via ``keep``);
+  :meth:`Store.live_backends` names the backends alive now.
+
+The application's transaction. An application keeps its own tables beside the
+queue (the reference fylr's ``files``) and must never write the queue's tables
+itself. Where its own change and a queue change must commit together (a file
+moves on *and* its next step is queued; a failed step is retried *and* its file
+goes back to where the step starts), it runs both in one function given to
+:meth:`Store.call`, inside ``conn.transaction()``, with the ``*_in`` functions
+of this module, which take that connection: :func:`enqueue_in`,
+:func:`requeue_failed_in`, :func:`delete_unclaimed_in`, :func:`failed_in`. Each
+has an async method on the store that borrows a pooled connection for it instead
+(the name without ``_in``; :meth:`Store.enqueue_many` for :func:`enqueue_in`).
+
+Inspection. :meth:`Store.counts` counts the rows by state;
+:meth:`Store.figures` adds the same per priority; :meth:`Store.positions`
+ranks rows among the ready rows a claim would take before them;
+:meth:`Store.failed` lists the failed rows with their reasons.
+
+Values. The rows the store returns and the requests it takes (:class:`QueueItem`,
+:class:`NewItem`, :class:`Outcome` …) are frozen values of
+:mod:`trio_broker.trio.store_values`, imported from here.
 
 Failures. A broken connection or an unreachable server makes the call raise
 :class:`StoreUnavailable` (the pool replaces broken connections; the call may or
@@ -54,7 +79,6 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
-import attrs
 import psycopg
 import trio
 from psycopg import sql
@@ -64,19 +88,38 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
 from trio_broker.core.errors import StoreUnavailable
+from trio_broker.trio import queue_sql
 from trio_broker.trio.schema import Migration, apply_migrations, load_migrations
+from trio_broker.trio.store_values import (
+    ClaimRequest,
+    FailedItem,
+    ItemPosition,
+    NewItem,
+    Outcome,
+    QueueCounts,
+    QueueFigures,
+    QueueItem,
+    StoreStatistics,
+)
 
 __all__ = [
     "ClaimRequest",
+    "FailedItem",
+    "ItemPosition",
     "NewItem",
     "Outcome",
     "QueueCounts",
+    "QueueFigures",
     "QueueItem",
     "Store",
     "StoreStatistics",
     "StoreUnavailable",
+    "delete_unclaimed_in",
     "describe_dsn",
+    "enqueue_in",
+    "failed_in",
     "open_store",
+    "requeue_failed_in",
 ]
 
 log = logging.getLogger("trio_broker.trio.store")
@@ -89,204 +132,7 @@ ERROR_CHECK_INTERVAL = 1.0
 """After a connection error the idle pooled connections are checked, at most this often."""
 
 
-# -- values --------------------------------------------------------------------------------
-
-
-@attrs.frozen(kw_only=True)
-class QueueItem:
-    """One row of ``file_queue``.
-
-    Attributes:
-        id: the row's id.
-        file_ref: the file the work is about.
-        action: what to do (the dispatcher's action name).
-        priority: higher first; odd is the "high" variant of a band.
-        payload: free JSON object for the action.
-        attempts: how many times the row was claimed (this claim included).
-        status: ``new``, ``claimed`` or ``failed``.
-        claimed_by: the backend holding the claim, or ``None``.
-        last_error: why it was last requeued or failed, or ``None``.
-    """
-
-    id: int
-    file_ref: str
-    action: str
-    priority: int
-    payload: Mapping[str, Any] = attrs.field(factory=dict)
-    attempts: int = 0
-    status: str = "new"
-    claimed_by: str | None = None
-    last_error: str | None = None
-
-
-@attrs.frozen(kw_only=True)
-class NewItem:
-    """An item to enqueue (:meth:`Store.enqueue_many`)."""
-
-    file_ref: str
-    action: str
-    priority: int = 0
-    payload: Mapping[str, Any] = attrs.field(factory=dict)
-    start_after: datetime.datetime | None = None
-
-
-@attrs.frozen(kw_only=True)
-class ClaimRequest:
-    """One kind of item a claim asks for (:meth:`Store.claim_batch`).
-
-    Attributes:
-        limit: at most this many rows (0 asks for none).
-        actions: only these actions; ``None`` means any.
-        odd_only: only odd priorities.
-    """
-
-    limit: int
-    actions: tuple[str, ...] | None = None
-    odd_only: bool = False
-
-
-@attrs.frozen(kw_only=True)
-class Outcome:
-    """How one claimed item ended (:meth:`Store.finish`).
-
-    Attributes:
-        item_id, attempts: the claim this outcome belongs to (the fence).
-        kind: ``complete`` (the row is deleted), ``requeue`` (new again after
-            ``delay`` seconds) or ``fail`` (status ``failed``).
-        delay: seconds before a requeued item may be claimed again.
-        error: stored in ``last_error`` (``fail``; ``requeue`` when given).
-    """
-
-    item_id: int
-    attempts: int
-    kind: Literal["complete", "requeue", "fail"]
-    delay: float = 0.0
-    error: str | None = None
-
-
-@attrs.frozen(kw_only=True)
-class QueueCounts:
-    """How many rows of ``file_queue`` are in each state.
-
-    Attributes:
-        ready: new and claimable now.
-        delayed: new, but ``start_after`` is still ahead.
-        claimed: claimed by some backend.
-        failed: failed.
-    """
-
-    ready: int
-    delayed: int
-    claimed: int
-    failed: int
-
-    @property
-    def total(self) -> int:
-        return self.ready + self.delayed + self.claimed + self.failed
-
-
-@attrs.frozen(kw_only=True)
-class StoreStatistics:
-    """A snapshot of what a :class:`Store` has done.
-
-    Attributes:
-        pool_size: connections in the pool (and threads at most).
-        calls: calls made, by operation (``claim``, ``finish``, ``heartbeat``…).
-        unavailable: calls that raised :class:`StoreUnavailable`.
-    """
-
-    pool_size: int
-    calls: Mapping[str, int]
-    unavailable: int
-
-
-# -- SQL -----------------------------------------------------------------------------------
-
-_ITEM_COLUMNS = sql.SQL(
-    "id, file_ref, action, priority, payload, attempts, status, claimed_by, last_error"
-)
-_RETURNING_ITEM = sql.SQL(
-    "q.id, q.file_ref, q.action, q.priority, q.payload, q.attempts, q.status,"
-    " q.claimed_by, q.last_error"
-)
-
-_FINISH = sql.SQL("""
-WITH done AS (
-    DELETE FROM file_queue q
-     USING unnest(%(c_ids)s::bigint[], %(c_attempts)s::integer[]) AS d(id, attempts)
-     WHERE q.id = d.id AND q.attempts = d.attempts
-       AND q.status = 'claimed' AND q.claimed_by = %(backend)s
-    RETURNING q.id
-), back AS (
-    UPDATE file_queue q
-       SET status = d.status,
-           claimed_by = NULL,
-           claimed_at = NULL,
-           start_after = now() + d.delay * interval '1 second',
-           last_error = coalesce(d.error, q.last_error)
-      FROM unnest(%(o_ids)s::bigint[], %(o_attempts)s::integer[], %(o_status)s::text[],
-                  %(o_delay)s::float8[], %(o_error)s::text[])
-           AS d(id, attempts, status, delay, error)
-     WHERE q.id = d.id AND q.attempts = d.attempts
-       AND q.status = 'claimed' AND q.claimed_by = %(backend)s
-    RETURNING q.id
-)
-SELECT id FROM done UNION ALL SELECT id FROM back
-""")
-
-_REQUEUE_STALE = sql.SQL("""
-WITH stale AS (
-    DELETE FROM backends
-     WHERE heartbeat < now() - %(threshold)s * interval '1 second'
-    RETURNING backend_id
-)
-UPDATE file_queue q
-   SET status = 'new',
-       claimed_by = NULL,
-       claimed_at = NULL,
-       start_after = now(),
-       last_error = 'requeued: backend ' || q.claimed_by || ' stopped heartbeating'
- WHERE q.status = 'claimed'
-   AND (q.claimed_by IN (SELECT backend_id FROM stale)
-        OR NOT EXISTS (SELECT 1 FROM backends b WHERE b.backend_id = q.claimed_by))
-RETURNING q.id
-""")
-
-_ClaimShape = tuple[tuple[bool, bool], ...]
-
-
-def _claim_query(shape: _ClaimShape) -> sql.Composed:
-    """The claim statement for branches of shape ``(has_actions, odd_only)``.
-
-    Parameters, in order: per branch its actions (when it has them) and its
-    limit; then the backend id.
-    """
-    ctes: list[sql.Composable] = []
-    for i, (has_actions, odd_only) in enumerate(shape):
-        conditions: list[sql.Composable] = [sql.SQL("status = 'new' AND start_after <= now()")]
-        if has_actions:
-            conditions.append(sql.SQL("action = ANY(%s::text[])"))
-        if odd_only:
-            conditions.append(sql.SQL("priority %% 2 <> 0"))
-        for j in range(i):
-            conditions.append(
-                sql.SQL("id NOT IN (SELECT id FROM {})").format(sql.Identifier(f"c{j}"))
-            )
-        ctes.append(
-            sql.SQL(
-                "{} AS MATERIALIZED (SELECT id FROM file_queue WHERE {}"
-                " ORDER BY priority DESC, id LIMIT %s FOR UPDATE SKIP LOCKED)"
-            ).format(sql.Identifier(f"c{i}"), sql.SQL(" AND ").join(conditions))
-        )
-    picked = sql.SQL(" UNION ALL ").join(
-        sql.SQL("SELECT id FROM {}").format(sql.Identifier(f"c{i}")) for i in range(len(shape))
-    )
-    return sql.SQL(
-        "WITH {ctes} UPDATE file_queue q"
-        " SET status = 'claimed', claimed_by = %s, claimed_at = now(), attempts = q.attempts + 1"
-        " WHERE q.id IN ({picked})"
-        " RETURNING {columns}"
-    ).format(ctes=sql.SQL(", ").join(ctes), picked=picked, columns=_RETURNING_ITEM)
+# -- rows ------------------------------------------------------------------------------------
 
 
 def _item(row: Sequence[Any]) -> QueueItem:
@@ -303,9 +149,118 @@ def _item(row: Sequence[Any]) -> QueueItem:
     )
 
 
+def _failed(row: Sequence[Any]) -> FailedItem:
+    return FailedItem(
+        id=row[0],
+        file_ref=row[1],
+        action=row[2],
+        priority=row[3],
+        payload=row[4] if row[4] is not None else {},
+        attempts=row[5],
+        reason=row[6],
+        created_at=row[7],
+    )
+
+
+def _counts(row: Sequence[int]) -> QueueCounts:
+    return QueueCounts(ready=row[0], delayed=row[1], claimed=row[2], failed=row[3])
+
+
 def _check_priority(priority: int) -> None:
     if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
         raise ValueError(f"priority must be a 32-bit signed integer, got {priority}")
+
+
+# -- on the caller's connection ------------------------------------------------------------
+
+
+def enqueue_in(conn: Connection, items: Iterable[NewItem]) -> list[int]:
+    """Add items on ``conn``, inside the caller's transaction; returns their ids in order.
+
+    For an application whose own change must commit with the items it queues
+    (the module docstring's *The application's transaction*)::
+
+        def hand_on(conn):
+            with conn.transaction():
+                conn.execute("UPDATE files SET status = 'sync' WHERE id = %s", (file_id,))
+                enqueue_in(conn, [NewItem(file_ref=str(file_id), action="sync")])
+
+        await store.call(hand_on)
+
+    The items become claimable when the transaction commits, and vanish with it
+    when it rolls back.
+
+    Args:
+        conn: a connection borrowed through :meth:`Store.call` (in a transaction,
+            or in autocommit mode: then the insert commits at once).
+        items: what to add (one statement for all of them).
+
+    Raises:
+        ValueError: a priority is out of range (nothing was added).
+    """
+    items = list(items)
+    for item in items:
+        _check_priority(item.priority)
+    if not items:
+        return []
+    params = {
+        "refs": [i.file_ref for i in items],
+        "actions": [i.action for i in items],
+        "priorities": [i.priority for i in items],
+        "payloads": [Jsonb(dict(i.payload)) for i in items],
+        "starts": [i.start_after for i in items],
+    }
+    return [row[0] for row in conn.execute(queue_sql.ENQUEUE, params).fetchall()]
+
+
+def delete_unclaimed_in(conn: Connection, action: str, file_refs: Sequence[str]) -> int:
+    """Delete the rows of ``action`` for ``file_refs`` that no backend holds, on ``conn``.
+
+    New and failed rows go; claimed ones stay (their handler runs, and must find
+    out by itself that its work is no longer wanted). For an application that
+    removes what the items were about, in the same transaction.
+
+    Returns:
+        How many rows were deleted.
+    """
+    return conn.execute(queue_sql.DELETE_UNCLAIMED, (action, list(file_refs))).rowcount
+
+
+def failed_in(conn: Connection, *, limit: int) -> list[FailedItem]:
+    """The failed rows, oldest first, at most ``limit`` of them, read on ``conn``.
+
+    For an application that shows them beside its own rows (read in the same
+    borrowed connection).
+    """
+    return [_failed(row) for row in conn.execute(queue_sql.FAILED, (limit,)).fetchall()]
+
+
+def requeue_failed_in(
+    conn: Connection,
+    *,
+    ids: Sequence[int] | None = None,
+    note: str = "requeued by an operator",
+) -> list[FailedItem]:
+    """Put failed rows back to ``new``, claimable now, on ``conn`` (the caller's transaction).
+
+    Each row's ``last_error`` becomes ``"<note>; it had failed: <reason>"``; its
+    ``attempts`` keep counting. The rows are locked in id order until the
+    transaction ends, so the caller resets its own state for them (a file back to
+    where its step starts) before any backend can claim them.
+
+    Args:
+        conn: a connection borrowed through :meth:`Store.call`.
+        ids: only these rows (``None``: every failed row); rows that are not
+            failed are left alone.
+        note: what put them back.
+
+    Returns:
+        The rows put back, by id, as they were (``reason``: why they had failed).
+    """
+    query = queue_sql.requeue_failed_query(with_ids=ids is not None)
+    params = {"ids": None if ids is None else list(ids), "note": note}
+    rows = [_failed(row) for row in conn.execute(query, params).fetchall()]
+    return sorted(rows, key=lambda row: row.id)
 
 
 def describe_dsn(dsn: str) -> str:
@@ -364,7 +319,7 @@ class Store:
         self._unavailable = 0
         self._check_lock = threading.Lock()
         self._last_check = 0.0
-        self._claim_queries: dict[_ClaimShape, sql.Composed] = {}
+        self._claim_queries: dict[queue_sql.ClaimShape, sql.Composed] = {}
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -483,33 +438,20 @@ class Store:
         return ids[0]
 
     async def enqueue_many(self, items: Iterable[NewItem]) -> list[int]:
-        """Add many items in one statement; returns their ids in order."""
+        """Add many items in one statement; returns their ids in order.
+
+        To add them in a transaction of the application's own, use
+        :func:`enqueue_in`.
+
+        Raises:
+            ValueError: a priority is out of range (nothing was added).
+        """
         items = list(items)
         for item in items:
             _check_priority(item.priority)
         if not items:
             return []
-        params = {
-            "refs": [i.file_ref for i in items],
-            "actions": [i.action for i in items],
-            "priorities": [i.priority for i in items],
-            "payloads": [Jsonb(dict(i.payload)) for i in items],
-            "starts": [i.start_after for i in items],
-        }
-
-        def run(conn: Connection) -> list[int]:
-            cur = conn.execute(
-                "INSERT INTO file_queue (file_ref, action, priority, payload, start_after)"
-                " SELECT r, a, p, j, coalesce(s, now())"
-                " FROM unnest(%(refs)s::text[], %(actions)s::text[], %(priorities)s::integer[],"
-                " %(payloads)s::jsonb[], %(starts)s::timestamptz[]) WITH ORDINALITY"
-                " AS n(r, a, p, j, s, ord) ORDER BY ord"
-                " RETURNING id",
-                params,
-            )
-            return [row[0] for row in cur.fetchall()]
-
-        return await self.call(run, kind="enqueue")
+        return await self.call(lambda conn: enqueue_in(conn, items), kind="enqueue")
 
     # -- claim -----------------------------------------------------------------------------
 
@@ -548,10 +490,10 @@ class Store:
         requests = [r for r in requests if r.limit > 0]
         if not requests:
             return []
-        shape: _ClaimShape = tuple((r.actions is not None, r.odd_only) for r in requests)
+        shape: queue_sql.ClaimShape = tuple((r.actions is not None, r.odd_only) for r in requests)
         query = self._claim_queries.get(shape)
         if query is None:
-            query = self._claim_queries[shape] = _claim_query(shape)
+            query = self._claim_queries[shape] = queue_sql.claim_query(shape)
         params: list[Any] = []
         for r in requests:
             if r.actions is not None:
@@ -561,7 +503,7 @@ class Store:
 
         def run(conn: Connection) -> list[QueueItem]:
             items = [_item(row) for row in conn.execute(query, params).fetchall()]
-            items.sort(key=lambda item: (-item.priority, item.id))
+            items.sort(key=queue_sql.claim_key)
             return items
 
         return await self.call(run, kind="claim")
@@ -591,7 +533,7 @@ class Store:
         }
 
         def run(conn: Connection) -> set[int]:
-            return {row[0] for row in conn.execute(_FINISH, params).fetchall()}
+            return {row[0] for row in conn.execute(queue_sql.FINISH, params).fetchall()}
 
         return await self.call(run, kind="finish")
 
@@ -601,7 +543,7 @@ class Store:
             return await self._fenced(item, "complete")
 
         def run(conn: Connection) -> bool:
-            return conn.execute("DELETE FROM file_queue WHERE id = %s", (item,)).rowcount == 1
+            return conn.execute(queue_sql.COMPLETE_ID, (item,)).rowcount == 1
 
         return await self.call(run, kind="complete")
 
@@ -611,12 +553,7 @@ class Store:
             return await self._fenced(item, "fail", error=error)
 
         def run(conn: Connection) -> bool:
-            cur = conn.execute(
-                "UPDATE file_queue SET status = 'failed', claimed_by = NULL, claimed_at = NULL,"
-                " last_error = %s WHERE id = %s",
-                (error, item),
-            )
-            return cur.rowcount == 1
+            return conn.execute(queue_sql.FAIL_ID, (error, item)).rowcount == 1
 
         return await self.call(run, kind="fail")
 
@@ -628,12 +565,7 @@ class Store:
             return await self._fenced(item, "requeue", delay=delay_s, error=error)
 
         def run(conn: Connection) -> bool:
-            cur = conn.execute(
-                "UPDATE file_queue SET status = 'new', claimed_by = NULL, claimed_at = NULL,"
-                " start_after = now() + %s * interval '1 second',"
-                " last_error = coalesce(%s, last_error) WHERE id = %s",
-                (float(delay_s), error, item),
-            )
+            cur = conn.execute(queue_sql.REQUEUE_ID, (float(delay_s), error, item))
             return cur.rowcount == 1
 
         return await self.call(run, kind="requeue")
@@ -666,13 +598,7 @@ class Store:
         keep_ids = list(keep)
 
         def run(conn: Connection) -> int:
-            cur = conn.execute(
-                "UPDATE file_queue SET status = 'new', claimed_by = NULL, claimed_at = NULL,"
-                " start_after = now()"
-                " WHERE status = 'claimed' AND claimed_by = %s AND NOT (id = ANY(%s::bigint[]))",
-                (backend_id, keep_ids),
-            )
-            return cur.rowcount
+            return conn.execute(queue_sql.RETURN_CLAIMED, (backend_id, keep_ids)).rowcount
 
         return await self.call(run, kind="return_claimed")
 
@@ -682,13 +608,7 @@ class Store:
         """Record a backend as started now (again, if it was known)."""
 
         def run(conn: Connection) -> None:
-            conn.execute(
-                "INSERT INTO backends (backend_id, name, started, heartbeat)"
-                " VALUES (%s, %s, now(), now())"
-                " ON CONFLICT (backend_id) DO UPDATE"
-                " SET name = EXCLUDED.name, started = now(), heartbeat = now()",
-                (backend_id, name),
-            )
+            conn.execute(queue_sql.REGISTER_BACKEND, (backend_id, name))
 
         await self.call(run, kind="register")
 
@@ -703,14 +623,7 @@ class Store:
         """
 
         def run(conn: Connection) -> bool:
-            cur = conn.execute(
-                "INSERT INTO backends (backend_id, name, started, heartbeat)"
-                " VALUES (%s, %s, now(), now())"
-                " ON CONFLICT (backend_id) DO UPDATE SET heartbeat = now()"
-                " RETURNING (xmax <> 0) AS existed",
-                (backend_id, name),
-            )
-            row = cur.fetchone()
+            row = conn.execute(queue_sql.HEARTBEAT, (backend_id, name)).fetchone()
             return bool(row and row[0])
 
         return await self.call(run, kind="heartbeat")
@@ -719,7 +632,7 @@ class Store:
         """Forget a backend (at shutdown, after :meth:`return_claimed`)."""
 
         def run(conn: Connection) -> None:
-            conn.execute("DELETE FROM backends WHERE backend_id = %s", (backend_id,))
+            conn.execute(queue_sql.UNREGISTER_BACKEND, (backend_id,))
 
         await self.call(run, kind="unregister")
 
@@ -731,9 +644,23 @@ class Store:
         """
 
         def run(conn: Connection) -> int:
-            return conn.execute(_REQUEUE_STALE, {"threshold": float(threshold_s)}).rowcount
+            return conn.execute(queue_sql.REQUEUE_STALE, {"threshold": float(threshold_s)}).rowcount
 
         return await self.call(run, kind="requeue_stale")
+
+    async def live_backends(self, stale_after: float) -> list[str]:
+        """The ids of the backends whose heartbeat is younger than ``stale_after`` seconds.
+
+        Measured on the database's clock, by id. A backend registers before it
+        claims (or writes anything of its own), so whatever it made after that is
+        covered by this answer while it lives.
+        """
+
+        def run(conn: Connection) -> list[str]:
+            rows = conn.execute(queue_sql.LIVE_BACKENDS, (float(stale_after),)).fetchall()
+            return [row[0] for row in rows]
+
+        return await self.call(run, kind="live_backends")
 
     # -- inspection ------------------------------------------------------------------------
 
@@ -741,26 +668,80 @@ class Store:
         """How many rows are in each state (a full scan: for inspection)."""
 
         def run(conn: Connection) -> QueueCounts:
-            row = conn.execute(
-                "SELECT count(*) FILTER (WHERE status = 'new' AND start_after <= now()),"
-                " count(*) FILTER (WHERE status = 'new' AND start_after > now()),"
-                " count(*) FILTER (WHERE status = 'claimed'),"
-                " count(*) FILTER (WHERE status = 'failed')"
-                " FROM file_queue"
-            ).fetchone()
+            row = conn.execute(queue_sql.COUNTS).fetchone()
             assert row is not None
-            return QueueCounts(ready=row[0], delayed=row[1], claimed=row[2], failed=row[3])
+            return _counts(row)
 
         return await self.call(run, kind="counts")
+
+    async def figures(self) -> QueueFigures:
+        """The rows by state, in all and per priority (one full scan: for inspection)."""
+
+        def run(conn: Connection) -> QueueFigures:
+            rows = conn.execute(queue_sql.COUNTS_BY_PRIORITY).fetchall()
+            by_priority = {row[0]: _counts(row[1:]) for row in rows}
+            totals = [sum(column) for column in zip(*(row[1:] for row in rows), strict=True)]
+            return QueueFigures(counts=_counts(totals or (0, 0, 0, 0)), by_priority=by_priority)
+
+        return await self.call(run, kind="figures")
+
+    async def positions(
+        self, file_refs: Sequence[str], *, actions: Sequence[str] | None = None
+    ) -> list[ItemPosition]:
+        """The new and claimed rows of ``file_refs``, each with the ready rows ahead of it.
+
+        "Ahead" is the claim order itself
+        (:data:`~trio_broker.trio.queue_sql.CLAIM_ORDER`: priority descending,
+        then id), counted among the rows a claim could take now. One statement.
+
+        Args:
+            file_refs: the files whose rows to rank.
+            actions: only rows of these actions count, both as the files' rows
+                and as the rows ahead (``None``: every action).
+
+        Returns:
+            The rows, by id. A new row whose ``start_after`` is still ahead is
+            ranked all the same, among the rows that are ready now.
+        """
+        query = queue_sql.positions_query(with_actions=actions is not None)
+        params = {"refs": list(file_refs), "actions": None if actions is None else list(actions)}
+
+        def run(conn: Connection) -> list[ItemPosition]:
+            return [
+                ItemPosition(item=_item(row), ahead=row[-1])
+                for row in conn.execute(query, params).fetchall()
+            ]
+
+        return await self.call(run, kind="positions")
+
+    async def failed(self, *, limit: int = 100) -> list[FailedItem]:
+        """The failed rows, oldest first, at most ``limit`` (:func:`failed_in`)."""
+        return await self.call(lambda conn: failed_in(conn, limit=limit), kind="failed")
+
+    async def requeue_failed(
+        self, *, ids: Sequence[int] | None = None, note: str = "requeued by an operator"
+    ) -> list[FailedItem]:
+        """Put failed rows back into the queue (:func:`requeue_failed_in`, on its own).
+
+        Use :func:`requeue_failed_in` when the application must reset its own
+        state for them in the same transaction.
+        """
+        return await self.call(
+            lambda conn: requeue_failed_in(conn, ids=ids, note=note), kind="requeue_failed"
+        )
+
+    async def delete_unclaimed(self, action: str, file_refs: Sequence[str]) -> int:
+        """Delete the rows of ``action`` for ``file_refs`` no backend holds
+        (:func:`delete_unclaimed_in`, on its own). Returns how many."""
+        return await self.call(
+            lambda conn: delete_unclaimed_in(conn, action, file_refs), kind="delete_unclaimed"
+        )
 
     async def item(self, item_id: int) -> QueueItem | None:
         """The row of ``item_id``, or ``None`` once it finished (or never existed)."""
 
         def run(conn: Connection) -> QueueItem | None:
-            row = conn.execute(
-                sql.SQL("SELECT {} FROM file_queue WHERE id = %s").format(_ITEM_COLUMNS),
-                (item_id,),
-            ).fetchone()
+            row = conn.execute(queue_sql.ITEM_BY_ID, (item_id,)).fetchone()
             return None if row is None else _item(row)
 
         return await self.call(run, kind="item")
@@ -769,14 +750,7 @@ class Store:
         """The rows ``backend_id`` holds, by id."""
 
         def run(conn: Connection) -> list[QueueItem]:
-            cur = conn.execute(
-                sql.SQL(
-                    "SELECT {} FROM file_queue WHERE status = 'claimed' AND claimed_by = %s"
-                    " ORDER BY id"
-                ).format(_ITEM_COLUMNS),
-                (backend_id,),
-            )
-            return [_item(row) for row in cur.fetchall()]
+            return [_item(row) for row in conn.execute(queue_sql.ROWS_OF, (backend_id,))]
 
         return await self.call(run, kind="claimed_by")
 

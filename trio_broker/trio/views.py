@@ -3,14 +3,16 @@
 Theory of operation
 ===================
 
-Every backend (a process that drains ``file_queue``: the reference fylr) knows
+Every backend (a process that drains the queue: the reference fylr) knows
 what it reaches (its execservers, the balancers in front of them, its callback
 checks) and what it does. A page that shows the whole installation must draw
 every backend, not only the one that serves it, and must not address the
 others: they may sit behind a balancer of their own. So each backend
-*publishes* its view into its row of ``backends`` (queue migration
+*publishes* its view into its row of ``broker_backends`` (queue migration
 ``002_backend_view.sql``: a ``jsonb`` column and the time it was written), and
-any backend reads all of them back.
+any backend reads all of them back. The two statements are
+:data:`~trio_broker.trio.queue_sql.PUBLISH_VIEW` and
+:data:`~trio_broker.trio.queue_sql.READ_VIEWS`, beside the queue's others.
 
 - :func:`publish_view` writes one backend's view (the row must exist: the
   dispatcher registers it; a backend swept as stale publishes nothing until it
@@ -34,21 +36,17 @@ import psycopg
 from psycopg.rows import TupleRow
 from psycopg.types.json import Jsonb
 
+from trio_broker.trio import queue_sql
 from trio_broker.trio.store import Store
 
 __all__ = ["BackendView", "publish_view", "read_views"]
 
 Connection = psycopg.Connection[TupleRow]
 
-_READ = (
-    "SELECT backend_id, name, started, heartbeat, view, view_at, now()"
-    " FROM backends ORDER BY started, backend_id"
-)
-
 
 @attrs.frozen(kw_only=True)
 class BackendView:
-    """One row of ``backends`` with its published view.
+    """One row of ``broker_backends`` with its published view.
 
     Attributes:
         backend_id, name: the backend.
@@ -68,7 +66,9 @@ class BackendView:
 
 def _views(conn: Connection) -> list[BackendView]:
     found = []
-    for backend_id, name, started, heartbeat, view, view_at, now in conn.execute(_READ):
+    for backend_id, name, started, heartbeat, view, view_at, now in conn.execute(
+        queue_sql.READ_VIEWS
+    ):
         found.append(
             BackendView(
                 backend_id=backend_id,
@@ -102,10 +102,7 @@ async def publish_view(
     body = Jsonb(dict(view))
 
     def run(conn: Connection) -> tuple[bool, list[BackendView]]:
-        written = conn.execute(
-            "UPDATE backends SET view = %s, view_at = now() WHERE backend_id = %s",
-            (body, backend_id),
-        ).rowcount
+        written = conn.execute(queue_sql.PUBLISH_VIEW, (body, backend_id)).rowcount
         return written == 1, _views(conn)
 
     return await store.call(run, kind="publish_view")

@@ -1,7 +1,7 @@
 """``trio-broker fylr requeue --failed --config FILE``: failed work back into the queue.
 
 For a fylr on a shared ``database``: the command connects to it directly (it
-works while every fylr is down) and puts the failed ``file_queue`` rows back
+works while every fylr is down) and puts the failed queue rows back
 with :func:`~trio_broker_daemons.fylr.failed.retry_failed`, their files back to
 where their step starts. A fylr on its private cluster is asked over HTTP
 instead (``POST /inspect/system/fylr/requeue``).
@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
+import psycopg
 import trio
 
 from trio_broker.trio.store import StoreUnavailable, open_store
@@ -38,8 +39,9 @@ def requeue_main(
 
     Returns:
         0 when done (also when nothing had failed); 1 when the database could not
-        be reached; 2 for a configuration problem or a configuration without
-        ``database``.
+        be reached, or has no queue of this version yet (no fylr of this version
+        has started on it: that start migrates it); 2 for a configuration problem
+        or a configuration without ``database``.
     """
     try:
         config = load_config(
@@ -64,6 +66,14 @@ def requeue_main(
         retried = trio.run(run)
     except StoreUnavailable as exc:
         print(f"trio-broker fylr requeue: {exc}", file=sys.stderr)
+        return 1
+    except psycopg.errors.UndefinedTable as exc:
+        print(
+            "trio-broker fylr requeue: the database has no queue of this version"
+            f" ({exc.diag.message_primary}): start a fylr of this version on it once,"
+            " which migrates it, then requeue",
+            file=sys.stderr,
+        )
         return 1
     for item in retried:
         print(f"requeued {item.id} {item.action} file {item.file_ref}; it had failed: {item.error}")

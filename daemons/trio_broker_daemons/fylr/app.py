@@ -8,7 +8,7 @@ Theory of operation
 - **the store**: PostgreSQL, either the configured ``database`` or a private
   cluster in ``state_dir/pg`` (:mod:`trio_broker_daemons.fylr.pgcluster`); migrations are
   applied at start. ``files`` (:mod:`trio_broker_daemons.fylr.files`) sits beside
-  ``file_queue``;
+  ``broker_queue``;
 - **the storage**: stored files in ``state_dir/files`` (:mod:`trio_broker_daemons.fylr.storage`),
   which several fylrs may share. The process registers its backend id in the
   database before it writes anything, so that the other fylrs' sweeps see it
@@ -20,8 +20,10 @@ Theory of operation
   ``/whoami`` of the broker client;
 - **a broker client** (:mod:`trio_broker.trio.client`) to every configured execserver;
   the pipe URLs it puts into jobs point back at this listener;
-- **a dispatcher** (:mod:`trio_broker.trio.dispatcher`) that drains ``file_queue``
-  into the steps of the queue worker (:mod:`trio_broker_daemons.fylr.worker`).
+- **a dispatcher** (:mod:`trio_broker.trio.dispatcher`) that drains ``broker_queue``
+  into the steps of the queue worker (:mod:`trio_broker_daemons.fylr.worker`),
+  settles each step's one decision through the worker, and claims at once when
+  the broker client's capacity changes (it watches the client itself).
 
 What these parts share (resources, counters, change events) is one
 :class:`~trio_broker_daemons.fylr.state.FylrState`.
@@ -134,26 +136,6 @@ class FylrHandle:
     async def wait_closed(self) -> None:
         """Wait until :func:`serve_fylr` has stopped everything."""
         await self._state.closed.wait()
-
-
-async def _wake_on_capacity(client: BrokerClient, dispatcher: Dispatcher) -> None:
-    """Claim at once when the execservers' capacity changes (a first HELLO, say)."""
-
-    def capacity() -> tuple[tuple[str, int, int], ...]:
-        return tuple(
-            sorted((i.instance_id, i.processes, i.clients) for i in client.instance_loads())
-        )
-
-    seen = capacity()
-    dispatcher.wake()
-
-    def moved() -> bool:
-        return capacity() != seen
-
-    while True:
-        await client.wait_until(moved)
-        seen = capacity()
-        dispatcher.wake()
 
 
 def client_config(config: FylrConfig, *, backend_id: str, callback_port: int) -> ClientConfig:
@@ -305,8 +287,6 @@ async def serve_fylr(
                                 _dispatcher_task(store, actions, config, backend_id, client)
                             )
                             state.dispatcher = dispatcher
-                            if client is not None:
-                                work.start_soon(_wake_on_capacity, client, dispatcher)
                             work.start_soon(topology_of(state).serve)
                             work.start_soon(state.sweeper.serve)
                             log.info(

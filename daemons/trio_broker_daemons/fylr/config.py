@@ -77,12 +77,15 @@ Top-level keys (:class:`FylrConfig`):
 ``claim_interval`` (1s, > 0)
     How often the dispatcher claims queue rows when nothing finishes.
 ``retry_delay`` (1m, >= 0)
-    How long a requeued item waits (no slot in time, a draining execserver).
+    How long a requeued item waits (no slot in time, a draining execserver, a
+    storage error): the dispatcher's one ``retry_delay``.
 ``unknown_service_attempts`` (5, >= 1)
     A step whose service no connected execserver offers (a misspelled recipe)
     is requeued after ``retry_delay`` with the reason and the closest offered
     name in its file's ``error`` (one warning), and fails on the claim that meets
-    this count (the queue row's ``attempts``: every claim of the step counts).
+    this count (the queue row's ``attempts``: every claim of the step counts);
+    the dispatcher's decision (the bound of its ``metadata`` and ``produce``
+    actions).
 ``counts_interval`` (1m, >= 0)
     The files by kind and state that ``/metrics`` and ``/inspect/system/fylr``
     show are counted again at most this often (a full count reads every row);

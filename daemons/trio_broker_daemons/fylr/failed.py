@@ -3,16 +3,21 @@
 Theory of operation
 ===================
 
-A step fails for good only when its input or its recipe is at fault (the worker
-classifies: :mod:`~trio_broker_daemons.fylr.worker`); its ``file_queue`` row then
-stays ``failed`` with the reason in ``last_error``, and its file ends ``error``.
-:func:`failed_items` lists those rows with the file they belong to (the
-inspection document carries them), and :func:`retry_failed` runs them again once
-the cause is fixed (``trio-broker fylr requeue --failed``:
+A step fails for good only when its input or its recipe is at fault (the
+dispatcher decides once, from the dispatch core's outcome table, and the
+worker's ``settle`` carries the decision out:
+:mod:`~trio_broker_daemons.fylr.worker`); its queue row then stays ``failed``
+with the reason and the receipt's decisive line, and its file ends ``error``.
+:func:`failed_items` lists those rows (the store's
+:func:`~trio_broker.trio.store.failed_in`) with the file they belong to (read
+from ``files`` on the same connection; the inspection document carries them),
+and :func:`retry_failed` runs them again once the cause is fixed
+(``trio-broker fylr requeue --failed``:
 :mod:`trio_broker_daemons.commands.requeue`, or
 ``POST /inspect/system/fylr/requeue``). A retry, in one transaction per call,
-puts each row back to ``new`` and its file back to the state its step starts
-from:
+puts each row back to ``new`` (the store's
+:func:`~trio_broker.trio.store.requeue_failed_in`) and its file back to the
+state its step starts from:
 
 ``metadata``
     the original goes back to ``new`` (its error is cleared);
@@ -26,14 +31,13 @@ from:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from datetime import datetime
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import attrs
 from psycopg import Connection
 
-from trio_broker.trio.store import Store
+from trio_broker.trio.store import FailedItem, Store, failed_in, requeue_failed_in
 from trio_broker_daemons.fylr.files import ACTION_METADATA, ACTION_PRODUCE, source_failed
 
 __all__ = ["FAILED_SHOWN", "RetriedItem", "failed_items", "retry_failed"]
@@ -60,49 +64,58 @@ class RetriedItem:
 
 
 def _file_id(file_ref: str) -> int | None:
-    return int(file_ref) if file_ref.isascii() and file_ref.isdigit() else None
+    """The ``files`` id a queue row's ``file_ref`` names (``None``: not one of ours)."""
+    usable = file_ref.isascii() and file_ref.isdigit() and len(file_ref) <= 18
+    return int(file_ref) if usable else None
+
+
+def _files(conn: Connection, ids: Sequence[int]) -> dict[int, tuple[Any, ...]]:
+    """``kind, filename, version, status, parent_id`` of the rows of ``files`` by id."""
+    rows = conn.execute(
+        "SELECT id, kind, filename, version, status, parent_id FROM files"
+        " WHERE id = ANY(%s::bigint[])",
+        (list(ids),),
+    ).fetchall()
+    return {row[0]: tuple(row[1:]) for row in rows}
+
+
+def _document(item: FailedItem, files: Mapping[int, tuple[Any, ...]]) -> dict[str, Any]:
+    file_id = _file_id(item.file_ref)
+    found = None if file_id is None else files.get(file_id)
+    file = None
+    if found is not None:
+        kind, filename, version, status, parent_id = found
+        file = {
+            "kind": kind,
+            "filename": filename,
+            "version": version,
+            "state": status,
+            "original": parent_id if kind == "version" else file_id,
+        }
+    return {
+        "id": item.id,
+        "action": item.action,
+        "file_ref": item.file_ref,
+        "attempts": item.attempts,
+        "reason": item.reason,
+        "queued_at": item.created_at.isoformat(),
+        "file": file,
+    }
 
 
 def _failed_rows(conn: Connection, limit: int) -> list[dict[str, Any]]:
-    rows = conn.execute(
-        "SELECT q.id, q.action, q.file_ref, q.attempts, q.last_error, q.created_at,"
-        " f.kind, f.filename, f.version, f.status, f.parent_id"
-        " FROM file_queue q LEFT JOIN files f"
-        " ON f.id = CASE WHEN q.file_ref ~ '^[0-9]{1,18}$' THEN q.file_ref::bigint END"
-        " WHERE q.status = 'failed' ORDER BY q.id LIMIT %s",
-        (limit,),
-    ).fetchall()
-    items = []
-    for row in rows:
-        created: datetime = row[5]
-        items.append(
-            {
-                "id": row[0],
-                "action": row[1],
-                "file_ref": row[2],
-                "attempts": row[3],
-                "reason": row[4],
-                "queued_at": created.isoformat(),
-                "file": None
-                if row[6] is None
-                else {
-                    "kind": row[6],
-                    "filename": row[7],
-                    "version": row[8],
-                    "state": row[9],
-                    "original": row[10] if row[6] == "version" else _file_id(row[2]),
-                },
-            }
-        )
-    return items
+    items = failed_in(conn, limit=limit)
+    ids = [_file_id(item.file_ref) for item in items]
+    files = _files(conn, [i for i in ids if i is not None])
+    return [_document(item, files) for item in items]
 
 
 async def failed_items(store: Store, *, limit: int = FAILED_SHOWN) -> list[dict[str, Any]]:
-    """The failed rows of ``file_queue`` (oldest first), each with its reason and file.
+    """The failed queue rows (oldest first), each with its reason and file.
 
     Returns:
         Per row: ``id``, ``action``, ``file_ref``, ``attempts``, ``reason`` (the
-        row's ``last_error``), ``queued_at``, and ``file`` (``kind``,
+        row's last error), ``queued_at``, and ``file`` (``kind``,
         ``filename``, ``version``, ``state``, ``original``; ``None`` when the file
         is gone).
 
@@ -153,25 +166,18 @@ def _reset_produce(conn: Connection, version_id: int) -> None:
 
 def _retry(conn: Connection, ids: Sequence[int] | None) -> list[RetriedItem]:
     with conn.transaction():
-        query = (
-            "SELECT id, action, file_ref, last_error FROM file_queue WHERE status = 'failed'"
-            + ("" if ids is None else " AND id = ANY(%s::bigint[])")
-            + " ORDER BY id FOR UPDATE"
-        )
-        rows = conn.execute(query, () if ids is None else (list(ids),)).fetchall()
         retried = []
-        for item_id, action, file_ref, error in rows:
-            file_id = _file_id(file_ref)
-            if file_id is not None and action == ACTION_METADATA:
+        for item in requeue_failed_in(conn, ids=ids):
+            file_id = _file_id(item.file_ref)
+            if file_id is not None and item.action == ACTION_METADATA:
                 _reset_metadata(conn, file_id)
-            elif file_id is not None and action == ACTION_PRODUCE:
+            elif file_id is not None and item.action == ACTION_PRODUCE:
                 _reset_produce(conn, file_id)
-            conn.execute(
-                "UPDATE file_queue SET status = 'new', start_after = now(), claimed_by = NULL,"
-                " claimed_at = NULL, last_error = %s WHERE id = %s",
-                (f"requeued by an operator; it had failed: {error}", item_id),
+            retried.append(
+                RetriedItem(
+                    id=item.id, action=item.action, file_ref=item.file_ref, error=item.reason
+                )
             )
-            retried.append(RetriedItem(id=item_id, action=action, file_ref=file_ref, error=error))
         return retried
 
 

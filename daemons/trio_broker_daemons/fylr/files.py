@@ -9,11 +9,13 @@ through :meth:`Store.call <trio_broker.trio.store.Store.call>` (one pooled conne
 a worker thread per call). Migration ``002_files.sql`` holds the schema.
 
 **A step and the next one commit together.** Each state change that hands the
-file on to the next step inserts that step's ``file_queue`` row in the same
-transaction (the upload queues metadata or sync; metadata queues sync; sync
-queues one produce per version; a finished version queues the versions made
-from it). A crash therefore never leaves a file whose next step is not queued,
-nor a step queued twice by one change.
+file on to the next step queues that step in the same transaction (the upload
+queues metadata or sync; metadata queues sync; sync queues one produce per
+version; a finished version queues the versions made from it), through the
+store's :func:`~trio_broker.trio.store.enqueue_in` on this transaction's
+connection: the queue's tables are the store's alone. A crash therefore never
+leaves a file whose next step is not queued, nor a step queued twice by one
+change.
 
 **Steps are replay-safe.** The dispatcher may run a step again (its process was
 killed after the work but before the outcome was written; a stale heartbeat
@@ -47,7 +49,7 @@ from psycopg.rows import TupleRow
 from psycopg.types.json import Jsonb
 
 from trio_broker.trio.schema import Migration, load_migrations
-from trio_broker.trio.store import Store
+from trio_broker.trio.store import NewItem, Store, delete_unclaimed_in, enqueue_in
 from trio_broker_daemons.fylr.produce import (
     FINISHED_STATES,
     FileKind,
@@ -239,14 +241,8 @@ def _one(conn: Connection, query: str, params: Sequence[Any] | Mapping[str, Any]
 
 
 def _enqueue(conn: Connection, items: Sequence[tuple[int, str, int]]) -> None:
-    """Queue steps: ``(file id, action, priority)`` each."""
-    if not items:
-        return
-    conn.execute(
-        "INSERT INTO file_queue (file_ref, action, priority)"
-        " SELECT r, a, p FROM unnest(%s::text[], %s::text[], %s::integer[]) AS n(r, a, p)",
-        ([str(i[0]) for i in items], [i[1] for i in items], [i[2] for i in items]),
-    )
+    """Queue steps in the caller's transaction: ``(file id, action, priority)`` each."""
+    enqueue_in(conn, [NewItem(file_ref=str(i), action=a, priority=p) for i, a, p in items])
 
 
 FYLR_SCOPE: Final = "fylr"
@@ -545,11 +541,7 @@ class FileStore:
                 if removed:
                     ids = [row.id for row in removed]
                     conn.execute("DELETE FROM files WHERE id = ANY(%s::bigint[])", (ids,))
-                    conn.execute(
-                        "DELETE FROM file_queue WHERE action = %s AND status <> 'claimed'"
-                        " AND file_ref = ANY(%s::text[])",
-                        (ACTION_PRODUCE, [str(i) for i in ids]),
-                    )
+                    delete_unclaimed_in(conn, ACTION_PRODUCE, [str(i) for i in ids])
                 states: dict[str, FileState] = {name: by_name[name].status for name in plan.keep}
                 queued: list[str] = []
                 to_queue: list[tuple[int, str, int]] = []

@@ -204,7 +204,7 @@ class _Collector:
             )
         )
         queue = GaugeMetricFamily(
-            "trio_broker_fylr_queue_items", "Rows of file_queue by state.", labels=["state"]
+            "trio_broker_fylr_queue_items", "Rows of broker_queue by state.", labels=["state"]
         )
         for state, count in attrs.asdict(self.queue).items():
             queue.add_metric([state], count)

@@ -20,8 +20,11 @@ has ``queue: null``. The figures come from where the step is:
   includes the step's own want, so it is at most one too high.
 
 To either, the unclaimed rows of exec-bound actions that the dispatchers would
-claim before the step's row (priority descending, then id; only rows whose
-``start_after`` has passed) are added: :func:`~trio_broker.core.figures.queue_position`.
+claim before the step's row are added
+(:func:`~trio_broker.core.figures.queue_position`): the store counts them in
+its own claim order (:meth:`Store.positions
+<trio_broker.trio.store.Store.positions>`; only rows whose ``start_after`` has
+passed).
 ``position`` is the hard number; ``eta_s`` is a hint, marked as such by every
 client that shows it ("roughly").
 
@@ -37,10 +40,6 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-import attrs
-import psycopg
-from psycopg.rows import TupleRow
-
 from trio_broker.core.errors import StoreUnavailable
 from trio_broker.core.figures import (
     Answer,
@@ -49,12 +48,12 @@ from trio_broker.core.figures import (
     answer_from_stats,
     queue_position,
 )
-from trio_broker.trio.store import QueueItem
+from trio_broker.trio.store import ItemPosition, QueueItem
 from trio_broker_daemons.fylr.files import ACTION_METADATA, ACTION_PRODUCE, FileRow
 from trio_broker_daemons.fylr.state import FylrState
 from trio_broker_daemons.fylr.topology import topology_of
 
-__all__ = ["POSITION_LEASE", "StepRow", "add_queue_positions", "step_job_id"]
+__all__ = ["POSITION_LEASE", "add_queue_positions", "step_job_id"]
 
 log = logging.getLogger("trio_broker_daemons.fylr.position")
 
@@ -64,58 +63,10 @@ QUERY_TIMEOUT: Final = 2.0
 """Seconds to wait for the execservers' ``POSITION`` answers."""
 EXEC_ACTIONS: Final = (ACTION_METADATA, ACTION_PRODUCE)
 
-Connection = psycopg.Connection[TupleRow]
-
-_STEPS = """
-SELECT q.id, q.file_ref, q.action, q.priority, q.status, q.claimed_by, q.attempts,
-       (SELECT count(*) FROM file_queue r
-         WHERE r.status = 'new' AND r.start_after <= now()
-           AND r.action = ANY(%(actions)s::text[])
-           AND (r.priority > q.priority OR (r.priority = q.priority AND r.id < q.id)))
-  FROM file_queue q
- WHERE q.file_ref = ANY(%(refs)s::text[]) AND q.action = ANY(%(actions)s::text[])
-   AND q.status IN ('new', 'claimed')
- ORDER BY q.id
-"""
-
 
 def step_job_id(item: QueueItem) -> str:
     """The broker job id of one claim of a step: the row and its attempt (unique per claim)."""
     return f"q{item.id}.{item.attempts}"
-
-
-@attrs.frozen(kw_only=True)
-class StepRow:
-    """A waiting exec-bound step's queue row and the unclaimed rows ahead of it."""
-
-    item: QueueItem
-    rows_ahead: int
-
-
-async def waiting_steps(state: FylrState, file_ids: Sequence[int]) -> list[StepRow]:
-    """The queue rows of exec-bound steps of these files that are new or claimed.
-
-    Raises:
-        StoreUnavailable: the database could not be read.
-    """
-
-    def run(conn: Connection) -> list[StepRow]:
-        found = []
-        params = {"refs": [str(i) for i in file_ids], "actions": list(EXEC_ACTIONS)}
-        for row in conn.execute(_STEPS, params):
-            item = QueueItem(
-                id=row[0],
-                file_ref=row[1],
-                action=row[2],
-                priority=row[3],
-                status=row[4],
-                claimed_by=row[5],
-                attempts=row[6],
-            )
-            found.append(StepRow(item=item, rows_ahead=row[7]))
-        return found
-
-    return await state.store.call(run, kind="queue_positions")
 
 
 def _may_wait(row: FileRow) -> bool:
@@ -137,7 +88,7 @@ def _service_of(state: FylrState, row: FileRow) -> str | None:
     return file_class.versions[row.version].service
 
 
-async def _position(state: FylrState, step: StepRow, service: str) -> dict[str, Any] | None:
+async def _position(state: FylrState, step: ItemPosition, service: str) -> dict[str, Any] | None:
     client = state.client
     if client is None:
         return None
@@ -165,7 +116,7 @@ async def _position(state: FylrState, step: StepRow, service: str) -> dict[str, 
                 found = answer_from_stats(link.stats, service, item.priority)
                 if found is not None:
                     answers.append(found)
-    position = queue_position(answers, rows_ahead=step.rows_ahead)
+    position = queue_position(answers, rows_ahead=step.ahead)
     return None if position is None else _document(position, item, basis)
 
 
@@ -206,7 +157,8 @@ async def add_queue_positions(
     if row.finished or state.client is None or not any(map(_may_wait, rows.values())):
         return
     try:
-        steps = await waiting_steps(state, list(rows))
+        refs = [str(file_id) for file_id in rows]
+        steps = await state.store.positions(refs, actions=EXEC_ACTIONS)
     except StoreUnavailable as exc:
         log.info("queue positions unavailable: %s", exc)
         return

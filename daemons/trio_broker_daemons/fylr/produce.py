@@ -9,7 +9,7 @@ Theory of operation
 A file row is an *original* (uploaded) or a *version* (a rendition produced from
 the original or from another version). Its **internal state** says which step it
 is at; whether that step is running right now is the queue's business
-(``file_queue``), not the file's.
+(``broker_queue``), not the file's.
 
 An original goes ``new → metadata → sync → produce → done``:
 

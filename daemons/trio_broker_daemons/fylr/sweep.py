@@ -9,8 +9,9 @@ it wrote but never recorded in a row. :class:`StorageSweeper` removes them, at
 start-up and then every :data:`SWEEP_EVERY` × ``stale_after``; each sweep:
 
 1. lists the folder (:meth:`Storage.scan <trio_broker_daemons.fylr.storage.Storage.scan>`);
-2. *then* asks the database which backends are alive: those whose heartbeat in
-   ``backends`` is younger than ``stale_after``. A file seen in step 1 was created
+2. *then* asks the queue's store which backends are alive
+   (:meth:`Store.live_backends <trio_broker.trio.store.Store.live_backends>`:
+   those whose heartbeat is younger than ``stale_after``). A file seen in step 1 was created
    after its writer registered (a fylr registers before its first write), so a
    live writer of it is in this answer;
 3. keeps every file of a live writer, and every file written to less than
@@ -74,14 +75,6 @@ class SweepResult:
     at: float
 
 
-def _live_backends(conn: Connection, stale_after: float) -> list[str]:
-    rows = conn.execute(
-        "SELECT backend_id FROM backends WHERE heartbeat >= now() - %s * interval '1 second'",
-        (float(stale_after),),
-    ).fetchall()
-    return [row[0] for row in rows]
-
-
 def _referenced(conn: Connection, keys: Sequence[str]) -> set[str]:
     rows = conn.execute(
         "SELECT storage_key FROM files WHERE storage_key = ANY(%s::text[])", (list(keys),)
@@ -122,7 +115,7 @@ class StorageSweeper:
         """
         async with self._lock:
             found = await self.storage.scan(time.time())
-            live = {writer_tag(b) for b in await self.store.call(self._live, kind="sweep_live")}
+            live = {writer_tag(b) for b in await self.store.live_backends(self.stale_after)}
             if startup:
                 live.discard(self.storage.tag)
             candidates = [f for f in found if self._removable(f, live, startup=startup)]
@@ -159,9 +152,6 @@ class StorageSweeper:
             and leftover.age >= self.grace
             and leftover.key not in own.recording
         )
-
-    def _live(self, conn: Connection) -> list[str]:
-        return _live_backends(conn, self.stale_after)
 
     async def _unreferenced(self, stored: Sequence[Leftover]) -> list[Leftover]:
         orphans: list[Leftover] = []

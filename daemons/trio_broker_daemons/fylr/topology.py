@@ -8,7 +8,7 @@ its own execservers, and an execserver behind a balancer cannot be addressed at
 all. So the picture is assembled from what each fylr knows for itself:
 
 - **Each fylr publishes its own view** (:meth:`Topology.own_view`) into its row
-  of the shared ``backends`` table (:mod:`trio_broker.trio.views`), from the task
+  of the shared ``broker_backends`` table (:mod:`trio_broker.trio.views`), from the task
   :meth:`Topology.serve`: who it is, what its broker client and dispatcher do,
   every address it dials (and whether that address fronts a fleet: the
   client's ``balanced``), every broker connection with the execserver instance

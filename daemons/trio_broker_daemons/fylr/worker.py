@@ -1,4 +1,4 @@
-"""The fylr's queue worker: the handlers of the ``metadata``, ``sync`` and ``produce`` steps.
+"""The fylr's queue worker: the ``metadata``, ``sync`` and ``produce`` steps, and their files.
 
 Theory of operation
 ===================
@@ -13,8 +13,9 @@ which also queues the next step:
 ``metadata`` (exec-bound)
     the class's metadata service reads the original through an in-pipe; its
     stdout (through an out-pipe, kept up to :data:`METADATA_OUTPUT_LIMIT`) becomes
-    the technical metadata. A command that fails leaves the metadata empty and
-    the reason in the original's ``error``; the file goes on to sync.
+    the technical metadata. A command that fails is no failed step: the metadata
+    stays empty, the reason (its receipt's decisive line) goes to the original's
+    ``error``, and the file goes on to sync.
 ``sync`` (local-bound)
     creates the missing version rows, removes the unwanted ones (and their
     stored files), queues a produce for each version whose source exists.
@@ -22,34 +23,49 @@ which also queues the next step:
 ``produce`` (exec-bound, body mode)
     the version's service reads its source (the original, or a ``done`` source
     version) through an in-pipe and writes the rendition through an out-pipe
-    straight into storage. A receipt ``ok`` stores it (``done``); any failure
-    ends the version ``error`` with the receipt's ``stderr_line``. The original
-    is ``done`` when every version has ended.
+    straight into storage. A receipt ``ok`` whose output arrived whole stores it
+    (``done``). The original is ``done`` when every version has ended.
 
-Retries. A version or a metadata step fails for good only when its input or
-its recipe is at fault: the command ended with an error (a corrupt input, a
-converter's own failure), or the stored input is missing while the storage
-folder is there. Any other reason is temporary. A step that cannot finish raises
-a typed outcome and lets it go on to the dispatcher: the broker client's
-``NoSlot``, ``NoExecserver``, ``UnknownService``, ``JobLost`` (a killed
-execserver) or ``ClientClosed``, the store's ``StoreUnavailable`` (a lost
-database connection), :class:`~trio_broker.core.errors.JobStopped` for a job the
-execserver stopped (draining) or whose output did not arrive whole, or
-:class:`~trio_broker.core.errors.RetryLater` after ``retry_delay`` for a storage
-error (:meth:`FileWorker.storage_failed`: a temporary file that vanished under
-its writer, an I/O error of a shared folder, a full disk, an input that could
-not be read, an unreachable folder). The
-one outcome table (:func:`trio_broker.core.dispatch.judge`) decides, for the
-dispatcher and for the step alike, whether the item runs again (then the file
-goes back to the state the step started from) or fails (then the version, or
-for a metadata step the original, ends ``error`` with the exception's text, and
-the queue row ``failed``). ``UnknownService`` is temporary only for a while:
-the step waits with the reason and the closest offered service name in its
-file's ``error`` (:func:`service_notice`; one warning), and the claim that
-meets ``unknown_service_attempts`` raises :class:`ServiceNotOffered` instead,
-which the table fails. Every write of a step is fenced by the state it
-expects, so a step that runs twice (its process was killed after the work but
-before its outcome was written) changes nothing the second time.
+One verdict per step. A handler does its step's work and raises when the work
+cannot end well; it never judges what it raised. What a receipt means is the
+library's (:func:`trio_broker.core.endings.receipt_failure`): a job the execserver
+stopped, or whose output did not arrive whole, raises
+:class:`~trio_broker.core.errors.JobStopped`; a job that ran and failed
+(``failed``, ``timed_out``, ``stalled``, ``out_of_memory``, ``error``) raises
+:class:`~trio_broker.core.endings.JobFailed`. Besides those a step raises the
+broker client's ``NoSlot``, ``NoExecserver``, ``UnknownService`` (described with
+the closest offered name, :func:`service_notice`), ``JobLost`` (a killed
+execserver) or ``ClientClosed``, the store's ``StoreUnavailable``, a
+``FileNotFoundError`` for a stored input that is missing while the storage folder
+is there, and a :class:`~trio_broker.core.errors.RetryLater` after the queue's
+``retry_delay`` for a storage error (:meth:`FileWorker.storage_failed`: a
+temporary file that vanished under its writer, an I/O error of a shared folder,
+a full disk, an input that could not be read, an unreachable folder).
+
+The dispatcher decides once, by the outcome table of
+:mod:`trio_broker.core.dispatch` (``unknown_service`` bounded at
+``unknown_service_attempts`` claims of the step), and hands its decision to
+:meth:`FileWorker.settle`, which moves the step's file by it and never changes it:
+
+- **requeued** (the reason is temporary): the file goes back to the state the
+  step started from (the original or the version to ``new``), a service nobody
+  offers with its notice in the file's ``error`` (one warning, then debug);
+- **failed** (the input or the recipe is at fault: the job failed, the stored
+  input is missing, no execserver offered the service for
+  ``unknown_service_attempts`` claims, or a bug): the version ends ``error`` with
+  the reason (for a failed job its receipt's decisive line, and the receipt in
+  its metadata), and so do the versions made from it; for a metadata step the
+  original ends ``error`` (``metadata: <reason>``); a failed ``sync`` leaves its
+  original in ``sync``. The queue row stays ``failed`` with its reason, its
+  attempts and, for a failed job, the receipt's status and decisive line in
+  ``last_error`` (:mod:`~trio_broker_daemons.fylr.failed`): once the input or
+  the recipe is fixed, ``trio-broker fylr requeue --failed`` (or ``POST
+  /inspect/system/fylr/requeue``) puts the row back and its file back where the
+  step starts, and the version is made again.
+
+Every write of a step is fenced by the state it expects, so a step (or a
+settling) that runs twice (its process was killed after the work but before its
+outcome was written) changes nothing the second time.
 """
 
 from __future__ import annotations
@@ -63,11 +79,13 @@ from typing import Any, Final, cast
 import trio
 
 from trio_broker.core import protocol as p
-from trio_broker.core.dispatch import Verdict, judge
+from trio_broker.core.dispatch import Decision, Verdict
+from trio_broker.core.endings import JobFailed, receipt_failure
 from trio_broker.core.errors import (
     JobStopped,
     NoExecserver,
     RetryLater,
+    ServiceNotOffered,
     StoreUnavailable,
     UnknownService,
     describe,
@@ -97,7 +115,7 @@ from trio_broker_daemons.fylr.state import FylrState
 from trio_broker_daemons.fylr.storage import FileReader, Storage, StoredFile
 from trio_broker_daemons.runtime.logfmt import fields
 
-__all__ = ["METADATA_OUTPUT_LIMIT", "OCTET_STREAM", "FileWorker", "ServiceNotOffered"]
+__all__ = ["METADATA_OUTPUT_LIMIT", "OCTET_STREAM", "FileWorker", "service_notice"]
 
 log = logging.getLogger("trio_broker_daemons.fylr.worker")
 
@@ -106,6 +124,8 @@ METADATA_OUTPUT_LIMIT: Final = 1 << 20
 OCTET_STREAM: Final = "application/octet-stream"
 """The mimetype of a stored file whose recipe names none."""
 _CLEANUP_TIMEOUT: Final = 10.0
+_STARTED: Final[Mapping[str, FileState]] = {ACTION_METADATA: "metadata", ACTION_PRODUCE: "produce"}
+"""The state a requeued step's file goes back from (to ``new``), by action."""
 
 
 class _StoredSource:
@@ -142,14 +162,6 @@ class _StoredSource:
             await self._reader.aclose()
 
 
-class ServiceNotOffered(Exception):
-    """A step met ``UnknownService`` on its ``unknown_service_attempts``-th claim: it fails.
-
-    Not a row of the outcome table, so the dispatcher fails the item with this
-    text (a recipe naming a service nobody offers, such as a misspelling).
-    """
-
-
 def service_notice(service: str, offered: Collection[str]) -> str:
     """Why a step waits: no execserver offers ``service``, with the closest offered name.
 
@@ -170,26 +182,6 @@ def service_notice(service: str, offered: Collection[str]) -> str:
     return text
 
 
-def _is_unknown_service(exc: BaseException) -> bool:
-    """Whether ``exc`` is ``UnknownService``, or a group of nothing else."""
-    if isinstance(exc, BaseExceptionGroup):
-        matched, rest = exc.split(UnknownService)
-        return matched is not None and rest is None
-    return isinstance(exc, UnknownService)
-
-
-def _receipt_reason(receipt: p.Receipt) -> str:
-    """A failed job's reason: the decisive stderr line, else the receipt's error."""
-    return receipt.stderr_line or receipt.error or f"status {receipt.status}"
-
-
-def _stopped(receipt: p.Receipt, what: str) -> JobStopped | None:
-    """The outcome of a job the execserver interrupted, ``None`` for any other end."""
-    if receipt.status in ("stopped", "cancelled"):
-        return JobStopped(f"{what} was {receipt.status}: {_receipt_reason(receipt)}")
-    return None
-
-
 class FileWorker:
     """The step handlers of one fylr process, registered with its dispatcher.
 
@@ -204,11 +196,26 @@ class FileWorker:
         self._noticed: dict[int, set[str]] = {}
 
     def actions(self) -> list[Action]:
-        """The dispatcher's actions: ``metadata`` and ``produce`` exec-bound, ``sync`` local."""
+        """The dispatcher's actions: ``metadata`` and ``produce`` exec-bound (their
+        ``UnknownService`` bounded at ``unknown_service_attempts``), ``sync`` local;
+        each settled by :meth:`settle`."""
+        attempts = self.state.config.unknown_service_attempts
         return [
-            Action(ACTION_METADATA, exec_bound=True, handler=self.metadata),
-            Action(ACTION_SYNC, exec_bound=False, handler=self.sync),
-            Action(ACTION_PRODUCE, exec_bound=True, handler=self.produce),
+            Action(
+                ACTION_METADATA,
+                exec_bound=True,
+                handler=self.metadata,
+                settle=self.settle,
+                unknown_service_attempts=attempts,
+            ),
+            Action(ACTION_SYNC, exec_bound=False, handler=self.sync, settle=self.settle),
+            Action(
+                ACTION_PRODUCE,
+                exec_bound=True,
+                handler=self.produce,
+                settle=self.settle,
+                unknown_service_attempts=attempts,
+            ),
         ]
 
     # -- configuration lookups -------------------------------------------------------------
@@ -262,6 +269,8 @@ class FileWorker:
                 there (a hard failure, not a retry).
             RetryLater: the storage folder could not be reached, or reading the
                 input failed during the job (the job's result is dropped).
+            UnknownService: no connected execserver offers ``service``; its text
+                is :func:`service_notice` (the closest offered name).
             NoExecserver, NoSlot, JobLost, ClientClosed: see :meth:`BrokerClient.run`.
         """
         client = self.state.client
@@ -290,6 +299,8 @@ class FileWorker:
                 stdout=stdout,
                 job_id=job_id,
             )
+        except UnknownService as exc:
+            raise UnknownService(service_notice(service, self.offered_services())) from exc
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(_CLEANUP_TIMEOUT):
                 await source.aclose()
@@ -298,50 +309,13 @@ class FileWorker:
         return receipt, stdout
 
     def storage_failed(self, exc: BaseException) -> RetryLater:
-        """The outcome of a storage error: temporary, the step runs again after ``retry_delay``.
+        """The outcome of a storage error: temporary, the step runs again after the
+        queue's ``retry_delay``.
 
         A vanished temporary file (another process's sweep, a remount), an I/O
         error of a shared folder, a full disk: none is the input's fault.
         """
-        return RetryLater(self.state.config.retry_delay, f"storage: {describe(exc)}")
-
-    def judge(self, exc: BaseException) -> Verdict:
-        """What the dispatcher will make of a step that raised ``exc`` (the outcome table)."""
-        return judge(exc, retry_delay=self.state.config.retry_delay)
-
-    async def requeue(
-        self,
-        action: str,
-        file_id: int,
-        old: FileState,
-        new: FileState,
-        verdict: Verdict,
-        *,
-        notice: str | None = None,
-    ) -> None:
-        """A step will run again: move its file back (best effort) and count it.
-
-        ``notice`` (a service nobody offers) is kept in the file's ``error`` while
-        it waits; the step's first requeue for it logs a warning, the next ones
-        log at debug level.
-        """
-        with contextlib.suppress(StoreUnavailable):
-            await self.files.move(file_id, old, new, notice=notice)
-        self.state.step(action, "requeued")
-        if notice is None:
-            log.info(
-                "step requeued",
-                extra=fields(
-                    action=action, file=file_id, reason=verdict.error, delay=verdict.delay
-                ),
-            )
-        else:
-            log.log(
-                logging.DEBUG if notice in self._noticed.get(file_id, ()) else logging.WARNING,
-                "step waits for a service",
-                extra=fields(action=action, file=file_id, reason=notice, delay=verdict.delay),
-            )
-            self._noticed.setdefault(file_id, set()).add(notice)
+        return RetryLater(None, f"storage: {describe(exc)}")
 
     def offered_services(self) -> set[str]:
         """The services the connected, non-draining execservers announce."""
@@ -350,26 +324,6 @@ class FileWorker:
             return set()
         links = [link for link in client.links() if not link.hello.draining]
         return {name for link in links for name in link.hello.services}
-
-    def unknown_service(
-        self, exc: BaseException, service: str, item: QueueItem
-    ) -> tuple[str | None, BaseException]:
-        """A step's ``UnknownService``: the notice it waits with, or its final failure.
-
-        Returns:
-            ``(notice, exc)`` while the step has been claimed fewer than
-            ``unknown_service_attempts`` times (it is requeued with the notice);
-            ``(None, ServiceNotOffered)`` on the last one (it fails). ``(None,
-            exc)`` for any other exception.
-        """
-        if not _is_unknown_service(exc):
-            return None, exc
-        notice = service_notice(service, self.offered_services())
-        if item.attempts < self.state.config.unknown_service_attempts:
-            return notice, exc
-        self._noticed.pop(int(item.file_ref), None)
-        attempts = item.attempts
-        return None, ServiceNotOffered(f"{notice}, after {attempts} attempts")
 
     # -- the actions -----------------------------------------------------------------------
 
@@ -396,41 +350,26 @@ class FileWorker:
                 if room > 0:
                     output.extend(chunk[:room])
 
-            try:
-                receipt, stdout = await self.run_piped(
-                    step.service,
-                    step.params,
-                    limits=job_limits(step),
-                    source_key=row.storage_key,
-                    sink=keep,
-                    priority=row.priority,
-                    subject=f"{row.filename} #{file_id} metadata",
-                    job_id=step_job_id(item),
-                )
-                if stopped := _stopped(receipt, "the metadata job"):
-                    raise stopped
-            except Exception as caught:
-                notice, exc = self.unknown_service(caught, step.service, item)
-                verdict = self.judge(exc)
-                if verdict.kind == "requeue":
-                    await self.requeue(
-                        ACTION_METADATA, file_id, "metadata", "new", verdict, notice=notice
-                    )
-                else:
-                    await self.files.fail_original(file_id, f"metadata: {verdict.error}")
-                    state.step(ACTION_METADATA, "error")
-                    state.changed(file_id)
-                if exc is caught:
-                    raise
-                raise exc from caught
-            self._noticed.pop(file_id, None)
-            if receipt.status == "ok":
+            receipt, stdout = await self.run_piped(
+                step.service,
+                step.params,
+                limits=job_limits(step),
+                source_key=row.storage_key,
+                sink=keep,
+                priority=row.priority,
+                subject=f"{row.filename} #{file_id} metadata",
+                job_id=step_job_id(item),
+            )
+            failure = receipt_failure(receipt, what="the metadata job")
+            if isinstance(failure, JobStopped):
+                raise failure
+            if failure is None:
                 text = bytes(output) if stdout.state == "done" else receipt.stdout_prefix.encode()
                 metadata = parse_metadata_output(text.decode("utf-8", "replace"))
                 found = metadata.get("mimetype")
                 mimetype = found if isinstance(found, str) and found else None
-            else:
-                error = f"metadata: {_receipt_reason(receipt)}"
+            else:  # the command failed: no metadata, and the file goes on
+                error = f"metadata: {failure.line}"
             state.step(ACTION_METADATA, receipt.status)
         applied = await self.files.end_metadata(
             file_id, metadata=metadata, mimetype=mimetype, error=error
@@ -496,84 +435,49 @@ class FileWorker:
             state.changed(original.id)
             return
         name = cast(str, version.version)
+        receipt, stored = await self._produce(start, recipe, job_id=step_job_id(item))
+        # A database error here may or may not have committed: the file is kept either
+        # way (an unreferenced file is the safe loss; the storage sweep removes it once
+        # it is old, now that it is settled).
         try:
-            receipt, stored = await self._produce(start, recipe, job_id=step_job_id(item))
-        except Exception as caught:
-            notice, exc = self.unknown_service(caught, recipe.service, item)
-            verdict = self.judge(exc)
-            if verdict.kind == "requeue":
-                await self.requeue(
-                    ACTION_PRODUCE, version_id, "produce", "new", verdict, notice=notice
-                )
-                state.changed(original.id)
-            else:
-                await self.files.end_version(
-                    version_id, version.produce_hash, stored=None, error=verdict.error
-                )
-                state.step(ACTION_PRODUCE, "error")
-                state.changed(original.id)
-                if isinstance(exc, ServiceNotOffered):
-                    log.warning(
-                        "version failed",
-                        extra=fields(file=original.id, version=name, error=verdict.error),
-                    )
-            if exc is caught:
-                raise
-            raise exc from caught
-        self._noticed.pop(version_id, None)
-        metadata = version_metadata(name, recipe, receipt)
-        if stored is not None:
-            # A database error here may or may not have committed: the file is kept
-            # either way (an unreferenced file is the safe loss; the storage sweep
-            # removes it once it is old, now that it is settled).
-            try:
-                end = await self.files.end_version(
-                    version_id,
-                    version.produce_hash,
-                    stored=stored,
-                    mimetype=recipe.mimetype or OCTET_STREAM,
-                    metadata=metadata,
-                )
-            finally:
-                self.storage.settled(stored.key)
-            if not end.applied:  # a replay, or a removed version: keep nothing
-                with contextlib.suppress(OSError):  # else the storage sweep removes it
-                    await self.storage.delete(stored.key)
-        else:
             end = await self.files.end_version(
                 version_id,
                 version.produce_hash,
-                stored=None,
-                metadata=metadata,
-                error=_receipt_reason(receipt),
+                stored=stored,
+                mimetype=recipe.mimetype or OCTET_STREAM,
+                metadata=version_metadata(name, recipe, receipt),
             )
+        finally:
+            self.storage.settled(stored.key)
+        if not end.applied:  # a replay, or a removed version: keep nothing
+            with contextlib.suppress(OSError):  # else the storage sweep removes it
+                await self.storage.delete(stored.key)
         state.step(ACTION_PRODUCE, receipt.status if end.applied else "replayed")
         state.changed(original.id, version_id)
         log.info(
-            "version produced" if stored is not None else "version failed",
+            "version produced",
             extra=fields(
                 file=original.id,
                 version=name,
                 status=receipt.status,
-                size=stored.size if stored else None,
+                size=stored.size,
                 duration_s=receipt.duration_s,
-                error=None if stored is not None else _receipt_reason(receipt),
                 original_done=end.original_done,
             ),
         )
 
     async def _produce(
         self, start: ProduceStart, recipe: VersionConfig, *, job_id: str | None = None
-    ) -> tuple[p.Receipt, StoredFile | None]:
+    ) -> tuple[p.Receipt, StoredFile]:
         """Run a version's job with its rendition streamed into storage.
 
         Returns:
-            The receipt, and the stored rendition when the job ended ``ok`` with
-            its whole output received.
+            The receipt (``ok``, its whole output received) and the stored rendition.
 
         Raises:
             JobStopped: the execserver stopped the job, or the output did not
                 arrive whole.
+            JobFailed: the job ran and failed (its receipt says why).
             RetryLater: the rendition could not be written to storage, or the
                 input could not be read (:meth:`storage_failed`).
         """
@@ -610,10 +514,8 @@ class FileWorker:
                 except BaseException:
                     nursery.cancel_scope.cancel()
                     raise
-                complete = stdout.state == "done" or (
-                    stdout.state == "closed" and receipt.stdout_bytes == 0
-                )
-                if receipt.status == "ok" and complete:
+                failure = receipt_failure(receipt, stdout=stdout.state)
+                if failure is None:
                     await send.aclose()  # the writer finishes the file
                 else:
                     nursery.cancel_scope.cancel()  # the writer deletes what it has
@@ -623,10 +525,106 @@ class FileWorker:
             raise
         if failed:
             raise self.storage_failed(failed[0]) from failed[0]
-        if stopped := _stopped(receipt, "the job"):
-            raise stopped
-        if receipt.status == "ok":
-            if not stored:
-                raise JobStopped(f"the output did not arrive whole (out-pipe {stdout.state})")
-            return receipt, stored[0]
-        return receipt, None
+        if failure is not None:
+            raise failure
+        assert stored, "the output arrived whole and the writer ended without an error"
+        return receipt, stored[0]
+
+    # -- settling the dispatcher's decision --------------------------------------------------
+
+    async def settle(self, item: QueueItem, decision: Decision) -> None:
+        """The dispatcher's one decision on a step: move the step's file by it.
+
+        Requeued, the file goes back to where the step started; failed, the
+        version (or the original, for a metadata step) ends ``error`` with the
+        reason. The decision itself is never changed here; its cause only
+        describes it (a failed job's receipt, a service notice). Safe to repeat.
+
+        Raises:
+            StoreUnavailable: a failure could not be recorded (the dispatcher
+                settles again after a back-off).
+        """
+        verdict = decision.verdict
+        file_id = int(item.file_ref)
+        if verdict.outcome != "unknown_service":
+            self._noticed.pop(file_id, None)
+        if verdict.kind == "complete":
+            return
+        if verdict.kind == "requeue":
+            await self._requeued(item, file_id, verdict)
+        elif item.action == ACTION_PRODUCE:
+            await self._version_failed(file_id, verdict)
+        elif item.action == ACTION_METADATA:
+            await self.files.fail_original(file_id, f"metadata: {verdict.error}")
+            self.state.step(ACTION_METADATA, "error")
+            self.state.changed(file_id)
+        else:  # a sync: its original stays in sync, for the row's requeue to run it again
+            self.state.step(item.action, "error")
+
+    async def _requeued(self, item: QueueItem, file_id: int, verdict: Verdict) -> None:
+        """A step runs again: its file back where the step started (best effort), counted.
+
+        A service nobody offers leaves its notice in the file's ``error`` while it
+        waits; the step's first requeue for it logs a warning, the next ones log at
+        debug level.
+        """
+        notice = str(verdict.cause) if verdict.outcome == "unknown_service" else None
+        started = _STARTED.get(item.action)
+        original: int | None = file_id
+        if started is not None:
+            with contextlib.suppress(StoreUnavailable):
+                await self.files.move(file_id, started, "new", notice=notice)
+                if item.action == ACTION_PRODUCE:
+                    row = await self.files.get(file_id)
+                    original = None if row is None else row.parent_id
+        self.state.step(item.action, "requeued")
+        self.state.changed(original)
+        if notice is None:
+            log.info(
+                "step requeued",
+                extra=fields(
+                    action=item.action, file=file_id, reason=verdict.error, delay=verdict.delay
+                ),
+            )
+            return
+        log.log(
+            logging.DEBUG if notice in self._noticed.get(file_id, ()) else logging.WARNING,
+            "step waits for a service",
+            extra=fields(action=item.action, file=file_id, reason=notice, delay=verdict.delay),
+        )
+        self._noticed.setdefault(file_id, set()).add(notice)
+
+    async def _version_failed(self, version_id: int, verdict: Verdict) -> None:
+        """A version's step failed for good: the version ends ``error`` with the reason
+        (a failed job's decisive line, its receipt in the metadata), its dependents too."""
+        cause = verdict.cause
+        job = cause if isinstance(cause, JobFailed) else None
+        error = job.line if job is not None else cast(str, verdict.error)
+        row = await self.files.get(version_id)
+        if row is None or row.produce_hash is None:  # removed by a sync meanwhile
+            self.state.step(ACTION_PRODUCE, "replayed")
+            return
+        name = cast(str, row.version)
+        file_class = self.state.file_class(row.file_class)
+        recipe = None if file_class is None else file_class.versions.get(name)
+        metadata = None
+        if job is not None and recipe is not None:
+            metadata = version_metadata(name, recipe, job.receipt)
+        end = await self.files.end_version(
+            version_id, row.produce_hash, stored=None, metadata=metadata, error=error
+        )
+        outcome = job.receipt.status if job is not None else "error"
+        self.state.step(ACTION_PRODUCE, outcome if end.applied else "replayed")
+        self.state.changed(end.original_id, version_id)
+        log.log(
+            logging.WARNING if isinstance(cause, ServiceNotOffered) else logging.INFO,
+            "version failed",
+            extra=fields(
+                file=end.original_id,
+                version=name,
+                status=outcome,
+                duration_s=None if job is None else job.receipt.duration_s,
+                error=error,
+                original_done=end.original_done,
+            ),
+        )

@@ -9,9 +9,10 @@ a wake during a claim makes one more), plans each claim with the client core's
 instance loads and waiting jobs, reconciles after a claim whose reply was lost,
 writes outcomes in batches (retried with back-off), and heartbeats and sweeps
 stale backends. Each claimed row becomes one job of the client core; its end is
-judged by the outcome table (:func:`~trio_broker.core.dispatch.judge`), with the
-fylr's one rule on top: ``UnknownService`` on a claim that meets
-``unknown_service_attempts`` fails the step for good.
+judged by the core's outcome table (:func:`~trio_broker.core.dispatch.judge`),
+``unknown_service`` bounded at ``unknown_service_attempts`` claims (the fylr's
+setting), and written once settled (the simulated application has nothing of
+its own to settle).
 
 :class:`DirectCaller` is application code that calls ``run()`` on the client
 and, for what the outcome table requeues, calls again after the delay (at
@@ -26,21 +27,14 @@ from typing import Final
 from trio_broker.core.admission import AdmissionConfig, InstanceLoad
 from trio_broker.core.client import Failed, Finished
 from trio_broker.core.dispatch import Backoff, DispatchConfig, DispatchCore, judge
-from trio_broker.core.errors import (
-    ClientClosed,
-    JobLost,
-    JobStopped,
-    NoExecserver,
-    NoSlot,
-    UnknownService,
-)
+from trio_broker.core.endings import receipt_failure, run_failure
+from trio_broker.core.errors import ClientClosed
 from trio_broker.testing.sim.model import Client, Engine, Item
 from trio_broker.testing.sim.queue import ClaimedRow, Outcome
 
 __all__ = [
     "DirectCaller",
     "Dispatcher",
-    "StepFailed",
     "instance_loads",
     "note_probe",
     "outcome_of",
@@ -49,35 +43,18 @@ __all__ = [
 RETRY_AT_ONCE: Final = 1.0
 """A direct caller's wait before calling again for what the table requeues at once."""
 
-_FAILURES: Final[dict[str, type[Exception]]] = {
-    "no_slot": NoSlot,
-    "no_execserver": NoExecserver,
-    "unknown_service": UnknownService,
-    "lost": JobLost,
-    "cancelled": ClientClosed,
-}
 
-
-class StepFailed(Exception):
-    """A step met ``UnknownService`` on its ``unknown_service_attempts``-th claim (the
-    fylr's ``ServiceNotOffered``): not a row of the outcome table, so it fails."""
-
-
-def outcome_of(effect: Finished | Failed, attempts: int, limit: int | None) -> Exception | None:
+def outcome_of(effect: Finished | Failed) -> Exception | None:
     """What the handler of a job ends with: None (it returned) or the exception.
 
-    A receipt ``ok`` returns, and so does one whose input failed (the step
-    records the failure and is complete); a job the execserver stopped raises
-    ``JobStopped``; the client core's failures raise their error classes.
+    The library's own rules (:mod:`trio_broker.core.endings`): a receipt ``ok``
+    returns; a job the execserver stopped raises ``JobStopped``; any other
+    ending ``JobFailed`` (the input's fault); the client core's failures raise
+    their error classes (a caller's own cancellation: ``ClientClosed``).
     """
     if isinstance(effect, Finished):
-        if effect.receipt.status in ("stopped", "cancelled"):
-            return JobStopped(f"the job was {effect.receipt.status}")
-        return None
-    exc = _FAILURES[effect.reason](f"job {effect.job_id}: {effect.detail}")
-    if isinstance(exc, UnknownService) and limit is not None and attempts >= limit:
-        return StepFailed(f"{effect.detail}, after {attempts} attempts")
-    return exc
+        return receipt_failure(effect.receipt)
+    return run_failure(effect) or ClientClosed(f"job {effect.job_id}: {effect.detail}")
 
 
 def note_probe(client: Client, job_id: str, service: str, now: float) -> None:
@@ -126,6 +103,7 @@ class Dispatcher:
         self.incarnation = client.incarnation
         spec = client.spec
         services = frozenset(s.name for s in engine.scenario.services)
+        bound = spec.unknown_service_attempts
         self.core = DispatchCore(
             DispatchConfig(
                 exec_actions=services,
@@ -136,6 +114,7 @@ class Dispatcher:
                     db_pool=spec.db_pool,
                 ),
                 retry_delay=spec.retry_delay,
+                unknown_service_attempts={} if bound is None else dict.fromkeys(services, bound),
             )
         )
         self.backend = client.backend_id
@@ -281,8 +260,8 @@ class Dispatcher:
 
     def job_ended(self, job_id: str, effect: Finished | Failed) -> None:
         row = self.running.pop(job_id)
-        exc = outcome_of(effect, row.attempts, self.client.spec.unknown_service_attempts)
-        decision = self.core.finished(row, exc)
+        decision = self.core.finished(row, outcome_of(effect))
+        self.core.settled(decision)  # the simulated application has no state to settle
         self.engine.log(
             "%s: %s ends %s (%s)",
             self.client.name,
@@ -397,8 +376,12 @@ class DirectCaller:
     def job_ended(self, job_id: str, effect: Finished | Failed) -> None:
         item = self.jobs.pop(job_id)
         spec = self.client.spec
-        exc = outcome_of(effect, item.attempts, spec.unknown_service_attempts)
-        verdict = judge(exc, retry_delay=spec.retry_delay)
+        verdict = judge(
+            outcome_of(effect),
+            retry_delay=spec.retry_delay,
+            attempts=item.attempts,
+            unknown_service_attempts=spec.unknown_service_attempts,
+        )
         engine = self.engine
         if verdict.kind == "complete":
             item.ended = "done"

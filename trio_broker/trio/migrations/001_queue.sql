@@ -1,4 +1,6 @@
 -- 001: the work queue and the backends (client processes) that drain it.
+-- (003_broker_names.sql renames file_queue to broker_queue and backends to
+-- broker_backends: the names below are the tables' first ones.)
 --
 -- A row of file_queue is one unit of work on one file. Its life:
 --   new      waiting; claimable once start_after has passed

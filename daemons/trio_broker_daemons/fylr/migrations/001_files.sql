@@ -9,7 +9,8 @@
 --   produce   original: versions being produced; version: its produce was claimed
 --   done      finished: content and metadata stored
 --   error     failed for good; error says why
--- The work itself lives in file_queue (file_ref = the row's id as text).
+-- The work itself lives in the library's broker_queue (file_ref = the row's id
+-- as text).
 
 CREATE TABLE files (
     id           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,

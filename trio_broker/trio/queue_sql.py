@@ -1,0 +1,383 @@
+"""The queue's SQL: its two tables and every statement on them, in one place.
+
+Theory of operation
+===================
+
+The library's queue lives in two tables of the database
+(:mod:`trio_broker.trio.schema`, migrations ``001_queue.sql`` to
+``003_broker_names.sql``):
+
+``broker_queue``
+    one row per item of work: ``new`` (claimable once ``start_after`` has
+    passed), ``claimed`` by one backend (``claimed_by``; ``attempts`` counts the
+    claims and fences late outcomes), or ``failed`` (``last_error`` says why). A
+    finished item's row is deleted.
+``broker_backends``
+    one row per backend (a client process draining the queue) with its heartbeat,
+    and the view of the installation it published (:mod:`trio_broker.trio.views`).
+
+This module only *writes* SQL; :mod:`trio_broker.trio.store` runs it (and
+:mod:`trio_broker.trio.views` the views' two statements). No other module names
+the tables: an application reaches them through the store's methods, or through
+the store's ``*_in`` functions that run on its own connection, inside its own
+transaction. The application's own tables are its business.
+
+The claim order. :data:`CLAIM_ORDER` is the one definition of which ready row a
+claim takes first: the highest priority, then the oldest (lowest id). The claim
+statement's ``ORDER BY`` (:func:`order_by`), the position query's "who is ahead"
+(:func:`ahead_of`) and the store's sort of a claim's rows (:func:`claim_key`)
+are all derived from it, so a position never disagrees with what the
+dispatchers will claim. The partial indexes of ``001_queue.sql`` serve that
+order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from psycopg import sql
+
+__all__ = [
+    "BACKENDS_TABLE",
+    "CLAIM_ORDER",
+    "COMPLETE_ID",
+    "COUNTS",
+    "COUNTS_BY_PRIORITY",
+    "DELETE_UNCLAIMED",
+    "ENQUEUE",
+    "FAILED",
+    "FAIL_ID",
+    "FINISH",
+    "HEARTBEAT",
+    "ITEM_BY_ID",
+    "ITEM_COLUMNS",
+    "LIVE_BACKENDS",
+    "PUBLISH_VIEW",
+    "QUEUE_TABLE",
+    "READY",
+    "READ_VIEWS",
+    "REGISTER_BACKEND",
+    "REQUEUE_ID",
+    "REQUEUE_STALE",
+    "RETURN_CLAIMED",
+    "ROWS_OF",
+    "TABLES",
+    "UNREGISTER_BACKEND",
+    "ClaimShape",
+    "ahead_of",
+    "claim_key",
+    "claim_query",
+    "order_by",
+    "positions_query",
+    "ready",
+    "requeue_failed_query",
+]
+
+QUEUE_TABLE: Final = "broker_queue"
+"""The queue's items (migration ``003_broker_names.sql`` renamed it from ``file_queue``)."""
+BACKENDS_TABLE: Final = "broker_backends"
+"""The backends and their heartbeats (renamed from ``backends`` by the same migration)."""
+TABLES: Final = (QUEUE_TABLE, BACKENDS_TABLE)
+"""Every table of the library's queue."""
+
+CLAIM_ORDER: Final[tuple[tuple[str, bool], ...]] = (("priority", True), ("id", False))
+"""The claim order as ``(column, descending)`` pairs: priority descending, then id."""
+
+# -- the order and the ready rows ----------------------------------------------------------
+
+
+def _column(alias: str | None, name: str) -> sql.Identifier:
+    return sql.Identifier(name) if alias is None else sql.Identifier(alias, name)
+
+
+def order_by(alias: str | None = None) -> sql.Composed:
+    """The claim order as an ``ORDER BY`` list (``priority DESC, id``), columns of ``alias``."""
+    return sql.SQL(", ").join(
+        sql.SQL("{} DESC").format(_column(alias, name)) if descending else _column(alias, name)
+        for name, descending in CLAIM_ORDER
+    )
+
+
+def ahead_of(row: str, of: str) -> sql.Composed:
+    """The condition "row ``row`` comes before row ``of`` in the claim order".
+
+    Lexicographic over :data:`CLAIM_ORDER`: for ``priority DESC, id`` it reads
+    ``(r.priority > q.priority OR (r.priority = q.priority AND r.id < q.id))``.
+    """
+    branches: list[sql.Composable] = []
+    for i, (name, descending) in enumerate(CLAIM_ORDER):
+        terms: list[sql.Composable] = [
+            sql.SQL("{} = {}").format(_column(row, equal), _column(of, equal))
+            for equal, _ in CLAIM_ORDER[:i]
+        ]
+        comparison = sql.SQL(" > " if descending else " < ")
+        terms.append(comparison.join([_column(row, name), _column(of, name)]))
+        branches.append(sql.SQL("({})").format(sql.SQL(" AND ").join(terms)))
+    return sql.SQL("({})").format(sql.SQL(" OR ").join(branches))
+
+
+def claim_key(row: Any) -> tuple[int, ...]:
+    """A sort key that puts rows (with the order's attributes: ``priority``, ``id``) in
+    claim order."""
+    return tuple(
+        -getattr(row, name) if descending else getattr(row, name)
+        for name, descending in CLAIM_ORDER
+    )
+
+
+def ready(alias: str | None = None) -> sql.Composed:
+    """The condition "claimable now" (:data:`READY`) for rows of ``alias``."""
+    return sql.SQL("{} = 'new' AND {} <= now()").format(
+        _column(alias, "status"), _column(alias, "start_after")
+    )
+
+
+READY: Final = ready()
+"""The condition "claimable now": new, and ``start_after`` has passed."""
+
+# -- items ---------------------------------------------------------------------------------
+
+ITEM_COLUMNS: Final = sql.SQL(
+    "id, file_ref, action, priority, payload, attempts, status, claimed_by, last_error"
+)
+"""The columns a :class:`~trio_broker.trio.store.QueueItem` is read from, in its order."""
+_ITEM_OF_Q = sql.SQL(
+    "q.id, q.file_ref, q.action, q.priority, q.payload, q.attempts, q.status,"
+    " q.claimed_by, q.last_error"
+)
+
+ENQUEUE: Final = sql.SQL(
+    "INSERT INTO broker_queue (file_ref, action, priority, payload, start_after)"
+    " SELECT r, a, p, j, coalesce(s, now())"
+    " FROM unnest(%(refs)s::text[], %(actions)s::text[], %(priorities)s::integer[],"
+    " %(payloads)s::jsonb[], %(starts)s::timestamptz[]) WITH ORDINALITY"
+    " AS n(r, a, p, j, s, ord) ORDER BY ord"
+    " RETURNING id"
+)
+"""Insert items from parallel arrays, in their order; returns their ids."""
+
+ClaimShape = tuple[tuple[bool, bool], ...]
+"""A claim's branches, each ``(has_actions, odd_only)``."""
+
+
+def claim_query(shape: ClaimShape) -> sql.Composed:
+    """The claim statement for branches of shape ``(has_actions, odd_only)``.
+
+    Each branch is a materialised CTE taking the best ready rows (in
+    :data:`CLAIM_ORDER`) that the branches before it did not take, locked with
+    ``FOR UPDATE SKIP LOCKED``; one ``UPDATE`` claims them all and returns them
+    as :data:`ITEM_COLUMNS`.
+
+    Parameters, in order: per branch its actions (when it has them) and its
+    limit; then the backend id.
+    """
+    ctes: list[sql.Composable] = []
+    for i, (has_actions, odd_only) in enumerate(shape):
+        conditions: list[sql.Composable] = [READY]
+        if has_actions:
+            conditions.append(sql.SQL("action = ANY(%s::text[])"))
+        if odd_only:
+            conditions.append(sql.SQL("priority %% 2 <> 0"))
+        for j in range(i):
+            conditions.append(
+                sql.SQL("id NOT IN (SELECT id FROM {})").format(sql.Identifier(f"c{j}"))
+            )
+        ctes.append(
+            sql.SQL(
+                "{} AS MATERIALIZED (SELECT id FROM broker_queue WHERE {}"
+                " ORDER BY {} LIMIT %s FOR UPDATE SKIP LOCKED)"
+            ).format(sql.Identifier(f"c{i}"), sql.SQL(" AND ").join(conditions), order_by())
+        )
+    picked = sql.SQL(" UNION ALL ").join(
+        sql.SQL("SELECT id FROM {}").format(sql.Identifier(f"c{i}")) for i in range(len(shape))
+    )
+    return sql.SQL(
+        "WITH {ctes} UPDATE broker_queue q"
+        " SET status = 'claimed', claimed_by = %s, claimed_at = now(), attempts = q.attempts + 1"
+        " WHERE q.id IN ({picked})"
+        " RETURNING {columns}"
+    ).format(ctes=sql.SQL(", ").join(ctes), picked=picked, columns=_ITEM_OF_Q)
+
+
+FINISH: Final = sql.SQL("""
+WITH done AS (
+    DELETE FROM broker_queue q
+     USING unnest(%(c_ids)s::bigint[], %(c_attempts)s::integer[]) AS d(id, attempts)
+     WHERE q.id = d.id AND q.attempts = d.attempts
+       AND q.status = 'claimed' AND q.claimed_by = %(backend)s
+    RETURNING q.id
+), back AS (
+    UPDATE broker_queue q
+       SET status = d.status,
+           claimed_by = NULL,
+           claimed_at = NULL,
+           start_after = now() + d.delay * interval '1 second',
+           last_error = coalesce(d.error, q.last_error)
+      FROM unnest(%(o_ids)s::bigint[], %(o_attempts)s::integer[], %(o_status)s::text[],
+                  %(o_delay)s::float8[], %(o_error)s::text[])
+           AS d(id, attempts, status, delay, error)
+     WHERE q.id = d.id AND q.attempts = d.attempts
+       AND q.status = 'claimed' AND q.claimed_by = %(backend)s
+    RETURNING q.id
+)
+SELECT id FROM done UNION ALL SELECT id FROM back
+""")
+"""Record outcomes of one backend's claims, fenced by ``(id, attempts)``: completes
+(``c_*``: deleted) and the others (``o_*``: new again or failed). Returns the ids
+that took effect. Parameters: ``backend``, ``c_ids``, ``c_attempts``, ``o_ids``,
+``o_attempts``, ``o_status``, ``o_delay``, ``o_error``."""
+
+COMPLETE_ID: Final = sql.SQL("DELETE FROM broker_queue WHERE id = %s")
+FAIL_ID: Final = sql.SQL(
+    "UPDATE broker_queue SET status = 'failed', claimed_by = NULL, claimed_at = NULL,"
+    " last_error = %s WHERE id = %s"
+)
+REQUEUE_ID: Final = sql.SQL(
+    "UPDATE broker_queue SET status = 'new', claimed_by = NULL, claimed_at = NULL,"
+    " start_after = now() + %s * interval '1 second',"
+    " last_error = coalesce(%s, last_error) WHERE id = %s"
+)
+RETURN_CLAIMED: Final = sql.SQL(
+    "UPDATE broker_queue SET status = 'new', claimed_by = NULL, claimed_at = NULL,"
+    " start_after = now()"
+    " WHERE status = 'claimed' AND claimed_by = %s AND NOT (id = ANY(%s::bigint[]))"
+)
+DELETE_UNCLAIMED: Final = sql.SQL(
+    "DELETE FROM broker_queue WHERE action = %s AND status <> 'claimed'"
+    " AND file_ref = ANY(%s::text[])"
+)
+"""Delete the new and failed rows of one action for some files; claimed rows stay."""
+
+# -- failed rows ---------------------------------------------------------------------------
+
+_FAILED_COLUMNS = sql.SQL(
+    "id, file_ref, action, priority, payload, attempts, last_error, created_at"
+)
+
+FAILED: Final = sql.SQL(
+    "SELECT {} FROM broker_queue WHERE status = 'failed' ORDER BY id LIMIT %s"
+).format(_FAILED_COLUMNS)
+"""The failed rows, oldest first, at most ``%s`` of them."""
+
+
+def requeue_failed_query(with_ids: bool) -> sql.Composed:
+    """Put failed rows back to ``new`` (all, or those of ``%(ids)s``), locked in id order.
+
+    ``last_error`` becomes ``%(note)s; it had failed: <reason>``. Returns each
+    row as it was (``id, file_ref, action, priority, payload, attempts,
+    last_error, created_at``).
+    """
+    which = sql.SQL(" AND id = ANY(%(ids)s::bigint[])") if with_ids else sql.SQL("")
+    return sql.SQL(
+        "WITH old AS (SELECT id, last_error FROM broker_queue"
+        " WHERE status = 'failed'{which} ORDER BY id FOR UPDATE)"
+        " UPDATE broker_queue q SET status = 'new', start_after = now(), claimed_by = NULL,"
+        " claimed_at = NULL,"
+        " last_error = %(note)s || '; it had failed: ' || coalesce(old.last_error, 'no reason')"
+        " FROM old WHERE q.id = old.id"
+        " RETURNING q.id, q.file_ref, q.action, q.priority, q.payload, q.attempts,"
+        " old.last_error, q.created_at"
+    ).format(which=which)
+
+
+# -- inspection ----------------------------------------------------------------------------
+
+_STATE_COUNTS = sql.SQL(
+    "count(*) FILTER (WHERE {ready}),"
+    " count(*) FILTER (WHERE status = 'new' AND start_after > now()),"
+    " count(*) FILTER (WHERE status = 'claimed'),"
+    " count(*) FILTER (WHERE status = 'failed')"
+).format(ready=READY)
+
+COUNTS: Final = sql.SQL("SELECT {} FROM broker_queue").format(_STATE_COUNTS)
+"""Rows by state: ready, delayed, claimed, failed (one row)."""
+COUNTS_BY_PRIORITY: Final = sql.SQL(
+    "SELECT priority, {} FROM broker_queue GROUP BY priority ORDER BY priority DESC"
+).format(_STATE_COUNTS)
+"""Rows by state per priority (ready, delayed, claimed, failed after the priority)."""
+
+ITEM_BY_ID: Final = sql.SQL("SELECT {} FROM broker_queue WHERE id = %s").format(ITEM_COLUMNS)
+ROWS_OF: Final = sql.SQL(
+    "SELECT {} FROM broker_queue WHERE status = 'claimed' AND claimed_by = %s ORDER BY id"
+).format(ITEM_COLUMNS)
+"""The rows one backend holds."""
+
+
+def positions_query(with_actions: bool) -> sql.Composed:
+    """The new and claimed rows of some files (``%(refs)s``), each with the ready rows
+    ahead of it in :data:`CLAIM_ORDER`.
+
+    With ``with_actions``, only rows of ``%(actions)s`` count, both as the files'
+    rows and as the rows ahead. Returns :data:`ITEM_COLUMNS` and the count.
+    """
+
+    def actions_of(alias: str) -> sql.Composable:
+        if not with_actions:
+            return sql.SQL("")
+        return sql.SQL(" AND {} = ANY(%(actions)s::text[])").format(_column(alias, "action"))
+
+    return sql.SQL(
+        "SELECT {columns},"
+        " (SELECT count(*) FROM broker_queue r WHERE {ready}{r_actions} AND {ahead})"
+        " FROM broker_queue q"
+        " WHERE q.file_ref = ANY(%(refs)s::text[]){q_actions} AND q.status IN ('new', 'claimed')"
+        " ORDER BY q.id"
+    ).format(
+        columns=_ITEM_OF_Q,
+        ready=ready("r"),
+        r_actions=actions_of("r"),
+        ahead=ahead_of("r", "q"),
+        q_actions=actions_of("q"),
+    )
+
+
+# -- backends ------------------------------------------------------------------------------
+
+REGISTER_BACKEND: Final = sql.SQL(
+    "INSERT INTO broker_backends (backend_id, name, started, heartbeat)"
+    " VALUES (%s, %s, now(), now())"
+    " ON CONFLICT (backend_id) DO UPDATE"
+    " SET name = EXCLUDED.name, started = now(), heartbeat = now()"
+)
+HEARTBEAT: Final = sql.SQL(
+    "INSERT INTO broker_backends (backend_id, name, started, heartbeat)"
+    " VALUES (%s, %s, now(), now())"
+    " ON CONFLICT (backend_id) DO UPDATE SET heartbeat = now()"
+    " RETURNING (xmax <> 0) AS existed"
+)
+"""Mark a backend alive (registering it again if it was swept); returns whether it existed."""
+UNREGISTER_BACKEND: Final = sql.SQL("DELETE FROM broker_backends WHERE backend_id = %s")
+LIVE_BACKENDS: Final = sql.SQL(
+    "SELECT backend_id FROM broker_backends"
+    " WHERE heartbeat >= now() - %s * interval '1 second' ORDER BY backend_id"
+)
+"""The ids of the backends whose heartbeat is younger than ``%s`` seconds."""
+
+REQUEUE_STALE: Final = sql.SQL("""
+WITH stale AS (
+    DELETE FROM broker_backends
+     WHERE heartbeat < now() - %(threshold)s * interval '1 second'
+    RETURNING backend_id
+)
+UPDATE broker_queue q
+   SET status = 'new',
+       claimed_by = NULL,
+       claimed_at = NULL,
+       start_after = now(),
+       last_error = 'requeued: backend ' || q.claimed_by || ' stopped heartbeating'
+ WHERE q.status = 'claimed'
+   AND (q.claimed_by IN (SELECT backend_id FROM stale)
+        OR NOT EXISTS (SELECT 1 FROM broker_backends b WHERE b.backend_id = q.claimed_by))
+RETURNING q.id
+""")
+"""Delete the backends silent for ``%(threshold)s`` seconds and requeue their rows (and
+the rows of backends not registered at all)."""
+
+READ_VIEWS: Final = sql.SQL(
+    "SELECT backend_id, name, started, heartbeat, view, view_at, now()"
+    " FROM broker_backends ORDER BY started, backend_id"
+)
+"""Every backend with its published view, oldest registration first, and the database's now."""
+PUBLISH_VIEW: Final = sql.SQL(
+    "UPDATE broker_backends SET view = %s, view_at = now() WHERE backend_id = %s"
+)

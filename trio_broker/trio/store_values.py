@@ -1,0 +1,199 @@
+"""The queue store's values: the rows it returns and the requests it takes.
+
+Frozen attrs values, importable from :mod:`trio_broker.trio.store` (their home
+for users) without the store's machinery: a :class:`QueueItem` is a row of
+``broker_queue`` as a claim returned it, a :class:`NewItem` one to enqueue, an
+:class:`Outcome` how a claimed item ended, and the inspection figures
+(:class:`QueueCounts`, :class:`QueueFigures`, :class:`ItemPosition`,
+:class:`FailedItem`, :class:`StoreStatistics`).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import attrs
+
+__all__ = [
+    "ClaimRequest",
+    "FailedItem",
+    "ItemPosition",
+    "NewItem",
+    "Outcome",
+    "QueueCounts",
+    "QueueFigures",
+    "QueueItem",
+    "StoreStatistics",
+]
+
+
+# -- the values --------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class QueueItem:
+    """One row of ``broker_queue``.
+
+    Attributes:
+        id: the row's id.
+        file_ref: the file the work is about.
+        action: what to do (the dispatcher's action name).
+        priority: higher first; odd is the "high" variant of a band.
+        payload: free JSON object for the action.
+        attempts: how many times the row was claimed (this claim included).
+        status: ``new``, ``claimed`` or ``failed``.
+        claimed_by: the backend holding the claim, or ``None``.
+        last_error: why it was last requeued or failed, or ``None``.
+    """
+
+    id: int
+    file_ref: str
+    action: str
+    priority: int
+    payload: Mapping[str, Any] = attrs.field(factory=dict)
+    attempts: int = 0
+    status: str = "new"
+    claimed_by: str | None = None
+    last_error: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class NewItem:
+    """An item to enqueue (:meth:`~trio_broker.trio.store.Store.enqueue_many`,
+    :func:`~trio_broker.trio.store.enqueue_in`)."""
+
+    file_ref: str
+    action: str
+    priority: int = 0
+    payload: Mapping[str, Any] = attrs.field(factory=dict)
+    start_after: datetime.datetime | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ClaimRequest:
+    """One kind of item a claim asks for
+    (:meth:`~trio_broker.trio.store.Store.claim_batch`).
+
+    Attributes:
+        limit: at most this many rows (0 asks for none).
+        actions: only these actions; ``None`` means any.
+        odd_only: only odd priorities.
+    """
+
+    limit: int
+    actions: tuple[str, ...] | None = None
+    odd_only: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class Outcome:
+    """How one claimed item ended (:meth:`~trio_broker.trio.store.Store.finish`).
+
+    Attributes:
+        item_id, attempts: the claim this outcome belongs to (the fence).
+        kind: ``complete`` (the row is deleted), ``requeue`` (new again after
+            ``delay`` seconds) or ``fail`` (status ``failed``).
+        delay: seconds before a requeued item may be claimed again.
+        error: stored in ``last_error`` (``fail``; ``requeue`` when given).
+    """
+
+    item_id: int
+    attempts: int
+    kind: Literal["complete", "requeue", "fail"]
+    delay: float = 0.0
+    error: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class QueueCounts:
+    """How many rows of ``broker_queue`` are in each state.
+
+    Attributes:
+        ready: new and claimable now.
+        delayed: new, but ``start_after`` is still ahead.
+        claimed: claimed by some backend.
+        failed: failed.
+    """
+
+    ready: int
+    delayed: int
+    claimed: int
+    failed: int
+
+    @property
+    def total(self) -> int:
+        return self.ready + self.delayed + self.claimed + self.failed
+
+
+@attrs.frozen(kw_only=True)
+class QueueFigures:
+    """The queue's figures at one moment
+    (:meth:`~trio_broker.trio.store.Store.figures`).
+
+    A value that grows with what callers need to know about the queue; read its
+    attributes by name.
+
+    Attributes:
+        counts: the rows by state, over every priority.
+        by_priority: the rows by state per priority, highest priority first
+            (only priorities that have rows).
+    """
+
+    counts: QueueCounts
+    by_priority: Mapping[int, QueueCounts] = attrs.field(factory=dict)
+
+
+@attrs.frozen(kw_only=True)
+class ItemPosition:
+    """A new or claimed row and the ready rows a claim would take before it
+    (:meth:`~trio_broker.trio.store.Store.positions`).
+
+    Attributes:
+        item: the row (``payload`` and ``last_error`` included).
+        ahead: ready rows that come before it in the claim order
+            (:data:`~trio_broker.trio.queue_sql.CLAIM_ORDER`), among the actions
+            asked about. For a claimed row it is the rows that would now be
+            claimed before a row like it.
+    """
+
+    item: QueueItem
+    ahead: int
+
+
+@attrs.frozen(kw_only=True)
+class FailedItem:
+    """A failed row of ``broker_queue`` (:meth:`~trio_broker.trio.store.Store.failed`), or
+    one put back (:meth:`~trio_broker.trio.store.Store.requeue_failed`: as it was before).
+
+    Attributes:
+        id, file_ref, action, priority, payload: the item.
+        attempts: how many times it was claimed.
+        reason: why it failed (its ``last_error``), or ``None``.
+        created_at: when it was enqueued.
+    """
+
+    id: int
+    file_ref: str
+    action: str
+    priority: int
+    payload: Mapping[str, Any]
+    attempts: int
+    reason: str | None
+    created_at: datetime.datetime
+
+
+@attrs.frozen(kw_only=True)
+class StoreStatistics:
+    """A snapshot of what a :class:`Store` has done.
+
+    Attributes:
+        pool_size: connections in the pool (and threads at most).
+        calls: calls made, by operation (``claim``, ``finish``, ``heartbeat``…).
+        unavailable: calls that raised :class:`StoreUnavailable`.
+    """
+
+    pool_size: int
+    calls: Mapping[str, int]
+    unavailable: int
