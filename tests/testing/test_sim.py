@@ -71,8 +71,10 @@ def test_the_shipped_scenarios_keep_every_check(name: str) -> None:
 def _variant(kind: str) -> Scenario:
     base = SCENARIOS["pod-churn"]()
     lb = base.balancers[0]
-    if kind in ("random", "least_connections"):
-        return attrs.evolve(base, balancers=(attrs.evolve(lb, policy=kind),))
+    if kind == "random":
+        return attrs.evolve(base, balancers=(attrs.evolve(lb, policy="random"),))
+    if kind == "least_connections":
+        return attrs.evolve(base, balancers=(attrs.evolve(lb, policy="least_connections"),))
     if kind == "drop":
         faults = tuple(FaultSpec(kind="drop", target=target, at=at) for target, at in
                        (("pod-0", 15.0), ("fylr-1", 25.0), ("leaving", 35.0)))  # fmt: skip
