@@ -8,7 +8,7 @@ Each is a function of no arguments returning a :class:`Scenario`;
     offers only ``image_metadata`` and the others ``image_metadata`` and
     ``preview``; 2, 5 or 20 fylr-like clients (dispatchers on one shared queue)
     know only the balancer, retry after 1 s and fail a step whose service no
-    connection offers on its 5th claim (the fylr's rule).
+    connection offers on its 5th claim (the fylr's default).
 ``pod-churn``
     Three pods behind a balancer under load; a fourth joins at 20 s, one drains
     and leaves at 40 s.

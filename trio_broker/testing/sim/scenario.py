@@ -295,7 +295,8 @@ class ClientSpec:
             (:class:`~trio_broker.core.client.ClientConfig`).
         retry_delay: the delay of the outcomes that requeue *later*.
         unknown_service_attempts: the claim on which a step whose service no
-            reachable pod offers fails for good (the fylr's rule); ``None``: never.
+            reachable pod offers fails for good (the dispatch core's bound, the fylr's
+            setting); ``None``: never.
         tick_interval, heartbeat_interval, stale_after: the dispatcher's loop.
         cpus, max_in_flight, odd_reserve, db_pool: its admission.
     """
