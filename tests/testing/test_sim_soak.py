@@ -51,10 +51,13 @@ def test_ten_thousand_seeds_keep_every_check() -> None:
     broken: list[tuple[str, int, Violation]] = []
     defects: Counter[tuple[str, str]] = Counter()
     with ProcessPoolExecutor(max_workers=2) as pool:
-        for name, seed, violations, found in pool.map(_one, jobs, chunksize=8):
+        for done, (name, seed, violations, found) in enumerate(pool.map(_one, jobs, chunksize=8)):
             if violations:
                 broken.append((name, seed, violations[0]))
+                print(f"\n{name} seed {seed}: {violations[0]}", flush=True)
             defects.update((name, reason) for reason in found)
+            if (done + 1) % 500 == 0:
+                print(f"\n{done + 1} seeds, {len(broken)} broken", flush=True)
     print(f"\n{len(jobs)} seeds; seeds showing a known defect:")
     for (name, reason), count in sorted(defects.items()):
         print(f"  {name:<18} {count:>5}  {reason}")
