@@ -14,9 +14,10 @@ The position is the hard number; the time is only ever written as "roughly",
 since it is the execserver's mean runtime times the rounds ahead. A fylr that
 cannot be reached (it restarts) or answers 503 is asked again with a back-off,
 :data:`RETRIES` times (:mod:`trio_broker_daemons.commands.retry`). Exit status
-of the command: 0 when the file was found, 1 when it is unknown, the fylr could still not be reached
-after the repeats, or it refused the token (a fylr with tokens needs the ``read``
-token, or the ``upload`` or ``operator`` one: ``--token-file``).
+of the command: 0 when the file was found, 1 when it is unknown, the fylr could
+still not be reached after the repeats, or it refused the token (a fylr with
+tokens needs the ``read`` token, or the ``upload`` or ``operator`` one:
+``--token-file``).
 """
 
 from __future__ import annotations

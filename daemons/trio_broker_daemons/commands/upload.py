@@ -97,6 +97,8 @@ WAIT: Final = 20.0
 REQUEST_TIMEOUT: Final = 60.0
 PRIORITY_BANDS: Final = {"background": -2, "normal": 0, "interactive": 2, "synchronous": 4}
 """The priority bands of the queue; ``band + 1`` is the band's "high" variant."""
+
+
 def parse_priority(text: str) -> int:
     """A priority from the command line.
 
