@@ -4,6 +4,7 @@ cannot be versions, and the client commands following a file through a fylr rest
 from __future__ import annotations
 
 import socket
+import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -48,7 +49,7 @@ def fylr_text(pg_dsn: str, state_dir: Path, *, port: int = 0, **more: Any) -> st
     )
 
 
-async def run_cli(*args: str) -> trio.CompletedProcess[bytes]:
+async def run_cli(*args: str) -> subprocess.CompletedProcess[bytes]:
     with trio.fail_after(WAIT):
         return await trio.run_process(
             trio_broker(*args), capture_stdout=True, capture_stderr=True, check=False
@@ -60,8 +61,8 @@ async def test_an_upload_over_the_limit_gets_its_413_at_once(pg_dsn: str, tmp_pa
     the connection, so ``trio-broker upload`` reports the answer at once instead of blocking
     on a write nobody reads (a minute, until a timeout)."""
     big = tmp_path / "big.txt"
-    with big.open("wb") as out:
-        out.truncate(64 << 20)
+    with big.open("wb") as sparse:
+        sparse.truncate(64 << 20)
     async with open_fylr_process(fylr_text(pg_dsn, tmp_path / "state", max_upload_size="1MB")) as f:
         started = trio.current_time()
         with trio.fail_after(30):  # the bug held the write for 61 s
@@ -132,7 +133,7 @@ async def test_upload_wait_and_position_follow_a_file_through_a_fylr_restart(
     nowhere = f"127.0.0.1:{held.getsockname()[1]}"
     server = f"http://127.0.0.1:{port}"
     uploaded, located = trio.Event(), trio.Event()
-    results: dict[str, trio.CompletedProcess[bytes]] = {}
+    results: dict[str, subprocess.CompletedProcess[bytes]] = {}
 
     async def command(name: str, done: trio.Event, *args: str) -> None:
         results[name] = await run_cli(name, *args, "--server", server)
@@ -153,7 +154,7 @@ async def test_upload_wait_and_position_follow_a_file_through_a_fylr_restart(
 
                 def waiting(response: httpx.Response) -> bool:
                     versions = response.json().get("versions") if response.is_success else None
-                    return bool(versions) and versions["sha256"]["status"] == "pending"
+                    return versions is not None and versions["sha256"]["status"] == "pending"
 
                 with trio.fail_after(WAIT):
                     await until(first_file, waiting)
