@@ -66,9 +66,9 @@ become read-only (a standby after a fail-over: SQLSTATE 25006) makes the call
 raise :class:`StoreUnavailable` (the pool replaces broken connections, and
 closes one that met a read-only server, so that the next one is dialled
 afresh: with a libpq multi-host DSN and ``target_session_attrs=read-write`` it
-finds the new primary; the call may or may not have taken effect). Callers retry after a short back-off; fencing and
-``return_claimed(keep=…)`` make every retry safe, so nothing is lost or done
-twice across a database restart.
+finds the new primary; the call may or may not have taken effect). Callers
+retry after a short back-off; fencing and ``return_claimed(keep=…)`` make every
+retry safe, so nothing is lost or done twice across a database restart.
 """
 
 from __future__ import annotations
