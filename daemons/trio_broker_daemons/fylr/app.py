@@ -54,11 +54,13 @@ from trio_broker.core.client import ClientConfig
 from trio_broker.trio.client import BrokerClient, open_broker_client
 from trio_broker.trio.dispatcher import Action, Dispatcher, DispatcherConfig, serve_dispatcher
 from trio_broker.trio.listener import listener_config, serve_app
-from trio_broker.trio.store import Store, describe_dsn, open_store
+from trio_broker.trio.store import Store, StoreUnavailable, describe_dsn, open_store
 from trio_broker_daemons.fylr.api import build_app
 from trio_broker_daemons.fylr.brokercheck import broker_ssl_context, check_execservers
 from trio_broker_daemons.fylr.config import FylrConfig, new_backend_id
+from trio_broker_daemons.fylr.derived_worker import OwnProduceStep
 from trio_broker_daemons.fylr.files import fylr_migrations
+from trio_broker_daemons.fylr.local_actions import LocalActions
 from trio_broker_daemons.fylr.metrics import inspect_document
 from trio_broker_daemons.fylr.pgcluster import open_pg_cluster
 from trio_broker_daemons.fylr.state import FylrState, FylrStatistics
@@ -197,7 +199,7 @@ async def _open_database(config: FylrConfig) -> AsyncIterator[tuple[str, str]]:
 async def _maybe_client(
     config: FylrConfig, state: FylrState, port: int
 ) -> AsyncIterator[BrokerClient | None]:
-    if not config.execservers:
+    if not config.execservers or config.api_only:
         yield None
         return
     context = broker_ssl_context(config)
@@ -258,7 +260,12 @@ async def serve_fylr(
         StoreUnavailable: the database could not be reached.
     """
     backend_id = config.backend_id or new_backend_id(config.name)
-    storage = Storage(config.storage_dir, writer=backend_id)
+    storage = Storage(
+        config.storage_dir,
+        writer=backend_id,
+        locations=config.storage_locations,
+        current=config.storage_location,
+    )
     state: FylrState | None = None
     try:
         async with (
@@ -290,12 +297,15 @@ async def serve_fylr(
                 try:
                     async with _maybe_client(config, state, port) as client:
                         state.client = client
-                        actions = FileWorker(state).actions()
                         async with trio.open_nursery() as work:
-                            dispatcher: Dispatcher = await work.start(
-                                _dispatcher_task(store, actions, config, backend_id, client)
-                            )
-                            state.dispatcher = dispatcher
+                            if config.api_only:  # parallel: 0: another fylr does the work
+                                work.start_soon(_heartbeat, state)
+                            else:
+                                state.dispatcher = await work.start(
+                                    _dispatcher_task(
+                                        store, _actions(state), config, backend_id, client
+                                    )
+                                )
                             work.start_soon(topology_of(state).serve)
                             work.start_soon(state.sweeper.serve)
                             log.info(
@@ -305,6 +315,7 @@ async def serve_fylr(
                                     backend_id=backend_id,
                                     database=database,
                                     execservers=",".join(config.execservers) or None,
+                                    api_only=config.api_only,
                                 ),
                             )
                             task_status.started(handle)
@@ -337,6 +348,33 @@ def _log_open_roles(config: FylrConfig, url: str) -> None:
             " loopback only)",
             extra=fields(open_roles=roles, listen=config.listen),
         )
+
+
+def _actions(state: FylrState) -> list[Action]:
+    """The dispatcher's actions: the file worker's steps (an original's own produce step
+    handled before a version's), and the local actions."""
+    worker = FileWorker(state)
+    return [*OwnProduceStep(worker).wrap(worker.actions()), *LocalActions(worker).actions()]
+
+
+async def _heartbeat(state: FylrState) -> None:
+    """An API-only node's heartbeat (a dispatcher beats otherwise): its uploads in
+    progress belong to a live backend, which no sweep touches. Unregistered at the end."""
+    config = state.config
+    try:
+        while True:
+            await trio.sleep(config.heartbeat_interval)
+            try:
+                await state.store.heartbeat(state.backend_id, config.name)
+            except StoreUnavailable as exc:
+                log.info("heartbeat failed", extra=fields(error=str(exc)))
+    finally:
+        with (
+            trio.CancelScope(shield=True),
+            trio.move_on_after(_SHUTDOWN_TIMEOUT),
+            contextlib.suppress(StoreUnavailable),
+        ):
+            await state.store.unregister_backend(state.backend_id)
 
 
 def _dispatcher_task(
