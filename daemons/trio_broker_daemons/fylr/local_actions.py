@@ -228,7 +228,7 @@ class LocalActions:
         key = row.storage_key
         if self.storage.location_of(key) == target:  # moved already: an interrupted move's copies
             removed = await self.storage.remove_copies(key)
-            self.state.step(ACTION_COPY_MOVE, "replayed" if removed else "ok")
+            self.state.step(ACTION_COPY_MOVE, "ok" if removed else "replayed")
             log.info("file in place", extra=fields(file=row.id, key=key, removed=removed))
             return
         try:
