@@ -300,7 +300,8 @@ async def test_modify_refuses_with_one_line(
 
 def _close(one: object, other: object) -> bool:
     """Two RGB pixels within JPEG's rounding of each other."""
-    assert isinstance(one, tuple) and isinstance(other, tuple)
+    assert isinstance(one, tuple)
+    assert isinstance(other, tuple)
     return all(abs(a - b) <= 12 for a, b in zip(one, other, strict=True))
 
 

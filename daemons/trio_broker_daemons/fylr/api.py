@@ -45,6 +45,12 @@ Routes (role in brackets):
     the stored original (``original``) or a ``done`` version; 404 otherwise.
 ``GET /healthz`` [public]
     200 ``{"status": "serving"}``, 503 ``{"status": "stopping"}``.
+``PUT /eas/put?original=ID&version=NAME``, ``POST /eas/produce?source=ID&…`` [upload]
+    a manual version; a modified original
+    (:mod:`~trio_broker_daemons.fylr.entry_api`).
+``POST /inspect/system/fylr/checksum|copy_move|sync_check[?file=ID]`` [operator]
+    queue a local action for one file or all
+    (:mod:`~trio_broker_daemons.fylr.entry_api`).
 
 The application also carries the inspection routes [operator]
 (:func:`trio_broker_daemons.fylr.metrics.routes`,

@@ -24,9 +24,14 @@ Theory of operation
 - **a broker client** (:mod:`trio_broker.trio.client`) to every configured execserver;
   the pipe URLs it puts into jobs point back at this listener;
 - **a dispatcher** (:mod:`trio_broker.trio.dispatcher`) that drains ``broker_queue``
-  into the steps of the queue worker (:mod:`trio_broker_daemons.fylr.worker`),
-  settles each step's one decision through the worker, and claims at once when
-  the broker client's capacity changes (it watches the client itself).
+  into the steps of the queue worker (:mod:`trio_broker_daemons.fylr.worker`;
+  an original's own produce step: :mod:`~trio_broker_daemons.fylr.derived_worker`)
+  and the local actions (:mod:`~trio_broker_daemons.fylr.local_actions`),
+  settles each step's one decision through them, and claims at once when
+  the broker client's capacity changes (it watches the client itself). With
+  ``parallel: 0`` (an API-only node) there is neither dispatcher nor broker
+  client: the process only beats its heartbeat, and another fylr on the same
+  database does the work.
 
 What these parts share (resources, counters, change events) is one
 :class:`~trio_broker_daemons.fylr.state.FylrState`.
@@ -246,6 +251,10 @@ async def serve_fylr(
         health, the inspection document (JSON), Prometheus text.
     ``POST /inspect/system/fylr/requeue[?id=N]``, ``POST /inspect/system/fylr/sweep``
         retry the failed queue rows; sweep the storage folder now.
+    ``PUT /eas/put?original=ID&version=NAME``, ``POST /eas/produce?source=ID&…``
+        a manual version; a modified original.
+    ``POST /inspect/system/fylr/checksum|copy_move|sync_check[?file=ID]``
+        queue a local action for one file or all.
 
     While the database is unavailable every route that needs it answers 503
     with ``Retry-After``.

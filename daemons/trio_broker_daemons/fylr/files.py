@@ -544,7 +544,8 @@ class FileStore:
         Removes the rows of versions no longer wanted or wanted with another
         produce hash (their unclaimed produce steps too), creates the missing
         ones and queues the produce of those that can start, keeps the rest
-        untouched; the original goes to ``produce``, or ``done`` when every
+        untouched; a manual version is kept, and no version of its name is
+        made; the original goes to ``produce``, or ``done`` when every
         version has finished (or there is none). The caller deletes
         ``removed_keys`` from storage afterwards.
 

@@ -18,7 +18,8 @@ which also queues the next step:
     ``error``, and the file goes on to sync.
 ``sync`` (local-bound)
     creates the missing version rows, removes the unwanted ones (and their
-    stored files), queues a produce for each version whose source exists.
+    stored files; a manual version stays), queues a produce for each version
+    whose source exists.
     Idempotent: a second sync of an unchanged file changes nothing.
 ``produce`` (exec-bound, body mode)
     the version's service reads its source (the original, or a ``done`` source
