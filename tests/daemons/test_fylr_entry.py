@@ -597,3 +597,64 @@ def test_parallel_other_than_zero_is_refused(value: int) -> None:
     """The seed's other parallel values configure nothing here: refused, saying why."""
     with pytest.raises(ConfigError, match="expected 0 \\(an API-only node"):
         FylrConfig.from_mapping({"execservers": [], "parallel": value})
+
+
+# -- the operator's command ------------------------------------------------------------------
+
+
+async def storage_command(*args: str) -> tuple[int, str]:
+    result = await trio.run_process(
+        [sys.executable, "-m", "trio_broker_daemons", "storage", *args],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+    return result.returncode, (result.stdout + result.stderr).decode()
+
+
+async def test_the_storage_command_queues_local_actions(pg_dsn: str, tmp_path: Path) -> None:
+    """trio-broker storage asks the fylr with the operator token and says what was queued;
+    without the token it says which one to give; a bad command line is exit 2."""
+    token = "operator-secret-of-this-test"
+    async with entry_fylr(pg_dsn, tmp_path, {"text": TEXT_CLASS}, tokens={"operator": token}) as (
+        fylr,
+        http,
+    ):
+        document = await ended(http, (await put(http, "a.txt", TEXT))["id"])
+        server = ["--server", fylr.url]
+        with trio.fail_after(WAIT):
+            status, output = await storage_command(
+                "checksum", "--file", str(document["id"]), *server
+            )
+            assert (status, output) == (
+                1,
+                f"checksum of file {document['id']}: the fylr answered 401: a token is required:"
+                " the operator token (give the fylr's token: --token-file FILE or"
+                " $TRIO_BROKER_FYLR_TOKEN; this command needs the operator token)\n",
+            )
+            status, output = await storage_command(
+                "checksum", "--file", str(document["id"]), "--token", token, *server
+            )
+            assert (status, output) == (
+                0,
+                f"checksum of file {document['id']}: 4 files queued, 0 running\n",
+            )
+            await steps(fylr, "checksum.ok", 4)
+            status, output = await storage_command(
+                "copy-move", "--all", "--location", "attic", "--token", token, *server
+            )
+            assert status == 1
+            assert "location: expected a storage location of this fylr (default)" in output
+            status, output = await storage_command("sync-check", "--all", "--token", token, *server)
+            assert (status, output) == (
+                0,
+                "sync_check of every file: 1 file queued, 0 running\n",
+            )
+            status, output = await storage_command("checksum", *server)
+            assert status == 2
+            assert "one of the arguments --file --all is required" in output
+            status, output = await storage_command("checksum", "--all", "--location", "x", *server)
+            assert (status, output) == (
+                2,
+                "trio-broker storage: --location is for copy-move only\n",
+            )

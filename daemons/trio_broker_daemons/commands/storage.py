@@ -8,7 +8,7 @@ queued:
 .. code-block:: text
 
     $ trio-broker storage checksum --all --server 127.0.0.1:7400 --token-file op.token
-    checksum: 1284 files queued, 0 running already
+    checksum of every file: 1284 files queued, 0 running
 
 ``--file ID`` (repeatable) names files (an original with its versions);
 ``--all`` every file; one of the two is required, so a mistyped command never
@@ -41,6 +41,10 @@ REQUEST_TIMEOUT: Final = 300.0
 """Seconds a request may take (queueing every file of a large installation takes a while)."""
 
 
+def _files(count: int) -> str:
+    return f"{count} file" if count == 1 else f"{count} files"
+
+
 async def _queue(
     server: str,
     action: str,
@@ -67,10 +71,8 @@ async def _queue(
                 status = 1
                 continue
             answer = response.json()
-            print(
-                f"{action} of {what}: {answer['queued']} files queued,"
-                f" {answer['running']} running already"
-            )
+            queued, running = _files(answer["queued"]), answer["running"]
+            print(f"{action} of {what}: {queued} queued, {running} running")
     return status
 
 
