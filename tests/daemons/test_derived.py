@@ -140,7 +140,7 @@ def test_a_modified_originals_step() -> None:
     derivation = Modification(rotate=90, format="png").document()
     assert own_produce(CONFIG, filename="sunset.png", derivation=derivation) == OwnProduce(
         service="modify",
-        params={"quality": 90, "rotate": 90, "crop": "", "format": ""} | {"format": "png"},
+        params={"quality": 90, "rotate": 90, "crop": "", "format": "png"},
         limits={"timeout": "120s"},
         filename="sunset.png",
         file_class="image",

@@ -341,7 +341,8 @@ def test_both_example_configurations_load(prepared: Path) -> None:
 
 
 def test_every_step_fills_its_service_template(prepared: Path) -> None:
-    """Every metadata step and version names an example service and fills its argv."""
+    """Every metadata step and version, each conversion and the modify step, names an
+    example service and fills its argv."""
     execserver = ExecserverConfig.from_yaml(prepared / "execserver.yml")
     fylr = FylrConfig.from_yaml(EXAMPLES / "fylr.yml")
     steps = 0
