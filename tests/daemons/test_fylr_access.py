@@ -48,6 +48,7 @@ MAY: dict[Role, set[str]] = {
 
 KNOWN_ROUTES: dict[str, Role] = {
     "/eas/put": Role.UPLOAD,
+    "/eas/produce": Role.UPLOAD,
     "/api/v1/eas/{file_id}": Role.READ,
     "/api/v1/eas/{file_id}/sync": Role.OPERATOR,
     "/api/v1/eas/download/{file_id}/{version}": Role.READ,
@@ -55,6 +56,9 @@ KNOWN_ROUTES: dict[str, Role] = {
     "/inspect/system/fylr": Role.OPERATOR,
     "/inspect/system/fylr/requeue": Role.OPERATOR,
     "/inspect/system/fylr/sweep": Role.OPERATOR,
+    "/inspect/system/fylr/checksum": Role.OPERATOR,
+    "/inspect/system/fylr/copy_move": Role.OPERATOR,
+    "/inspect/system/fylr/sync_check": Role.OPERATOR,
     "/metrics": Role.OPERATOR,
     "/inspect/system/topology": Role.OPERATOR,
     "/inspect/system/topology/data": Role.OPERATOR,

@@ -39,6 +39,7 @@ from psycopg import sql
 
 __all__ = [
     "BACKENDS_TABLE",
+    "CLAIMED_REFS",
     "CLAIM_ORDER",
     "COMPLETE_ID",
     "COUNTS",
@@ -247,6 +248,11 @@ DELETE_UNCLAIMED: Final = sql.SQL(
     " AND file_ref = ANY(%s::text[])"
 )
 """Delete the new and failed rows of one action for some files; claimed rows stay."""
+CLAIMED_REFS: Final = sql.SQL(
+    "SELECT DISTINCT file_ref FROM broker_queue WHERE action = %s AND status = 'claimed'"
+    " AND file_ref = ANY(%s::text[])"
+)
+"""The files (of some) that have a claimed row of one action."""
 
 # -- failed rows ---------------------------------------------------------------------------
 

@@ -117,6 +117,7 @@ __all__ = [
     "Store",
     "StoreStatistics",
     "StoreUnavailable",
+    "claimed_in",
     "delete_unclaimed_in",
     "describe_dsn",
     "enqueue_in",
@@ -227,6 +228,17 @@ def delete_unclaimed_in(conn: Connection, action: str, file_refs: Sequence[str])
         How many rows were deleted.
     """
     return conn.execute(queue_sql.DELETE_UNCLAIMED, (action, list(file_refs))).rowcount
+
+
+def claimed_in(conn: Connection, action: str, file_refs: Sequence[str]) -> set[str]:
+    """Which of ``file_refs`` have a row of ``action`` that a backend holds, on ``conn``.
+
+    For an application that queues an item per file at most once at a time: with
+    :func:`delete_unclaimed_in` and :func:`enqueue_in` in one transaction, it
+    replaces the waiting rows and leaves the files whose item runs.
+    """
+    rows = conn.execute(queue_sql.CLAIMED_REFS, (action, list(file_refs))).fetchall()
+    return {row[0] for row in rows}
 
 
 def failed_in(conn: Connection, *, limit: int) -> list[FailedItem]:

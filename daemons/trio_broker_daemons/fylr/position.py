@@ -49,6 +49,7 @@ from trio_broker.core.figures import (
     queue_position,
 )
 from trio_broker.trio.store import ItemPosition, QueueItem
+from trio_broker_daemons.fylr.derived import own_produce
 from trio_broker_daemons.fylr.files import ACTION_METADATA, ACTION_PRODUCE, FileRow
 from trio_broker_daemons.fylr.state import FylrState
 from trio_broker_daemons.fylr.topology import topology_of
@@ -72,12 +73,15 @@ def step_job_id(item: QueueItem) -> str:
 def _may_wait(row: FileRow) -> bool:
     """Whether the row's state allows an exec-bound step of it in the queue (read none else)."""
     if row.kind == "original":
-        return row.status in ("new", "metadata")
+        return row.status in ("pending_produce", "new", "metadata")
     return row.status in ("new", "produce")
 
 
 def _service_of(state: FylrState, row: FileRow) -> str | None:
     """The service a file's exec-bound step runs (None: its class has none any more)."""
+    if row.kind == "original" and row.status == "pending_produce":  # its own produce step
+        own = own_produce(state.config, filename=row.filename, derivation=row.derivation)
+        return None if isinstance(own, str) else own.service
     if row.kind == "original":
         file_class = state.file_class(row.file_class)
         step = None if file_class is None else file_class.metadata
