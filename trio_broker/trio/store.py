@@ -362,18 +362,30 @@ class Store:
 
     # -- plumbing ------------------------------------------------------------------------
 
-    async def call(self, fn: Callable[[Connection], T], *, kind: str = "call") -> T:
+    async def call(
+        self, fn: Callable[[Connection], T], *, kind: str = "call", abandon_on_cancel: bool = False
+    ) -> T:
         """Run ``fn(connection)`` in a worker thread with a pooled connection.
 
         For tables beside the queue (the connection is in autocommit mode; open
         ``conn.transaction()`` for several statements). ``fn`` must be short: it
         holds a connection and a thread.
 
+        Args:
+            fn: what to run.
+            kind: its name in :meth:`statistics`.
+            abandon_on_cancel: a cancelled call returns at once, leaving the
+                thread to finish ``fn`` and give its connection back (for a
+                read-only check that must answer in time, a probe); otherwise a
+                cancellation waits for ``fn``.
+
         Raises:
             StoreUnavailable: the server is unreachable or the connection broke.
         """
         self._calls[kind] += 1
-        return await trio.to_thread.run_sync(self._call_sync, fn, limiter=self._limiter)
+        return await trio.to_thread.run_sync(
+            self._call_sync, fn, limiter=self._limiter, abandon_on_cancel=abandon_on_cancel
+        )
 
     def _call_sync(self, fn: Callable[[Connection], T]) -> T:
         try:

@@ -45,6 +45,8 @@ Routes (role in brackets):
     the stored original (``original``) or a ``done`` version; 404 otherwise.
 ``GET /healthz`` [public]
     200 ``{"status": "serving"}``, 503 ``{"status": "stopping"}``.
+``GET /livez``, ``GET /readyz`` [public]
+    the probes (:mod:`trio_broker_daemons.fylr.probes`).
 
 The application also carries the inspection routes [operator]
 (:func:`trio_broker_daemons.fylr.metrics.routes`,
@@ -86,7 +88,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from trio_broker.trio.store import StoreUnavailable
-from trio_broker_daemons.fylr import metrics, topology
+from trio_broker_daemons.fylr import metrics, probes, topology
 from trio_broker_daemons.fylr.access import Access, Role
 from trio_broker_daemons.fylr.config import FileClass
 from trio_broker_daemons.fylr.files import FileRow
@@ -500,6 +502,7 @@ def build_app(state: FylrState, access: Access | None = None) -> Starlette:
         route("/api/v1/eas/{file_id}/sync", api.resync, role=Role.OPERATOR, methods=("POST",)),
         route("/api/v1/eas/{file_id}", api.get_file, role=Role.READ),
         route("/healthz", api.healthz, role=Role.PUBLIC),
+        *probes.routes(state),
         *metrics.routes(state),
         *topology.routes(state, access),
         *guarded(state.pipes.routes(), role=Role.PIPE),
