@@ -465,9 +465,15 @@ async def test_positions_count_the_rows_a_claim_takes_first(store: Store) -> Non
 
 async def test_figures_count_by_state_and_priority(store: Store) -> None:
     """figures() counts every state per priority (highest first) and in all, as counts()
-    does; an empty queue has no priorities and zero counts."""
+    does, with the age of each priority's oldest ready row and the soonest start of a
+    delayed one; an empty queue has no priorities, zero counts and no ages."""
     empty = await store.figures()
     assert (empty.counts, dict(empty.by_priority)) == (await store.counts(), {})
+    assert (dict(empty.oldest_ready), empty.oldest_ready_s, empty.next_start_after) == (
+        {},
+        None,
+        None,
+    )
     later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(hours=1)
     await store.enqueue_many(
         [
@@ -489,6 +495,18 @@ async def test_figures_count_by_state_and_priority(store: Store) -> None:
     assert figures.counts == await store.counts()
     assert figures.counts.total == 5
     assert first.priority == 4
+    assert figures.next_start_after == later
+    assert set(figures.oldest_ready) == {0, -2}  # priority 4 has no ready row
+    await store.call(
+        lambda conn: conn.execute(
+            "UPDATE broker_queue SET created_at = now() - interval '90 seconds'"
+            " WHERE file_ref = 'c'"
+        )
+    )
+    aged = await store.figures()
+    assert 90 <= aged.oldest_ready[0] < 150
+    assert 0 <= aged.oldest_ready[-2] < 60
+    assert aged.oldest_ready_s == aged.oldest_ready[0]
 
 
 async def test_failed_rows_are_listed_with_reason_attempts_and_time(store: Store) -> None:

@@ -292,9 +292,14 @@ _STATE_COUNTS = sql.SQL(
 COUNTS: Final = sql.SQL("SELECT {} FROM broker_queue").format(_STATE_COUNTS)
 """Rows by state: ready, delayed, claimed, failed (one row)."""
 COUNTS_BY_PRIORITY: Final = sql.SQL(
-    "SELECT priority, {} FROM broker_queue GROUP BY priority ORDER BY priority DESC"
-).format(_STATE_COUNTS)
-"""Rows by state per priority (ready, delayed, claimed, failed after the priority)."""
+    "SELECT priority, {counts},"
+    " extract(epoch FROM now() - min(created_at) FILTER (WHERE {ready}))::float8,"
+    " min(start_after) FILTER (WHERE status = 'new' AND start_after > now())"
+    " FROM broker_queue GROUP BY priority ORDER BY priority DESC"
+).format(counts=_STATE_COUNTS, ready=READY)
+"""Rows by state per priority (ready, delayed, claimed, failed after the priority), then
+the age in seconds of the oldest ready row (since it was enqueued; null without one)
+and the soonest ``start_after`` of a delayed row (null without one)."""
 
 ITEM_BY_ID: Final = sql.SQL("SELECT {} FROM broker_queue WHERE id = %s").format(ITEM_COLUMNS)
 ROWS_OF: Final = sql.SQL(

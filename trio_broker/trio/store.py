@@ -53,7 +53,8 @@ has an async method on the store that borrows a pooled connection for it instead
 (the name without ``_in``; :meth:`Store.enqueue_many` for :func:`enqueue_in`).
 
 Inspection. :meth:`Store.counts` counts the rows by state;
-:meth:`Store.figures` adds the same per priority; :meth:`Store.positions`
+:meth:`Store.figures` adds the same per priority, the oldest ready row's age and
+the soonest delayed row's start; :meth:`Store.positions`
 ranks rows among the ready rows a claim would take before them;
 :meth:`Store.failed` lists the failed rows with their reasons.
 
@@ -687,13 +688,20 @@ class Store:
         return await self.call(run, kind="counts")
 
     async def figures(self) -> QueueFigures:
-        """The rows by state, in all and per priority (one full scan: for inspection)."""
+        """The rows by state, in all and per priority, with the oldest ready row's age and
+        the soonest delayed row's start (one statement, one full scan: for inspection)."""
 
         def run(conn: Connection) -> QueueFigures:
             rows = conn.execute(queue_sql.COUNTS_BY_PRIORITY).fetchall()
-            by_priority = {row[0]: _counts(row[1:]) for row in rows}
-            totals = [sum(column) for column in zip(*(row[1:] for row in rows), strict=True)]
-            return QueueFigures(counts=_counts(totals or (0, 0, 0, 0)), by_priority=by_priority)
+            by_priority = {row[0]: _counts(row[1:5]) for row in rows}
+            totals = [sum(column) for column in zip(*(row[1:5] for row in rows), strict=True)]
+            starts = [row[6] for row in rows if row[6] is not None]
+            return QueueFigures(
+                counts=_counts(totals or (0, 0, 0, 0)),
+                by_priority=by_priority,
+                oldest_ready={row[0]: row[5] for row in rows if row[5] is not None},
+                next_start_after=min(starts, default=None),
+            )
 
         return await self.call(run, kind="figures")
 

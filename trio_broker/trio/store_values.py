@@ -139,10 +139,21 @@ class QueueFigures:
         counts: the rows by state, over every priority.
         by_priority: the rows by state per priority, highest priority first
             (only priorities that have rows).
+        oldest_ready: per priority that has ready rows, the age in seconds of
+            its oldest one (since it was enqueued, on the database's clock).
+        next_start_after: the soonest ``start_after`` of a delayed row (``None``
+            without one).
     """
 
     counts: QueueCounts
     by_priority: Mapping[int, QueueCounts] = attrs.field(factory=dict)
+    oldest_ready: Mapping[int, float] = attrs.field(factory=dict)
+    next_start_after: datetime.datetime | None = None
+
+    @property
+    def oldest_ready_s(self) -> float | None:
+        """The age of the oldest ready row of any priority (``None`` without one)."""
+        return max(self.oldest_ready.values(), default=None)
 
 
 @attrs.frozen(kw_only=True)
