@@ -708,11 +708,13 @@ class Store:
     async def positions(
         self, file_refs: Sequence[str], *, actions: Sequence[str] | None = None
     ) -> list[ItemPosition]:
-        """The new and claimed rows of ``file_refs``, each with the ready rows ahead of it.
+        """The new and claimed rows of ``file_refs``, each with its competitors.
 
         "Ahead" is the claim order itself
         (:data:`~trio_broker.trio.queue_sql.CLAIM_ORDER`: priority descending,
-        then id), counted among the rows a claim could take now. One statement.
+        then id): the ready rows ahead (those a claim could take now) and the
+        claimed rows ahead (held by dispatchers), with the ready and claimed rows
+        in all (:class:`ItemPosition`). One statement.
 
         Args:
             file_refs: the files whose rows to rank.
@@ -728,7 +730,13 @@ class Store:
 
         def run(conn: Connection) -> list[ItemPosition]:
             return [
-                ItemPosition(item=_item(row), ahead=row[-1])
+                ItemPosition(
+                    item=_item(row),
+                    ahead=row[-4],
+                    claimed_ahead=row[-3],
+                    ready=row[-2],
+                    claimed=row[-1],
+                )
                 for row in conn.execute(query, params).fetchall()
             ]
 
