@@ -53,6 +53,8 @@ KNOWN_ROUTES: dict[str, Role] = {
     "/api/v1/eas/{file_id}/sync": Role.OPERATOR,
     "/api/v1/eas/download/{file_id}/{version}": Role.READ,
     "/healthz": Role.PUBLIC,
+    "/livez": Role.PUBLIC,
+    "/readyz": Role.PUBLIC,
     "/inspect/system/fylr": Role.OPERATOR,
     "/inspect/system/fylr/requeue": Role.OPERATOR,
     "/inspect/system/fylr/sweep": Role.OPERATOR,

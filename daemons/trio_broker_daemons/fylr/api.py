@@ -51,6 +51,8 @@ Routes (role in brackets):
 ``POST /inspect/system/fylr/checksum|copy_move|sync_check[?file=ID]`` [operator]
     queue a local action for one file or all
     (:mod:`~trio_broker_daemons.fylr.entry_api`).
+``GET /livez``, ``GET /readyz`` [public]
+    the probes (:mod:`trio_broker_daemons.fylr.probes`).
 
 The application also carries the inspection routes [operator]
 (:func:`trio_broker_daemons.fylr.metrics.routes`,
@@ -92,7 +94,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from trio_broker.trio.store import StoreUnavailable
-from trio_broker_daemons.fylr import metrics, topology
+from trio_broker_daemons.fylr import metrics, probes, topology
 from trio_broker_daemons.fylr.access import Access, Role
 from trio_broker_daemons.fylr.config import FileClass, is_version_name
 from trio_broker_daemons.fylr.derived import priority_of
@@ -538,6 +540,7 @@ def build_app(state: FylrState, access: Access | None = None) -> Starlette:
         route("/api/v1/eas/{file_id}/sync", api.resync, role=Role.OPERATOR, methods=("POST",)),
         route("/api/v1/eas/{file_id}", api.get_file, role=Role.READ),
         route("/healthz", api.healthz, role=Role.PUBLIC),
+        *probes.routes(state),
         *metrics.routes(state),
         *topology.routes(state, access),
         *guarded(state.pipes.routes(), role=Role.PIPE),
