@@ -277,7 +277,7 @@ def test_document_errors() -> None:
         ({"versions": []}, "versions: expected a mapping of version names to versions, got a list"),
         (
             {"versions": {"original": {"service": "s"}}},
-            "versions.original: the version name 'original' is reserved for the uploaded file",
+            "versions.original: the version name 'original' is reserved in download URLs",
         ),
         (
             {"versions": {"a/b": {"service": "s"}}},
