@@ -54,6 +54,7 @@ SERVICES: dict[str, Any] = {
 }
 
 CLASSES: dict[str, Any] = {
+    "notes": {"extensions": ["notes"], "metadata": {"service": "upper"}},
     "text": {
         "extensions": ["txt"],
         "custom_versions": {

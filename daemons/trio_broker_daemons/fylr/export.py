@@ -37,7 +37,7 @@ def export_refusal(row: FileRow) -> dict[str, Any] | None:
     """The 409 body for a file that may not be exported yet, ``None`` when it may."""
     if row.status in EXPORTABLE_STATES:
         return None
-    allowed = ", ".join(sorted(EXPORTABLE_STATES))
+    allowed = "sync, produce or done"
     return {
         "error": f"the file is in state {row.status}; it can be exported in {allowed}",
         "state": row.status,

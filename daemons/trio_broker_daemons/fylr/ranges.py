@@ -68,11 +68,11 @@ def _one_range(header: str, size: int) -> tuple[int, int] | Literal["unsatisfiab
             return "unsatisfiable"
         return max(0, size - suffix), min(suffix, size)
     start = int(first)
-    end = size - 1 if not last else int(last)
-    if end < start:
+    if last and int(last) < start:
         return None  # invalid: ignored
     if start >= size:
         return "unsatisfiable"
+    end = size - 1 if not last else int(last)
     return start, min(end, size - 1) - start + 1
 
 
