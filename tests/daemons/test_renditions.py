@@ -64,7 +64,7 @@ CLASSES: dict[str, Any] = {
                 "filename": "{stem}-{level}.gz",
             }
         },
-    }
+    },
 }
 
 
@@ -84,7 +84,7 @@ def presets(tmp_path: Path) -> dict[str, Any]:
     }
 
 
-def execserver_config(slots: int = 2) -> ExecserverConfig:
+def execserver_config(slots: int = 2, **extra: Any) -> ExecserverConfig:
     return ExecserverConfig.from_mapping(
         {
             "listen": "127.0.0.1:0",
@@ -93,27 +93,37 @@ def execserver_config(slots: int = 2) -> ExecserverConfig:
             "fast_reserve": 0,
             "unknown_share": 1.0,
             "services": SERVICES,
+            **extra,
         }
     )
 
 
 @asynccontextmanager
 async def daemons(
-    pg_dsn: str, tmp_path: Path, *, slots: int = 2, execserver: bool = True, **extra: Any
+    pg_dsn: str,
+    tmp_path: Path,
+    *,
+    slots: int = 2,
+    execserver: bool = True,
+    exec_extra: dict[str, Any] | None = None,
+    classes: dict[str, Any] | None = None,
+    custom_version_presets: dict[str, Any] | None = None,
+    **extra: Any,
 ) -> AsyncIterator[tuple[FylrHandle, ExecserverHandle | None, httpx.AsyncClient]]:
     """A fylr (with the test presets) and, unless told otherwise, one execserver."""
     async with trio.open_nursery() as nursery:
         handle: ExecserverHandle | None = None
         address = "127.0.0.1:9"  # nothing listens there: the fylr has no execserver
         if execserver:
-            handle = await nursery.start(serve_from_config, execserver_config(slots))
+            config = execserver_config(slots, **(exec_extra or {}))
+            handle = await nursery.start(serve_from_config, config)
             address = f"{handle.host}:{handle.port}"
         mapping = fylr_mapping(
             pg_dsn,
             tmp_path / "state",
             address,
-            CLASSES,
-            custom_version_presets=presets(tmp_path),
+            classes or CLASSES,
+            custom_version_presets=custom_version_presets or presets(tmp_path),
             **extra,
         )
         async with (

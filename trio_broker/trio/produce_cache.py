@@ -84,7 +84,7 @@ class CacheSpec:
         max_size: the most bytes the cache's entries take together (> 0).
     """
 
-    key: tuple[str, ...] = attrs.field(converter=tuple)
+    key: tuple[str, ...]
     max_size: int
 
     def __attrs_post_init__(self) -> None:
