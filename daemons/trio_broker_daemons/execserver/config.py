@@ -364,19 +364,12 @@ class TlsConfig:
     key: _PathValue
 
 
-def _cache_size(value: object) -> int:
-    size = parse_size(value)
-    if size <= 0:
-        raise ConfigError(f"expected a size above 0, got {show(value)}")
-    return size
-
-
 @attrs.frozen(kw_only=True)
 class CacheConfig:
     """A service's produce cache: the params of its key and its size bound."""
 
     key: _ParameterNames = ()
-    max_size: Annotated[int, Rule(_cache_size)]
+    max_size: Annotated[int, Rule(parse_size)]
 
 
 @attrs.frozen(kw_only=True)
