@@ -564,7 +564,8 @@ def test_preset_errors(presets: dict[str, Any], message: str) -> None:
         ({"s": {}}, "custom_versions.s.params: required key is missing"),
         (
             {"s": {"params": {"size": []}}},
-            "custom_versions.s.params.size: expected a non-empty list of allowed values, got a list",
+            "custom_versions.s.params.size: expected a non-empty list of allowed values,"
+            " got a list",
         ),
         (
             {"s": {"params": {"service": ["x"]}}},
