@@ -165,7 +165,7 @@ def test_a_cache_names_placeholders_and_a_size() -> None:
     def load(service: dict[str, object]) -> ExecserverConfig:
         return ExecserverConfig.from_mapping({"services": {"s": service}})
 
-    problems = [
+    problems: list[tuple[dict[str, object], str]] = [
         (
             {"argv": ["convert", "{size}"], "cache": {"key": ["sise"], "max_size": "1G"}},
             "services.s.cache.key[0]: expected a placeholder of argv (size), got 'sise'",
