@@ -14,6 +14,9 @@ a fresh temporary state folder:
 4. prints each file's versions, checks them against what the example
    configuration promises (a broken image's picture versions fail with the
    converter's message, everything else is ``done``), and where to look;
+   asks one on-demand rendition (a preset: made at request time, streamed,
+   never stored) twice, the second served from the execserver's produce cache,
+   and prints its size and time;
 5. stops everything it started and removes the state folder.
 
 The example fylr leaves uploads and downloads open on loopback and closes its
@@ -78,6 +81,10 @@ EXPECTED: dict[str, dict[str, str]] = {
     "archive.bin": {},
 }  # fmt: skip
 """Each sample's versions and their API status, as the example configurations promise."""
+
+RENDITION_OF = "sunset.jpg"
+RENDITION_PRESET = "web_640"
+"""The on-demand rendition the demo asks for (a preset of ``examples/fylr.yml``)."""
 
 T0 = time.monotonic()
 console = Console(highlight=False, soft_wrap=True)
@@ -193,6 +200,7 @@ async def run(state: Path, keep: bool) -> int:
             say(f"{len(outcomes)} files uploaded and followed to their end in {elapsed:.1f}s:")
             for outcome in outcomes:
                 show(outcome, base)
+            await ask_rendition(base, outcomes)
             try:
                 async with httpx.AsyncClient(timeout=30) as http:
                     inspect_url = f"{base}/inspect/system/fylr"
@@ -213,6 +221,27 @@ async def run(state: Path, keep: bool) -> int:
                 await trio.sleep_forever()
             say("stopping the fylr (its claimed work goes back to the queue) and the execserver")
     return 1 if problems else 0
+
+
+async def ask_rendition(base: str, outcomes: Sequence[FileOutcome]) -> None:
+    """Ask one on-demand rendition twice (the second from the execserver's produce cache)."""
+    found = [o.document for o in outcomes if o.path.name == RENDITION_OF and o.document]
+    if not found:
+        return
+    url = f"{base}/api/v1/eas/download/{found[0]['id']}/custom"
+    async with httpx.AsyncClient(timeout=60) as http:
+        for attempt in ("made now", "again, from the produce cache"):
+            started = time.monotonic()
+            response = await http.get(url, params={"preset": RENDITION_PRESET})
+            elapsed = time.monotonic() - started
+            if response.status_code != 200:
+                say(f"on-demand rendition: {response.status_code} {response.text.strip()}")
+                return
+            say(
+                f"on-demand rendition {RENDITION_PRESET} of {RENDITION_OF} ({attempt}):"
+                f" {len(response.content)} bytes {response.headers['content-type']}"
+                f" in {elapsed * 1000:.0f} ms, never stored"
+            )
 
 
 def summarize(page: Mapping[str, Any], exec_page: Mapping[str, Any]) -> None:
