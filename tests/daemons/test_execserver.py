@@ -155,7 +155,7 @@ def test_allow_leading_dash_names_placeholders_of_argv() -> None:
     assert runner is not None
 
 
-def test_a_cache_names_placeholders_and_a_size() -> None:
+def test_a_cache_names_placeholders_and_a_size(tmp_path: Path) -> None:
     """A cache key names placeholders of argv, its size is above 0, a builtin has none;
     a loaded cache puts the runner behind a produce cache."""
     from trio_broker_daemons.config.values import ConfigError
@@ -192,3 +192,4 @@ def test_a_cache_names_placeholders_and_a_size() -> None:
         }
     )
     assert isinstance(command_runner_from(loaded, HOST), CachingRunner)
+    assert (tmp_path / "produce-cache" / "s").is_dir()

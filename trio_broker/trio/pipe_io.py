@@ -319,6 +319,8 @@ class StdoutReader:
         finally:
             self.waiting_since = None
         if not chunk:
+            if self.tap is not None and not self.eof.is_set():
+                await self.tap.write(b"")
             self.eof.set()
             return b""
         self.bytes += len(chunk)

@@ -139,10 +139,14 @@ class _Copy:
         self.path = path
         self.limit = limit
         self.bytes = 0
+        self.ended = False
         self.failed: str | None = None
         self._file: IO[bytes] | None = None
 
     async def write(self, chunk: bytes) -> None:
+        if not chunk:
+            self.ended = True  # stdout reached its end: the copy is whole
+            return
         if self.failed is not None:
             return
         if self.bytes + len(chunk) > self.limit:
@@ -165,13 +169,13 @@ class _Copy:
         """Close the copy; rename it to ``keep_as`` (None: delete it). Whether it was kept."""
         try:
             if self._file is None:
-                if keep_as is None or self.failed is not None:
+                if keep_as is None or self.failed is not None or not self.ended:
                     return False
                 self._file = open(self.path, "xb")  # noqa: SIM115 - an empty output
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
-            if keep_as is not None and self.failed is None:
+            if keep_as is not None and self.failed is None and self.ended:
                 os.replace(self.path, keep_as)
                 return True
         except OSError as exc:

@@ -74,7 +74,7 @@ class StdoutTap(Protocol):
     """
 
     async def write(self, chunk: bytes) -> None:
-        """Keep one chunk of stdout (chunks come in order)."""
+        """Keep one chunk of stdout (chunks come in order); ``b""`` marks its end."""
         ...
 
 
