@@ -110,7 +110,8 @@ def write_configs(state: Path) -> tuple[Path, Path]:
     """The example configurations, runnable from this state folder on free ports."""
     text = (EXAMPLES / "execserver.yml").read_text(encoding="utf-8")
     execserver = yaml.safe_load(localize_execserver_config(text))
-    execserver.update(listen="127.0.0.1:0", name="demo-exec")
+    (state / "exec").mkdir()  # the jobs' work folders and the produce cache
+    execserver.update(listen="127.0.0.1:0", name="demo-exec", temp_dir=str(state / "exec"))
     execserver_path = state / "execserver.yml"
     execserver_path.write_text(yaml.safe_dump(execserver, sort_keys=False), encoding="utf-8")
     fylr = yaml.safe_load((EXAMPLES / "fylr.yml").read_text(encoding="utf-8"))

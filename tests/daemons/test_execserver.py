@@ -185,7 +185,7 @@ def test_a_cache_names_placeholders_and_a_size(tmp_path: Path) -> None:
         assert str(info.value) == message
     loaded = ExecserverConfig.from_mapping(
         {
-            "temp_dir": "/tmp",
+            "temp_dir": str(tmp_path),
             "services": {
                 "s": {"argv": ["c", "{size}"], "cache": {"key": ["size"], "max_size": "2G"}}
             },
