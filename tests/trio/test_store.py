@@ -12,6 +12,8 @@ import attrs
 import psycopg
 import pytest
 import trio
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from trio_broker_daemons.fylr.pgcluster import PgCluster
 
 from trio_broker.trio.dispatcher import Action, Dispatcher, DispatcherConfig
@@ -426,7 +428,9 @@ async def test_enqueue_in_commits_and_rolls_back_with_the_callers_transaction(
 async def test_positions_count_the_rows_a_claim_takes_first(store: Store) -> None:
     """A row's position is the number of ready rows of the same actions the claim order
     puts before it: claiming exactly that many leaves it, and the next claim takes it;
-    rows not ready yet, of other actions, of other files, failed or gone do not count."""
+    rows not ready yet, of other actions, of other files, failed or gone do not count.
+    The claimed rows ahead of it (held by dispatchers) and the ready and claimed rows
+    in all come with it."""
     later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(hours=1)
     ids = await store.enqueue_many(
         [
@@ -447,6 +451,7 @@ async def test_positions_count_the_rows_a_claim_takes_first(store: Store) -> Non
     assert ahead == {"f4": 0, "f2": 1, "f5": 2, "f1": 3, "f3": 4, "f8": 5, "f6": 0}
     assert [p.item.id for p in positions] == sorted(p.item.id for p in positions)
     assert all(p.item.status == "new" for p in positions)
+    assert {(p.claimed_ahead, p.ready, p.claimed) for p in positions} == {(0, 6, 0)}
     everything = await store.positions(refs)
     assert {p.item.file_ref: p.ahead for p in everything}["f2"] == 2  # f7 counts too
     # the claim order agrees, row by row
@@ -457,6 +462,9 @@ async def test_positions_count_the_rows_a_claim_takes_first(store: Store) -> Non
         assert taken.file_ref == ref, (ref, count)
         now = {p.item.file_ref: p for p in await store.positions([ref], actions=["exec"])}
         assert now[ref].item.status == "claimed"
+        # every row ahead of it was claimed before it; it is claimed itself
+        assert (now[ref].ahead, now[ref].claimed_ahead) == (0, count)
+        assert (now[ref].ready, now[ref].claimed) == (6 - count - 1, count + 1)
     assert await store.positions(["nothing"]) == []
     await store.fail((await store.claim("b1", 1, actions=["local"]))[0], "boom")
     assert [p.item.file_ref for p in await store.positions(["f7"])] == []
@@ -465,9 +473,15 @@ async def test_positions_count_the_rows_a_claim_takes_first(store: Store) -> Non
 
 async def test_figures_count_by_state_and_priority(store: Store) -> None:
     """figures() counts every state per priority (highest first) and in all, as counts()
-    does; an empty queue has no priorities and zero counts."""
+    does, with the age of each priority's oldest ready row and the soonest start of a
+    delayed one; an empty queue has no priorities, zero counts and no ages."""
     empty = await store.figures()
     assert (empty.counts, dict(empty.by_priority)) == (await store.counts(), {})
+    assert (dict(empty.oldest_ready), empty.oldest_ready_s, empty.next_start_after) == (
+        {},
+        None,
+        None,
+    )
     later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(hours=1)
     await store.enqueue_many(
         [
@@ -489,6 +503,18 @@ async def test_figures_count_by_state_and_priority(store: Store) -> None:
     assert figures.counts == await store.counts()
     assert figures.counts.total == 5
     assert first.priority == 4
+    assert figures.next_start_after == later
+    assert set(figures.oldest_ready) == {0, -2}  # priority 4 has no ready row
+    await store.call(
+        lambda conn: conn.execute(
+            "UPDATE broker_queue SET created_at = now() - interval '90 seconds'"
+            " WHERE file_ref = 'c'"
+        )
+    )
+    aged = await store.figures()
+    assert 90 <= aged.oldest_ready[0] < 150
+    assert 0 <= aged.oldest_ready[-2] < 60
+    assert aged.oldest_ready_s == aged.oldest_ready[0]
 
 
 async def test_failed_rows_are_listed_with_reason_attempts_and_time(store: Store) -> None:
@@ -602,3 +628,68 @@ async def test_live_backends_are_those_with_a_recent_heartbeat(store: Store) -> 
     assert await store.live_backends(3600) == ["b1", "b2", "old"]
     await store.unregister_backend("b1")
     assert await store.live_backends(60) == ["b2"]
+
+
+# -- fail-over ---------------------------------------------------------------------------------
+
+
+def _database_setting(dsn: str, value: str) -> None:
+    """Make the test's database read-only for new sessions (``on``) or writable again, and
+    end its current sessions (as a fail-over does)."""
+    name = conninfo_to_dict(dsn)["dbname"]
+    admin = make_conninfo(dsn, dbname="postgres")
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("ALTER DATABASE {} SET default_transaction_read_only = {}").format(
+                sql.Identifier(str(name)), sql.SQL(value)
+            )
+        )
+        conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = %s AND pid <> pg_backend_pid()",
+            (name,),
+        )
+
+
+async def test_a_read_only_server_is_unavailable_and_its_connections_are_replaced(
+    pg_dsn: str,
+) -> None:
+    """A server that became read-only (a standby after a fail-over) is StoreUnavailable, not
+    an internal error; once a writable server is back, the next calls succeed: the
+    connections that met the read-only one were closed, not kept in the pool."""
+    async with open_store(pg_dsn, pool_size=2) as store:
+        await store.enqueue_many(items(1))
+        await trio.to_thread.run_sync(_database_setting, pg_dsn, "on")
+        read_only = 0
+        with trio.fail_after(WAIT):
+            while read_only < 3:  # the broken connections first, then read-only ones
+                with pytest.raises(StoreUnavailable) as caught:
+                    await store.enqueue_many(items(1, prefix="g"))
+                if "read-only" in str(caught.value):
+                    read_only += 1
+        await trio.to_thread.run_sync(_database_setting, pg_dsn, "off")
+        with trio.fail_after(WAIT):
+            while True:
+                try:
+                    await store.enqueue_many(items(1, prefix="h"))
+                    break
+                except StoreUnavailable:
+                    await trio.lowlevel.checkpoint()  # the terminated sessions, once each
+        assert (await store.counts()).ready == 2
+
+
+async def test_a_multi_host_dsn_finds_the_writable_server(pg_dsn: str) -> None:
+    """``host=a,b port=p,q target_session_attrs=read-write``: the first host is down, the
+    store connects to the second."""
+    params = conninfo_to_dict(pg_dsn)
+    host = str(params.get("host") or "127.0.0.1")
+    port = str(params.get("port") or 5432)
+    dsn = make_conninfo(
+        pg_dsn,
+        host=f"127.0.0.1,{host}",
+        port=f"{_closed_port()},{port}",
+        target_session_attrs="read-write",
+    )
+    async with open_store(dsn, pool_size=1) as store:
+        await store.enqueue_many(items(2))
+        assert (await store.counts()).ready == 2
