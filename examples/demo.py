@@ -14,6 +14,9 @@ a fresh temporary state folder:
 4. prints each file's versions, checks them against what the example
    configuration promises (a broken image's picture versions fail with the
    converter's message, everything else is ``done``), and where to look;
+   asks one on-demand rendition (a preset: made at request time, streamed,
+   never stored) twice, the second served from the execserver's produce cache,
+   and prints its size and time;
 5. makes one modified original (``POST /eas/produce``): the sunset turned a
    quarter clockwise as a PNG, an original with its own metadata and versions;
 6. stops everything it started and removes the state folder.
@@ -81,6 +84,10 @@ EXPECTED: dict[str, dict[str, str]] = {
 }  # fmt: skip
 """Each sample's versions and their API status, as the example configurations promise."""
 
+RENDITION_OF = "sunset.jpg"
+RENDITION_PRESET = "web_640"
+"""The on-demand rendition the demo asks for (a preset of ``examples/fylr.yml``)."""
+
 T0 = time.monotonic()
 console = Console(highlight=False, soft_wrap=True)
 
@@ -105,7 +112,8 @@ def write_configs(state: Path) -> tuple[Path, Path]:
     """The example configurations, runnable from this state folder on free ports."""
     text = (EXAMPLES / "execserver.yml").read_text(encoding="utf-8")
     execserver = yaml.safe_load(localize_execserver_config(text))
-    execserver.update(listen="127.0.0.1:0", name="demo-exec")
+    (state / "exec").mkdir()  # the jobs' work folders and the produce cache
+    execserver.update(listen="127.0.0.1:0", name="demo-exec", temp_dir=str(state / "exec"))
     execserver_path = state / "execserver.yml"
     execserver_path.write_text(yaml.safe_dump(execserver, sort_keys=False), encoding="utf-8")
     fylr = yaml.safe_load((EXAMPLES / "fylr.yml").read_text(encoding="utf-8"))
@@ -195,6 +203,7 @@ async def run(state: Path, keep: bool) -> int:
             say(f"{len(outcomes)} files uploaded and followed to their end in {elapsed:.1f}s:")
             for outcome in outcomes:
                 show(outcome, base)
+            await ask_rendition(base, outcomes)
             try:
                 async with httpx.AsyncClient(timeout=30) as http:
                     inspect_url = f"{base}/inspect/system/fylr"
@@ -216,6 +225,27 @@ async def run(state: Path, keep: bool) -> int:
                 await trio.sleep_forever()
             say("stopping the fylr (its claimed work goes back to the queue) and the execserver")
     return 1 if problems else 0
+
+
+async def ask_rendition(base: str, outcomes: Sequence[FileOutcome]) -> None:
+    """Ask one on-demand rendition twice (the second from the execserver's produce cache)."""
+    found = [o.document for o in outcomes if o.path.name == RENDITION_OF and o.document]
+    if not found:
+        return
+    url = f"{base}/api/v1/eas/download/{found[0]['id']}/custom"
+    async with httpx.AsyncClient(timeout=60) as http:
+        for attempt in ("made now", "again, from the produce cache"):
+            started = time.monotonic()
+            response = await http.get(url, params={"preset": RENDITION_PRESET})
+            elapsed = time.monotonic() - started
+            if response.status_code != 200:
+                say(f"on-demand rendition: {response.status_code} {response.text.strip()}")
+                return
+            say(
+                f"on-demand rendition {RENDITION_PRESET} of {RENDITION_OF} ({attempt}):"
+                f" {len(response.content)} bytes {response.headers['content-type']}"
+                f" in {elapsed * 1000:.0f} ms, never stored"
+            )
 
 
 async def modified_original(base: str, outcomes: Sequence[FileOutcome]) -> list[str]:

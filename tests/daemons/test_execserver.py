@@ -153,3 +153,43 @@ def test_allow_leading_dash_names_placeholders_of_argv() -> None:
     assert template.allow_leading_dash == {"pattern"}
     runner = command_runner_from(loaded, HOST)
     assert runner is not None
+
+
+def test_a_cache_names_placeholders_and_a_size(tmp_path: Path) -> None:
+    """A cache key names placeholders of argv, its size is above 0, a builtin has none;
+    a loaded cache puts the runner behind a produce cache."""
+    from trio_broker_daemons.config.values import ConfigError
+
+    from trio_broker.trio.produce_cache import CachingRunner
+
+    def load(service: dict[str, object]) -> ExecserverConfig:
+        return ExecserverConfig.from_mapping({"services": {"s": service}})
+
+    problems: list[tuple[dict[str, object], str]] = [
+        (
+            {"argv": ["convert", "{size}"], "cache": {"key": ["sise"], "max_size": "1G"}},
+            "services.s.cache.key[0]: expected a placeholder of argv (size), got 'sise'",
+        ),
+        (
+            {"argv": ["convert"], "cache": {"key": [], "max_size": 0}},
+            "services.s.cache.max_size: expected a size greater than 0, got 0",
+        ),
+        (
+            {"builtin": "noop", "cache": {"max_size": "1G"}},
+            "services.s.cache: expected null: a builtin has no output",
+        ),
+    ]
+    for service, message in problems:
+        with pytest.raises(ConfigError) as info:
+            load(service)
+        assert str(info.value) == message
+    loaded = ExecserverConfig.from_mapping(
+        {
+            "temp_dir": str(tmp_path),
+            "services": {
+                "s": {"argv": ["c", "{size}"], "cache": {"key": ["size"], "max_size": "2G"}}
+            },
+        }
+    )
+    assert isinstance(command_runner_from(loaded, HOST), CachingRunner)
+    assert (tmp_path / "produce-cache" / "s").is_dir()

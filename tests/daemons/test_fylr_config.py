@@ -362,7 +362,7 @@ def test_document_errors() -> None:
         ({"versions": []}, "versions: expected a mapping of version names to versions, got a list"),
         (
             {"versions": {"original": {"service": "s"}}},
-            "versions.original: the version name 'original' is reserved for the uploaded file",
+            "versions.original: the version name 'original' is reserved in download URLs",
         ),
         (
             {"versions": {"a/b": {"service": "s"}}},
@@ -626,3 +626,69 @@ def test_connect_timeout_zero_or_null_is_the_default(value: object) -> None:
     """connect_timeout 0 or null means 60 s, as the broker client reads it."""
     data = {"execservers": ["127.0.0.1:7000"], "connect_timeout": value}
     assert FylrConfig.from_mapping(data).connect_timeout == 60.0
+
+
+# -- on-demand renditions ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("presets", "message"),
+    [
+        ({"p": {}}, "custom_version_presets.p.service: required key is missing"),
+        (
+            {"p": {"service": "s", "filename": "{stem}.{size}"}},
+            "custom_version_presets.p.filename: expected placeholders among filename, id,"
+            " preset, stem, got {size}",
+        ),
+        (
+            {"p": {"service": "s", "mimetype": "image/{"}},
+            "custom_version_presets.p.mimetype: expected {name} placeholders and plain text,"
+            " got 'image/{'",
+        ),
+        (
+            {"p": {"service": "s", "classes": ["nope"]}},
+            "custom_version_presets.p.classes[0]: expected the name of a class (c), got 'nope'",
+        ),
+        (
+            {"a/b": {"service": "s"}},
+            "custom_version_presets['a/b']: expected preset names of letters, digits, '_', '.'"
+            " and '-', got 'a/b'",
+        ),
+    ],
+)
+def test_preset_errors(presets: dict[str, Any], message: str) -> None:
+    """Each problem of a preset is one line with its key path."""
+    assert error({**one_class(), "custom_version_presets": presets}) == message
+
+
+@pytest.mark.parametrize(
+    ("custom", "message"),
+    [
+        ({"s": {}}, "custom_versions.s.params: required key is missing"),
+        (
+            {"s": {"params": {"size": []}}},
+            "custom_versions.s.params.size: expected a non-empty list of allowed values,"
+            " got a list",
+        ),
+        (
+            {"s": {"params": {"service": ["x"]}}},
+            "custom_versions.s.params: expected parameter names of letters, digits, '_', '.'"
+            " and '-' (not service), got 'service'",
+        ),
+        (
+            {"s": {"params": {"size": ["1"]}, "filename": "{preset}"}},
+            "custom_versions.s.filename: expected placeholders among filename, id, service,"
+            " size, stem, got {preset}",
+        ),
+    ],
+)
+def test_custom_version_errors(custom: dict[str, Any], message: str) -> None:
+    """Each problem of a class's custom versions is one line with its key path."""
+    assert error(one_class(custom_versions=custom)) == f"classes.c.{message}"
+
+
+def test_custom_is_no_version_name() -> None:
+    """``custom`` names the on-demand route in download URLs."""
+    assert error(one_class(versions={"custom": {"service": "s"}})) == (
+        "classes.c.versions.custom: the version name 'custom' is reserved in download URLs"
+    )

@@ -298,6 +298,7 @@ DOCUMENT: dict[str, Any] = {
         },
     ],
     "counters": {"wants": 11, "offers": 9},
+    "caches": {},
 }
 METRICS_HEAD = (
     "# HELP trio_broker_build_info The trio_broker version serving these figures (always 1).\n"

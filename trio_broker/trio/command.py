@@ -761,6 +761,7 @@ class CommandRunner:
                 in_pipe=in_pipe,
                 out_pipe=out_pipe,
             )
+            job.stdout.tap = entry.request.stdout_tap  # the produce cache's copy, if any
             try:
                 status, error = await job.run(control)
             finally:

@@ -255,7 +255,9 @@ def execserver_document(stats: ExecserverStatistics) -> dict[str, Any]:
         A JSON-ready object with the members ``instance_id``, ``name``,
         ``draining``, ``pool``, ``services``, ``connections``, ``running``,
         ``recent`` (newest first; each with its ``wait_s``, ``client`` and
-        receipt) and ``counters``. Instants are ISO 8601 strings with their zone.
+        receipt), ``counters`` and ``caches`` (each cached service's produce
+        cache: ``entries``, ``bytes``, ``max_size``, ``hits``, ``misses``).
+        Instants are ISO 8601 strings with their zone.
     """
     broker, runner = stats.broker, stats.runner
     running = {job.job_id: job for job in runner.running} if runner else {}
@@ -305,6 +307,9 @@ def execserver_document(stats: ExecserverStatistics) -> dict[str, Any]:
             for f in reversed(broker.recent)
         ],
         "counters": broker.counters,
+        "caches": {name: dict(figures) for name, figures in runner.caches.items()}
+        if runner
+        else {},
     }
 
 

@@ -70,6 +70,7 @@ import trio
 
 from trio_broker.core.job import STDOUT_PREFIX_BYTES, JobSpec, JobSpecError, stdout_prefix
 from trio_broker.core.supervision import PipeWait
+from trio_broker.trio.runner import StdoutTap
 
 __all__ = [
     "PIPE_FINISH_TIMEOUT",
@@ -358,6 +359,8 @@ class StdoutReader:
         """Since when the reader waits on the pipe; ``None`` while it does not."""
         self.done = trio.Event()
         """Set when :func:`pump_stdout` is done (with an out-pipe: its ``PUT`` too)."""
+        self.tap: StdoutTap | None = None
+        """Given a copy of each chunk as it is read (a runner's ``JobRequest.stdout_tap``)."""
 
     async def read(self) -> bytes:
         """The next chunk of stdout, counted and kept for the prefix; ``b""`` at its end."""
@@ -367,13 +370,18 @@ class StdoutReader:
         finally:
             self.waiting_since = None
         if not chunk:
+            if self.tap is not None and not self.eof.is_set():
+                await self.tap.write(b"")
             self.eof.set()
             return b""
         self.bytes += len(chunk)
         room = STDOUT_PREFIX_BYTES + 1 - len(self._head)  # +1: see stdout_prefix
         if room > 0:
             self._head += chunk[:room]
-        return chunk if isinstance(chunk, bytes) else bytes(chunk)
+        chunk = chunk if isinstance(chunk, bytes) else bytes(chunk)
+        if self.tap is not None:
+            await self.tap.write(chunk)
+        return chunk
 
     def prefix(self) -> str:
         """The receipt's ``stdout_prefix``."""

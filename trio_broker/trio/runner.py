@@ -38,6 +38,7 @@ __all__ = [
     "Runner",
     "RunnerStatistics",
     "RunningJob",
+    "StdoutTap",
 ]
 
 AbortStatus: TypeAlias = Literal["cancelled", "stopped"]
@@ -60,6 +61,21 @@ class JobRequest:
     service: str
     subject: str | None = None
     job: Mapping[str, Any] = attrs.field(factory=dict)
+    stdout_tap: StdoutTap | None = attrs.field(default=None, eq=False, repr=False)
+    """Not from the wire: where a wrapping runner (the produce cache,
+    :mod:`trio_broker.trio.produce_cache`) wants a copy of the command's stdout."""
+
+
+class StdoutTap(Protocol):
+    """Takes a copy of a command's stdout, chunk by chunk, as the runner reads it.
+
+    It must not raise: a tap that cannot keep up with its own storage gives up
+    quietly (the job does not fail for it).
+    """
+
+    async def write(self, chunk: bytes) -> None:
+        """Keep one chunk of stdout (chunks come in order); ``b""`` marks its end."""
+        ...
 
 
 class JobControl:
@@ -149,6 +165,9 @@ class RunnerStatistics:
     memory_used: int
     """The latest sampled RSS of every running job, summed."""
     memory_budget: int | None
+    caches: Mapping[str, Mapping[str, int]] = attrs.field(factory=dict)
+    """Each cached service's produce cache figures (``entries``, ``bytes``,
+    ``max_size``, ``hits``, ``misses``), by service; empty without a cache."""
 
 
 @runtime_checkable

@@ -22,6 +22,8 @@ import os
 import secrets
 import shutil
 import ssl
+import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -33,6 +35,7 @@ from trio_broker.trio.command import CommandRunner, CommandSpec
 from trio_broker.trio.execserver import ExecserverHandle, serve_execserver
 from trio_broker.trio.host import HostResources, probe_host
 from trio_broker.trio.listener import ListenerSettings
+from trio_broker.trio.produce_cache import CacheSpec, CachingRunner, ProduceCache
 from trio_broker.trio.runner import Runner
 from trio_broker_daemons.config.values import resolve_threads
 from trio_broker_daemons.execserver.config import ExecserverConfig
@@ -191,8 +194,8 @@ def command_runner_from(
     *,
     instance_id: str = "",
     sample_interval: float = 1.0,
-) -> CommandRunner:
-    """The reference runner for an execserver configuration.
+) -> CommandRunner | CachingRunner:
+    """The reference runner for an execserver configuration (behind its produce caches).
 
     Args:
         config: the daemon's configuration.
@@ -216,7 +219,7 @@ def command_runner_from(
         )
         for name, service in config.services.items()
     }
-    return CommandRunner(
+    runner = CommandRunner(
         services,
         env=config.env,
         temp_dir=str(config.temp_dir) if config.temp_dir is not None else None,
@@ -224,6 +227,28 @@ def command_runner_from(
         instance_id=instance_id,
         sample_interval=sample_interval,
     )
+    return caching_runner(config, runner, instance_id=instance_id)
+
+
+def caching_runner(
+    config: ExecserverConfig, runner: CommandRunner, *, instance_id: str = ""
+) -> CommandRunner | CachingRunner:
+    """``runner`` behind the produce caches of the services that declare one (if any).
+
+    Each cache is ``<temp_dir>/produce-cache/<service>`` (the system's temporary
+    folder without ``temp_dir``); temporary files of killed producers are deleted now.
+    """
+    root = Path(config.temp_dir or tempfile.gettempdir()) / "produce-cache"
+    caches = {
+        name: ProduceCache(
+            root / name, CacheSpec(key=service.cache.key, max_size=service.cache.max_size)
+        )
+        for name, service in config.services.items()
+        if service.cache is not None
+    }
+    if not caches:
+        return runner
+    return CachingRunner(runner, caches, instance_id=instance_id)
 
 
 def listener_from(config: ExecserverConfig) -> ListenerSettings:

@@ -112,6 +112,13 @@ Service keys (:class:`ServiceConfig`):
     string, on top of the shared budget. An addition of ours beyond DESIGN.md.
 ``env`` ({})
     Added to this service's commands' environment, after the top-level ``env``.
+``cache`` (null)
+    ``{key: [PARAM, ...], max_size: SIZE}`` keeps the service's output in a
+    produce cache (:mod:`trio_broker.trio.produce_cache`), in
+    ``<temp_dir>/produce-cache/<service>``: a job whose object carries an
+    ``input_hash`` is keyed by the service, those params (placeholders of
+    ``argv``) and that hash; ``max_size`` (> 0) bounds the cache, least recently
+    used entries go first. Not for a builtin.
 """
 
 import os
@@ -162,6 +169,7 @@ __all__ = [
     "CONFIG_DIR",
     "DEFAULT_LISTEN",
     "Builtin",
+    "CacheConfig",
     "ExecserverConfig",
     "ServiceConfig",
     "TlsConfig",
@@ -357,6 +365,14 @@ class TlsConfig:
 
 
 @attrs.frozen(kw_only=True)
+class CacheConfig:
+    """A service's produce cache: the params of its key and its size bound."""
+
+    key: _ParameterNames = ()
+    max_size: Annotated[int, Rule(parse_size)]
+
+
+@attrs.frozen(kw_only=True)
 class ServiceConfig:
     """One service: a command template or a builtin, with its limits.
 
@@ -375,6 +391,7 @@ class ServiceConfig:
     stall_timeout: _Timeout = 600.0
     memory_limit: _Limit = None
     env: _Env = attrs.field(factory=dict)
+    cache: CacheConfig | None = None
 
     def __attrs_post_init__(self) -> None:
         if (self.argv is None) == (self.builtin is None):
@@ -385,7 +402,16 @@ class ServiceConfig:
                 raise ConfigError(
                     "expected no parameters: a builtin has no argv", keys=("allow_leading_dash",)
                 )
+            if self.cache is not None:
+                raise ConfigError("expected null: a builtin has no output", keys=("cache",))
             return
+        for index, name in enumerate(self.cache.key if self.cache is not None else ()):
+            if name not in self.argv.placeholders:
+                known = ", ".join(sorted(self.argv.placeholders)) or "none"
+                raise ConfigError(
+                    f"expected a placeholder of argv ({known}), got {show(name)}",
+                    keys=("cache", "key", index),
+                )
         for index, name in enumerate(self.allow_leading_dash):
             if name not in self.argv.placeholders:
                 known = ", ".join(sorted(self.argv.placeholders)) or "none"

@@ -43,6 +43,18 @@ Routes (role in brackets):
     sync an original again (202); 409 while it waits for its metadata step.
 ``GET /api/v1/eas/download/<id>/<version>`` [read, or a signed link]
     the stored original (``original``) or a ``done`` version; 404 otherwise.
+    It answers one ``Range`` (206, 416 beyond the end) and ``If-None-Match``
+    against its ``ETag``, the quoted SHA-256 (304):
+    :mod:`~trio_broker_daemons.fylr.ranges`.
+``GET /api/v1/eas/download/<id>/custom?preset=NAME`` [read, or a signed link]
+    an on-demand rendition of the original, made now and streamed, never
+    stored; also ``?service=NAME&PARAM=VALUE…`` within the class's
+    ``custom_versions`` (:mod:`~trio_broker_daemons.fylr.renditions`: 400 for a
+    request no preset or class allows, 503, 502 and the broken transfer).
+``GET /api/v1/eas/export/<id>`` [read]
+    the original and its document as a tar stream
+    (:mod:`~trio_broker_daemons.fylr.export`); 409 with the file's ``state``
+    before its metadata is known or after it failed.
 ``GET /healthz`` [public]
     200 ``{"status": "serving"}``, 503 ``{"status": "stopping"}``.
 ``PUT /eas/put?original=ID&version=NAME``, ``POST /eas/produce?source=ID&…`` [upload]
@@ -83,7 +95,7 @@ import math
 import mimetypes
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterable, Callable, Mapping, Sequence
 from typing import Any, Final, cast
 
 import trio
@@ -94,16 +106,18 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from trio_broker.trio.store import StoreUnavailable
-from trio_broker_daemons.fylr import metrics, probes, topology
+from trio_broker_daemons.fylr import metrics, probes, renditions, topology
 from trio_broker_daemons.fylr.access import Access, Role
 from trio_broker_daemons.fylr.config import FileClass, is_version_name
 from trio_broker_daemons.fylr.derived import priority_of
 from trio_broker_daemons.fylr.entry_api import EntryApi
+from trio_broker_daemons.fylr.export import export_refusal, tar_stream
 from trio_broker_daemons.fylr.files import FileRow
 from trio_broker_daemons.fylr.guard import FylrGate, access_of, guarded, route, undeclared
 from trio_broker_daemons.fylr.local_actions import integrity_members
 from trio_broker_daemons.fylr.position import add_queue_positions
 from trio_broker_daemons.fylr.produce import api_status, class_of
+from trio_broker_daemons.fylr.ranges import plan_download
 from trio_broker_daemons.fylr.state import FylrState
 from trio_broker_daemons.fylr.storage import FileReader, FileTooLarge, StoredFile, StoredKind
 from trio_broker_daemons.fylr.worker import OCTET_STREAM
@@ -163,8 +177,16 @@ class _RequestBody:
 class _Download(StreamingResponse):
     """A stored file streamed out; the file is closed however the response ends."""
 
-    def __init__(self, reader: FileReader, headers: Mapping[str, str], media_type: str) -> None:
-        super().__init__(reader, headers=dict(headers), media_type=media_type)
+    def __init__(
+        self,
+        reader: FileReader,
+        headers: Mapping[str, str],
+        media_type: str,
+        body: AsyncIterable[bytes] | None = None,
+    ) -> None:
+        super().__init__(
+            reader if body is None else body, headers=dict(headers), media_type=media_type
+        )
         self.reader = reader
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -487,16 +509,64 @@ class FileApi:
             reader = await self.storage.open_read(row.storage_key)
         except (FileNotFoundError, ValueError):
             return _not_found()
-        self.state.count("downloads")
+        plan = plan_download(reader.size, row.sha256, request.headers)
         download_name = row.filename if name == "original" else f"{row.filename}.{name}"
         headers = {
-            "content-length": str(reader.size),
+            **plan.headers,
             "content-disposition": f"attachment; filename*=UTF-8''{_quote(download_name)}",
-            "cache-control": "no-store",
+            "cache-control": "private, no-cache",
         }
         if row.sha256:
             headers["x-content-sha256"] = row.sha256
-        return _Download(reader, headers, row.mimetype or OCTET_STREAM)
+        if plan.status in (304, 416):
+            await reader.aclose()
+            return Response(status_code=plan.status, headers=headers)
+        self.state.count("downloads")
+        await reader.limit(plan.start, plan.length)
+        download = _Download(reader, headers, row.mimetype or OCTET_STREAM)
+        download.status_code = plan.status
+        return download
+
+    async def export(self, request: Request) -> Response:
+        """``GET /api/v1/eas/export/<id>``: the original and its document, as a tar stream."""
+        file_id = _file_id(request.path_params["file_id"])
+        found = None if file_id is None else await self.files.with_versions(file_id)
+        if found is None or found[0].kind != "original" or found[0].storage_key is None:
+            return _not_found()
+        row, versions = found
+        refusal = export_refusal(row)
+        if refusal is not None:
+            return JSONResponse(refusal, status_code=409)
+        try:
+            reader = await self.storage.open_read(cast(str, row.storage_key))
+        except (FileNotFoundError, ValueError):
+            return _not_found()
+        self.state.count("downloads")
+        headers = {
+            "content-disposition": f"attachment; filename*=UTF-8''{row.id}.tar",
+            "cache-control": "no-store",
+        }
+        body = tar_stream(row, self.document(row, versions), reader)
+        return _Download(reader, headers, "application/x-tar", body)
+
+    async def custom_download(self, request: Request) -> Response | renditions.RenditionResponse:
+        """``GET /api/v1/eas/download/<id>/custom?…``: an on-demand rendition of the original."""
+        file_id = _file_id(request.path_params["file_id"])
+        row = None if file_id is None else await self.files.get(file_id)
+        if row is None or row.kind != "original" or row.storage_key is None:
+            return _not_found()
+        if self.state.stopping:
+            return unavailable("the server is shutting down")
+        try:
+            rendition = renditions.resolve(
+                self.state.config, row, request.query_params.multi_items()
+            )
+        except renditions.RenditionRefused as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        self.state.count("downloads")
+        return renditions.RenditionResponse(
+            rendition, renditions.job_runner(self.state, row, rendition), retry_after=RETRY_AFTER
+        )
 
     async def healthz(self, request: Request) -> Response:
         """``GET /healthz``: serving, or stopping (503)."""
@@ -536,7 +606,14 @@ def build_app(state: FylrState, access: Access | None = None) -> Starlette:
     )
     routes = [
         *entry.routes(),  # /eas/put (uploads, manual versions), /eas/produce, local actions
+        route(
+            "/api/v1/eas/download/{file_id}/custom",
+            api.custom_download,
+            role=Role.READ,
+            links=True,
+        ),
         route("/api/v1/eas/download/{file_id}/{version}", api.download, role=Role.READ, links=True),
+        route("/api/v1/eas/export/{file_id}", api.export, role=Role.READ),
         route("/api/v1/eas/{file_id}/sync", api.resync, role=Role.OPERATOR, methods=("POST",)),
         route("/api/v1/eas/{file_id}", api.get_file, role=Role.READ),
         route("/healthz", api.healthz, role=Role.PUBLIC),

@@ -155,6 +155,10 @@ Top-level keys (:class:`FylrConfig`):
     null = such files have no class: no metadata step and no versions.
 ``classes`` ({})
     File class name (1..200 characters) → :class:`FileClass`.
+``custom_version_presets`` ({})
+    Preset name (1..200 characters of ``A-Z a-z 0-9 _ . -``) → :class:`PresetConfig`:
+    the renditions ``GET /api/v1/eas/download/<id>/custom?preset=NAME`` makes at
+    request time (:mod:`~trio_broker_daemons.fylr.renditions`).
 
 File class keys (:class:`FileClass`):
 
@@ -168,7 +172,12 @@ File class keys (:class:`FileClass`):
     upload; null = none. It takes ``timeout`` and ``stall_timeout`` as a version does.
 ``versions`` ({})
     Version name → :class:`VersionConfig`. Names are 1 to 200 characters of
-    ``A-Z a-z 0-9 _ . -`` (they appear in download URLs), not ``original``.
+    ``A-Z a-z 0-9 _ . -`` (they appear in download URLs), not ``original`` or
+    ``custom``.
+``custom_versions`` ({})
+    Service name → :class:`CustomVersionConfig`: the on-demand renditions a
+    download may ask for with explicit parameters
+    (``…/custom?service=NAME&PARAM=VALUE…``), limited to the values listed here.
 ``convert`` (null)
     A produce-first class: its originals are converted before they are
     originals at all (:class:`ConvertConfig`: ``service``, ``params``,
@@ -178,6 +187,30 @@ File class keys (:class:`FileClass`):
     the class of that extension gives its metadata step and versions. That
     class must not convert again, and a class with ``convert`` has no version
     named ``delivered``.
+
+Preset keys (:class:`PresetConfig`):
+
+``service`` (required), ``params`` ({}), ``timeout``, ``stall_timeout`` (null)
+    As for a version.
+``mimetype`` (null)
+    The response's ``Content-Type``; null = ``application/octet-stream``.
+``filename`` (``"{stem}.{preset}"``)
+    The ``Content-Disposition`` file name: a pattern of ``{filename}`` (the
+    original's), ``{stem}`` (it without its last extension), ``{id}``,
+    ``{preset}`` and the preset's params.
+``classes`` ([])
+    The classes whose files may use it; empty = every file.
+
+Custom version keys (:class:`CustomVersionConfig`):
+
+``params`` (required)
+    Parameter name → the list of values a request may give it (strings,
+    numbers, booleans); a request gives every one of them, nothing else.
+``mimetype`` (null), ``filename`` (``"{stem}.{service}"``)
+    Patterns as for a preset, with ``{service}`` instead of ``{preset}``; a
+    ``{param}`` is the value the request chose (``"image/{format}"``).
+``timeout``, ``stall_timeout`` (null)
+    As for a version.
 
 Version keys (:class:`VersionConfig`):
 
@@ -248,11 +281,14 @@ __all__ = [
     "MAX_NAME_CHARS",
     "RESERVED_VERSION_NAMES",
     "ConvertConfig",
+    "CustomVersionConfig",
     "FileClass",
     "FylrConfig",
     "MetadataConfig",
     "ParamValue",
+    "PresetConfig",
     "VersionConfig",
+    "fill_pattern",
     "is_version_name",
     "job_limits",
     "new_backend_id",
@@ -263,8 +299,9 @@ DEFAULT_FYLR_LISTEN: Final = "127.0.0.1:7100"
 MAX_NAME_CHARS: Final = 200
 """Longest class or version name."""
 MAX_BACKEND_ID_CHARS: Final = 200
-RESERVED_VERSION_NAMES: Final = frozenset({"original"})
-"""Version names refused: ``original`` names the uploaded file in download URLs."""
+RESERVED_VERSION_NAMES: Final = frozenset({"original", "custom"})
+"""Version names refused: in download URLs ``original`` names the uploaded file and
+``custom`` an on-demand rendition."""
 DELIVERED_VERSION: Final = "delivered"
 """The manual version that keeps a produce-first original's upload as it was delivered."""
 DEFAULT_LOCATION: Final = "default"
@@ -488,7 +525,7 @@ def _version_name(value: object) -> str:
             f"expected version names of letters, digits, '_', '.' and '-', got {show(value)}"
         )
     if value in RESERVED_VERSION_NAMES:
-        raise ConfigError(f"the version name {value!r} is reserved for the uploaded file")
+        raise ConfigError(f"the version name {value!r} is reserved in download URLs")
     return value
 
 
@@ -569,6 +606,95 @@ def _link_key(value: object) -> str | None:
 
 def _mimetype(value: object) -> str | None:
     return None if value is None else nonempty_string(value)
+
+
+_PLACEHOLDER: Final = re.compile(r"\{(\w*)\}")
+
+
+def fill_pattern(pattern: str, values: Mapping[str, object]) -> str:
+    """A ``filename`` or ``mimetype`` pattern with each ``{name}`` replaced by its value."""
+    return _PLACEHOLDER.sub(lambda match: str(values[match.group(1)]), pattern)
+
+
+def _check_pattern(pattern: str | None, known: set[str], key: str) -> None:
+    if pattern is None:
+        return
+    for name in _PLACEHOLDER.findall(pattern):
+        if name not in known:
+            raise ConfigError(
+                f"expected placeholders among {', '.join(sorted(known))}, got {{{name}}}",
+                keys=(key,),
+            )
+
+
+def _pattern(value: object) -> str:
+    text = nonempty_string(value)
+    if "{" in _PLACEHOLDER.sub("", text) or "}" in _PLACEHOLDER.sub("", text):
+        raise ConfigError(f"expected {{name}} placeholders and plain text, got {show(value)}")
+    return text
+
+
+def _optional_pattern(value: object) -> str | None:
+    return None if value is None else _pattern(value)
+
+
+def _allowed_values(value: object) -> tuple[ParamValue, ...]:
+    if not isinstance(value, list | tuple) or not value:
+        raise ConfigError(f"expected a non-empty list of allowed values, got {show(value)}")
+    result: list[ParamValue] = []
+    for index, element in enumerate(value):
+        try:
+            result.append(_param_value(element))
+        except ConfigError as exc:
+            raise ConfigError(exc.reason, keys=(index,)) from None
+    return tuple(result)
+
+
+def _allowed_params(value: object) -> dict[str, tuple[ParamValue, ...]]:
+    if not isinstance(value, Mapping) or not value:
+        raise ConfigError(
+            f"expected a mapping of parameter names to value lists, got {show(value)}"
+        )
+    result: dict[str, tuple[ParamValue, ...]] = {}
+    for name, raw in value.items():
+        if type(name) is not str or not _VERSION_NAME.fullmatch(name) or name == "service":
+            raise ConfigError(
+                f"expected parameter names of letters, digits, '_', '.' and '-' (not service),"
+                f" got {show(name)}"
+            )
+        try:
+            result[name] = _allowed_values(raw)
+        except ConfigError as exc:
+            raise ConfigError(exc.reason, keys=(name, *exc.keys)) from None
+    return result
+
+
+def _custom_versions(value: object) -> dict[str, "CustomVersionConfig"]:
+    return _structured_mapping(
+        value, CustomVersionConfig, "service names to custom versions", _service_name
+    )
+
+
+def _presets(value: object) -> dict[str, "PresetConfig"]:
+    return _structured_mapping(value, PresetConfig, "preset names to presets", _preset_name)
+
+
+def _preset_name(value: object) -> str:
+    if type(value) is not str or not 1 <= len(value) <= MAX_NAME_CHARS:
+        raise ConfigError(
+            f"expected preset names of 1 to {MAX_NAME_CHARS} characters, got {show(value)}"
+        )
+    if not _VERSION_NAME.fullmatch(value):
+        raise ConfigError(
+            f"expected preset names of letters, digits, '_', '.' and '-', got {show(value)}"
+        )
+    return value
+
+
+def _class_names(value: object) -> tuple[str, ...]:
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f"expected a list of class names, got {show(value)}")
+    return tuple(_bounded_name("class names")(element) for element in value)
 
 
 def _parallel(value: object) -> int | None:
@@ -683,6 +809,52 @@ class VersionConfig:
     stall_timeout: _JobLimit = None
 
 
+_Pattern = Annotated[str, Rule(_pattern)]
+_OptionalPattern = Annotated[str | None, Rule(_optional_pattern)]
+_AllowedParams = Annotated[Mapping[str, tuple[ParamValue, ...]], Rule(_allowed_params)]
+_ClassNames = Annotated[tuple[str, ...], Rule(_class_names)]
+_RENDITION_NAMES: Final = {"filename", "stem", "id"}
+"""Placeholders every rendition pattern may use besides its params."""
+
+
+@attrs.frozen(kw_only=True)
+class PresetConfig:
+    """A named on-demand rendition (``custom_version_presets``; module docstring)."""
+
+    service: _ServiceName
+    params: _Params = attrs.field(factory=dict)
+    mimetype: _OptionalPattern = None
+    filename: _Pattern = "{stem}.{preset}"
+    classes: _ClassNames = ()
+    timeout: _JobLimit = None
+    stall_timeout: _JobLimit = None
+
+    def __attrs_post_init__(self) -> None:
+        known = {*_RENDITION_NAMES, "preset", *self.params}
+        _check_pattern(self.mimetype, known, "mimetype")
+        _check_pattern(self.filename, known, "filename")
+
+
+@attrs.frozen(kw_only=True)
+class CustomVersionConfig:
+    """The explicit parameters a class allows one service (``custom_versions``)."""
+
+    params: _AllowedParams
+    mimetype: _OptionalPattern = None
+    filename: _Pattern = "{stem}.{service}"
+    timeout: _JobLimit = None
+    stall_timeout: _JobLimit = None
+
+    def __attrs_post_init__(self) -> None:
+        known = {*_RENDITION_NAMES, "service", *self.params}
+        _check_pattern(self.mimetype, known, "mimetype")
+        _check_pattern(self.filename, known, "filename")
+
+
+_Presets = Annotated[Mapping[str, PresetConfig], Rule(_presets)]
+_CustomVersions = Annotated[Mapping[str, CustomVersionConfig], Rule(_custom_versions)]
+
+
 @attrs.frozen(kw_only=True)
 class ConvertConfig:
     """A produce-first class's conversion: what its uploads become before they are originals.
@@ -721,6 +893,7 @@ class FileClass:
     extensions: _Extensions = ()
     metadata: _Metadata = None
     versions: _Versions = attrs.field(factory=dict)
+    custom_versions: _CustomVersions = attrs.field(factory=dict)
     convert: _Convert = None
 
     def __attrs_post_init__(self) -> None:
@@ -823,6 +996,7 @@ class FylrConfig:
     max_upload_size: _UploadLimit = None
     default_class: _OptionalName = None
     classes: _Classes = attrs.field(factory=dict)
+    custom_version_presets: _Presets = attrs.field(factory=dict)
     parallel: _Parallel = None
     storage_locations: _Locations = attrs.field(factory=dict)
     storage_location: _Location = None
@@ -849,6 +1023,14 @@ class FylrConfig:
             )
         self._check_broker_tls()
         self._check_open_api()
+        for name, preset in self.custom_version_presets.items():
+            for index, class_name in enumerate(preset.classes):
+                if class_name not in self.classes:
+                    known = ", ".join(sorted(self.classes)) or "none configured"
+                    raise ConfigError(
+                        f"expected the name of a class ({known}), got {show(class_name)}",
+                        keys=("custom_version_presets", name, "classes", index),
+                    )
         owner: dict[str, str] = {}
         for class_name, file_class in self.classes.items():
             if not file_class.extensions and class_name != self.default_class:

@@ -744,9 +744,14 @@ class FileReader:
             raise StopAsyncIteration
         return chunk
 
+    async def limit(self, start: int, length: int) -> None:
+        """Read only ``length`` bytes from ``start`` (a ranged download); before iterating."""
+        await trio.to_thread.run_sync(self._file.seek, start)
+        self.size = length
+
     def _read(self) -> tuple[bytes, bool]:
         """A chunk, and whether it reached the size seen at opening (the file is closed then)."""
-        chunk = self._file.read(self._chunk_size)
+        chunk = self._file.read(min(self._chunk_size, self.size - self._read_bytes))
         self._read_bytes += len(chunk)
         if not chunk or self._read_bytes >= self.size:
             self._file.close()

@@ -263,7 +263,8 @@ class FileWorker:
         limits: Mapping[str, str] | None = None,
     ) -> tuple[p.Receipt, OutPipe]:
         """Run a body-mode job: ``source_key`` on its stdin, its stdout into ``sink``;
-        ``limits`` are the recipe's own ``timeout``/``stall_timeout`` (:func:`job_limits`).
+        ``limits`` are more job object members: the recipe's own ``timeout``/``stall_timeout``
+        (:func:`job_limits`), an ``input_hash``.
 
         Raises:
             FileNotFoundError: the stored input is gone while the storage folder is
