@@ -414,7 +414,11 @@ async def test_with_delay_and_loss_every_job_runs_once_and_every_byte_arrives(
     network: Network, shared_dir: Path
 ) -> None:
     """Over 50 ms each way and 1 % loss every job runs exactly once and every pipe byte arrives."""
-    ping = Ping(interval=1.0, timeout=5.0)
+    # The broker connections must never drop (checked below). Lost segments cost TCP
+    # retransmits of a second or more, and on a busy 2-core machine a daemon's loop can
+    # stall for seconds besides: a 5 s ping timeout judged such a stall a dead peer now
+    # and then. 20 s still names a real outage a dead peer.
+    ping = Ping(interval=1.0, timeout=20.0)
     delay = 0.05
 
     def services(_: Host) -> dict[str, Any]:
