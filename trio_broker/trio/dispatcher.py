@@ -25,9 +25,13 @@ Tasks, all in one nursery (:meth:`Dispatcher.serve`):
   reserve the claim plan keeps for interactive work).
 - **writer**: records outcomes, batched, in one statement each
   (:meth:`Store.finish`), retrying until the database takes them.
-- **heartbeat**: every ``heartbeat_interval`` it marks this backend alive and
-  requeues the rows of backends silent for ``stale_after`` (any survivor does
-  this for a dispatcher that was killed).
+- **heartbeat**: every ``heartbeat_interval`` it marks this backend alive,
+  re-checks its own claims (rows held under its id that it does not know go back
+  to the queue; items whose row it no longer holds, requeued by another node's
+  sweep or lost by a database restart, are cancelled and their outcome
+  discarded: :meth:`DispatchCore.recheck <trio_broker.core.dispatch.DispatchCore.recheck>`),
+  and requeues the rows of backends silent for ``stale_after`` (any survivor
+  does this for a dispatcher that was killed).
 
 One verdict per item. Every decision about an item is the sans-IO
 :class:`~trio_broker.core.dispatch.DispatchCore`'s, taken once, when its
