@@ -8,10 +8,17 @@ out-pipe. Subcommands::
     convert_image.py thumbnail --size 128x128 --format webp   # fits in the box
     convert_image.py preview --size 1024x1024 [--format jpeg]
     convert_image.py metadata                                 # one line of JSON
+    convert_image.py modify --rotate 90 --crop 0,0,640,480 --format png
 
 Thumbnails and previews keep the aspect ratio, never enlarge, follow the EXIF
 orientation, and drop alpha onto white for JPEG. ``metadata`` prints width,
 height, mode, format, MIME type, frame count, alpha, DPI and a few EXIF basics.
+``modify`` makes a modified original: the EXIF orientation applied, then the
+crop (``x,y,w,h`` in the upright image's pixels), then the rotation (90, 180 or
+270 degrees clockwise), written in ``--format`` (the input's own format when
+empty). Empty ``--crop`` and ``--rotate 0`` leave the picture as it is, so one
+service with fixed placeholders serves every request (and, with a format alone,
+converts: a BMP delivered as a PNG).
 
 Exit status: 0 done; 1 the input is not a readable image (or the output cannot
 be written); 2 bad arguments. Every failure prints exactly one line to stderr,
@@ -36,6 +43,13 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 PROGRAM = "convert_image"
 MAX_SIDE = 20000
 FORMATS = {"webp": "WEBP", "png": "PNG", "jpeg": "JPEG", "jpg": "JPEG"}
+MODIFY_FORMATS = {**FORMATS, "gif": "GIF", "bmp": "BMP", "tif": "TIFF", "tiff": "TIFF"}
+ROTATIONS = {
+    0: None,
+    90: Image.Transpose.ROTATE_270,  # PIL turns counter-clockwise
+    180: Image.Transpose.ROTATE_180,
+    270: Image.Transpose.ROTATE_90,
+}
 EXIF_TAGS = {
     0x010F: "make",
     0x0110: "model",
@@ -74,6 +88,38 @@ def parse_size(text: str) -> tuple[int, int]:
     return width, height
 
 
+def parse_crop(text: str) -> tuple[int, int, int, int] | None:
+    """``"10,20,300,200"`` → ``(10, 20, 300, 200)``; ``""`` → ``None`` (no crop)."""
+    if not text.strip():
+        return None
+    match = re.fullmatch(r"(\d+),(\d+),(\d+),(\d+)", text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected x,y,w,h like 0,0,640,480, got {text!r}")
+    x, y, w, h = (int(group) for group in match.groups())
+    if w < 1 or h < 1:
+        raise argparse.ArgumentTypeError(f"width and height must be at least 1, got {text!r}")
+    return x, y, w, h
+
+
+def parse_rotation(text: str) -> int:
+    """``"90"`` → 90; only 0, 90, 180 and 270 (degrees clockwise)."""
+    if text.strip() not in {str(degrees) for degrees in ROTATIONS}:
+        raise argparse.ArgumentTypeError(f"expected 0, 90, 180 or 270, got {text!r}")
+    return int(text)
+
+
+def parse_modify_format(text: str) -> str | None:
+    """An output format's extension, or ``None`` (empty: the input's own format)."""
+    fmt = text.strip().lower().lstrip(".")
+    if not fmt:
+        return None
+    if fmt not in MODIFY_FORMATS:
+        raise argparse.ArgumentTypeError(
+            f"expected one of {', '.join(sorted(MODIFY_FORMATS))} or nothing, got {text!r}"
+        )
+    return fmt
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line."""
     parser = _Parser(prog=PROGRAM, description=__doc__.splitlines()[0] if __doc__ else None)
@@ -90,6 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument("--size", type=parse_size, default=parse_size(size))
             command.add_argument("--format", choices=sorted(FORMATS), default=fmt)
             command.add_argument("--quality", type=int, default=85, help="1-100 (JPEG, WebP)")
+    text = "a modified original: cropped, rotated, in another format"
+    modify = commands.add_parser("modify", help=text, description=text)
+    modify.add_argument("--input", default="-", help="image file; - (default) is stdin")
+    modify.add_argument("--output", default="-", help="result file; - (default) is stdout")
+    modify.add_argument("--rotate", type=parse_rotation, default=0, help="0, 90, 180, 270")
+    modify.add_argument("--crop", type=parse_crop, default=None, help="x,y,w,h or empty")
+    modify.add_argument("--format", type=parse_modify_format, default=None, help="or empty")
+    modify.add_argument("--quality", type=int, default=90, help="1-100 (JPEG, WebP)")
     return parser
 
 
@@ -145,6 +199,48 @@ def render(image: Image.Image, size: tuple[int, int], fmt: str, quality: int) ->
     if pil_format == "PNG":
         options["optimize"] = True
     image.save(out, pil_format, **options)
+    return out.getvalue()
+
+
+def modify(
+    image: Image.Image,
+    *,
+    rotate: int,
+    crop: tuple[int, int, int, int] | None,
+    fmt: str | None,
+    quality: int,
+) -> bytes:
+    """Crop (in the upright picture's pixels), then rotate clockwise, then encode."""
+    if not 1 <= quality <= 100:
+        raise Failure(f"--quality must be from 1 to 100, got {quality}", status=2)
+    source_format = image.format
+    pil_format = MODIFY_FORMATS[fmt] if fmt is not None else source_format
+    if pil_format is None:
+        raise Failure("cannot tell the input's format: give --format")
+    image = ImageOps.exif_transpose(image)
+    if crop is not None:
+        x, y, w, h = crop
+        if x + w > image.width or y + h > image.height:
+            raise Failure(
+                f"crop {x},{y},{w},{h} reaches outside the {image.width}x{image.height} image"
+            )
+        image = image.crop((x, y, x + w, y + h))
+    turn = ROTATIONS[rotate]
+    if turn is not None:
+        image = image.transpose(turn)
+    if pil_format == "JPEG" and image.mode not in ("RGB", "L"):
+        background = Image.new("RGB", image.size, "white")
+        rgba = image.convert("RGBA")
+        background.paste(rgba, mask=rgba.getchannel("A"))
+        image = background
+    out = io.BytesIO()
+    options: dict[str, Any] = {}
+    if pil_format in ("JPEG", "WEBP"):
+        options["quality"] = quality
+    try:
+        image.save(out, pil_format, **options)
+    except (OSError, ValueError) as exc:
+        raise Failure(f"cannot write {pil_format}: {' '.join(str(exc).split())}") from None
     return out.getvalue()
 
 
@@ -208,6 +304,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         image = read_image(args.input)
         if args.command == "metadata":
             data = (json.dumps(describe(image), sort_keys=True) + "\n").encode("utf-8")
+        elif args.command == "modify":
+            data = modify(
+                image, rotate=args.rotate, crop=args.crop, fmt=args.format, quality=args.quality
+            )
         else:
             data = render(image, args.size, args.format, args.quality)
         write_output(args.output, data)

@@ -14,7 +14,9 @@ a fresh temporary state folder:
 4. prints each file's versions, checks them against what the example
    configuration promises (a broken image's picture versions fail with the
    converter's message, everything else is ``done``), and where to look;
-5. stops everything it started and removes the state folder.
+5. makes one modified original (``POST /eas/produce``): the sunset turned a
+   quarter clockwise as a PNG, an original with its own metadata and versions;
+6. stops everything it started and removes the state folder.
 
 The example fylr leaves uploads and downloads open on loopback and closes its
 operator routes (the inspection page, the metrics) with the token in
@@ -44,7 +46,7 @@ import trio
 import yaml
 from make_samples import localize_execserver_config, make_samples
 from rich.console import Console
-from trio_broker_daemons.commands.upload import FileOutcome, upload_files
+from trio_broker_daemons.commands.upload import FileOutcome, follow, upload_files
 from trio_broker_daemons.fylr.pgcluster import PgCluster, PostgresNotFound, find_pg_bin
 
 from tests.support.processes import open_execserver_process, open_fylr_process
@@ -204,6 +206,7 @@ async def run(state: Path, keep: bool) -> int:
             else:
                 summarize(page, exec_page)
             problems = check(outcomes)
+            problems += await modified_original(base, outcomes)
             for problem in problems:
                 say(f"UNEXPECTED: {problem}")
             if not problems:
@@ -213,6 +216,37 @@ async def run(state: Path, keep: bool) -> int:
                 await trio.sleep_forever()
             say("stopping the fylr (its claimed work goes back to the queue) and the execserver")
     return 1 if problems else 0
+
+
+async def modified_original(base: str, outcomes: Sequence[FileOutcome]) -> list[str]:
+    """Make the sunset turned a quarter clockwise as a PNG; what differs from the promise."""
+    (sunset,) = [o.document for o in outcomes if o.path.name == "sunset.jpg"]
+    if sunset is None:
+        return ["sunset.jpg: not uploaded, so no modified original of it"]
+    params = {"source": sunset["id"], "rotate": 90, "format": "png"}
+    async with httpx.AsyncClient(timeout=30) as http:
+        response = await http.post(f"{base}/eas/produce", params=params)
+        if response.status_code != 201:
+            return [f"modified original: the fylr answered {response.status_code}: {response.text}"]
+        created = response.json()
+        say(f"modified original of sunset.jpg (rotate 90, format png): id {created['id']}")
+        document: dict[str, Any] = created
+        with trio.move_on_after(TIMEOUT):  # else it is reported as not done
+            document = await follow(http, base, created["id"])
+    metadata = document.get("metadata") or {}
+    versions = {v: d["status"] for v, d in (document.get("versions") or {}).items()}
+    say(
+        f"{document['filename']}: {document['status']}, derived from"
+        f" {document['derived_from']}, {metadata.get('width')}x{metadata.get('height')},"
+        f" versions {versions}  {base}/api/v1/eas/{document['id']}"
+    )
+    promised = (
+        document["status"] == "done"
+        and document["filename"] == "sunset.png"
+        and (metadata.get("width"), metadata.get("height")) == (1067, 1600)
+        and versions == dict.fromkeys(IMAGE_VERSIONS, "done")
+    )
+    return [] if promised else [f"modified original: {document}"]
 
 
 def summarize(page: Mapping[str, Any], exec_page: Mapping[str, Any]) -> None:

@@ -5,38 +5,52 @@ one: the systemd units with ``systemd-analyze verify``, the HAProxy file with
 ``haproxy -c``, and the compose file, the Dockerfile and the Kubernetes manifests
 loaded with PyYAML against the real command-line parser and configuration
 classes: every command parses, every ``TRIO_BROKER_`` variable names a key, every
-configuration loads with the environment it is given, and ports, probes, grace
-periods and secrets line up. A renamed flag or key fails here.
+configuration loads with the environment it is given, and ports, grace periods
+and secrets line up. A renamed flag or key fails here.
+
+The probes are asked of the real daemons: each daemon the kit deploys is started
+as the kit starts it (its arguments, its configuration file, its environment,
+its secrets as files) in a network namespace of its own, where it listens on
+the very address the kit gives it, and every health check the kit names (a
+Kubernetes probe, a compose ``healthcheck``, HAProxy's ``httpchk``) is sent to
+the path and port written in the kit's files, from where the platform would
+send it. Only the database differs: the fylrs get the test's own.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import urllib.parse
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
+import trio
 import yaml
 from trio_broker_daemons.commands.cli import build_parser
 from trio_broker_daemons.config.sources import ENV_PREFIX, keys_of
 from trio_broker_daemons.config.structure import load_config
 from trio_broker_daemons.execserver.config import ExecserverConfig
 from trio_broker_daemons.fylr.config import FylrConfig
+from trio_broker_daemons.fylr.probes import CHECK_TIMEOUT as PROBE_CHECK_TIMEOUT
 
-from trio_broker.trio.pages import health_pages
+from tests.support.netns import open_network, require_namespaces
+from tests.support.processes import open_execserver_process, open_fylr_process
+from tests.support.rawhttp import exchange_on
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 IMAGE_CONFIG = "/etc/trio-broker/"
 """Where the image has deploy/config/ (the Dockerfile's COPY)."""
 CLASSES: dict[str, type[Any]] = {"execserver": ExecserverConfig, "fylr": FylrConfig}
-PROBES = {path.path for path in health_pages(lambda: False)}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -102,13 +116,13 @@ def secret_paths(document: Mapping[str, Any], keys: tuple[str, ...] = ()) -> dic
     return found
 
 
-def load(command: str, config: str, environ: Mapping[str, str], secrets: Path) -> Any:
-    """The deployed configuration, loaded with the deployed environment.
+def deployed_environ(config: str, environ: Mapping[str, str], secrets: Path) -> dict[str, str]:
+    """The deployed environment with every secret file read from ``secrets``.
 
-    The secret files are read from ``secrets`` instead of ``/run/secrets`` (or
-    systemd's ``%d``), which only exist where the daemon is deployed.
+    The kit mounts them in ``/run/secrets`` (or systemd's ``%d``), which only
+    exist where the daemon is deployed: each ``*_file`` key of the configuration
+    gets the variable that points it into ``secrets``.
     """
-    check_environment(command, environ)
     local = local_config(config)
     environ = {name: value.replace("%d/", f"{secrets}/") for name, value in environ.items()}
     document = yaml.safe_load(local.read_text())
@@ -116,7 +130,15 @@ def load(command: str, config: str, environ: Mapping[str, str], secrets: Path) -
         if variable not in environ:
             assert deployed.startswith(SECRETS), deployed
             environ[variable] = str(secrets / deployed.removeprefix(SECRETS))
-    return load_config(local, CLASSES[command], environ=environ)
+    return environ
+
+
+def load(command: str, config: str, environ: Mapping[str, str], secrets: Path) -> Any:
+    """The deployed configuration, loaded with the deployed environment
+    (:func:`deployed_environ`)."""
+    check_environment(command, environ)
+    environ = deployed_environ(config, environ, secrets)
+    return load_config(local_config(config), CLASSES[command], environ=environ)
 
 
 def check_fylr_secrets(config: FylrConfig, where: str) -> None:
@@ -277,8 +299,7 @@ def test_the_compose_daemons_agree_with_the_cli_and_their_configuration(secrets:
         assert set(service.get("secrets", [])) <= set(compose()["secrets"]), name
         healthcheck = " ".join(service["healthcheck"]["test"])
         (url,) = re.findall(r"http://[^'\" ]+", healthcheck)
-        assert url.endswith(tuple(PROBES)), url
-        assert f":{listen_port(config)}/" in url
+        assert f":{listen_port(config)}/" in url  # its path: asked of the daemon below
     assert seen == {"execserver": 2, "fylr": 2}
 
 
@@ -368,14 +389,12 @@ def test_the_kubernetes_deployment_agrees_with_the_daemon(component: str, secret
     ]
     file_name = args.config.rsplit("/", 1)[1]
     assert config_map["data"][file_name] == local_config(args.config).read_text()
-    # ports and probes
+    # ports and probes (their paths: asked of the daemon below)
     (port,) = container["ports"]
     assert port["containerPort"] == listen_port(config)
-    assert container["livenessProbe"]["httpGet"]["path"] == "/livez"
-    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    assert {"/livez", "/readyz"} <= PROBES
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"]["port"] == port["name"]
+        assert container[probe]["timeoutSeconds"] > PROBE_CHECK_TIMEOUT
     name = deployment["metadata"]["name"]
     (service,) = [s for s in of_kind("Service") if s["metadata"]["name"] == name]
     assert service["spec"]["ports"][0]["targetPort"] == port["name"]
@@ -410,3 +429,222 @@ def test_the_kubernetes_deployment_agrees_with_the_daemon(component: str, secret
         host, _, target_port = fylr_target.rpartition(":")
         (exec_service,) = [s for s in of_kind("Service") if s["metadata"]["name"] == host]
         assert exec_service["spec"]["ports"][0]["port"] == int(target_port)
+
+
+# -- the probes, asked of the real daemons -----------------------------------------------
+
+
+@attrs.frozen
+class Probe:
+    """One health check the kit configures.
+
+    Attributes:
+        who: the platform and the check (``kubernetes livenessProbe``).
+        path, port: what it asks, as written in the kit.
+        loopback: asked on 127.0.0.1 inside the container (compose's
+            ``healthcheck`` runs there), else on the container's own address.
+        accepts: the lowest and highest status the platform takes for healthy.
+    """
+
+    who: str
+    path: str
+    port: int
+    loopback: bool
+    accepts: tuple[int, int]
+
+
+@attrs.frozen
+class Deployed:
+    """One daemon as the kit deploys it, and the checks the kit sends it."""
+
+    who: str
+    argv: list[str]
+    environ: dict[str, str]
+    probes: tuple[Probe, ...]
+
+
+KUBERNETES_ACCEPTS = (200, 399)
+"""A Kubernetes ``httpGet`` probe succeeds on 200 to 399."""
+URLOPEN_ACCEPTS = (200, 299)
+"""compose's ``urllib.request.urlopen`` raises for an error status (and follows redirects)."""
+HAPROXY_ACCEPTS = (200, 399)
+"""HAProxy's ``httpchk`` takes 2xx and 3xx as up."""
+
+
+def kubernetes_daemons() -> list[Deployed]:
+    found = []
+    for deployment in of_kind("Deployment"):
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        probes = []
+        for kind in ("livenessProbe", "readinessProbe", "startupProbe"):
+            if kind in container:
+                get = container[kind]["httpGet"]
+                port = get["port"]
+                probes.append(
+                    Probe(
+                        who=f"kubernetes {kind}",
+                        path=get["path"],
+                        port=ports[port] if isinstance(port, str) else int(port),
+                        loopback=False,
+                        accepts=KUBERNETES_ACCEPTS,
+                    )
+                )
+        environ = {item["name"]: env_value(item) for item in container.get("env", [])}
+        who = f"kubernetes {deployment['metadata']['name']}"
+        found.append(Deployed(who, list(container["args"]), environ, tuple(probes)))
+    return found
+
+
+def haproxy_checks() -> dict[str, Probe]:
+    """HAProxy's check of each server it fronts, by the server's host name."""
+    text = (DEPLOY / "haproxy.cfg").read_text()
+    (path,) = re.findall(r"^\s*option httpchk GET (\S+)", text, re.MULTILINE)
+    checks = {}
+    for host, port in re.findall(r"^\s*server \S+ ([\w.-]+):(\d+) .*\bcheck\b", text, re.M):
+        checks[host] = Probe("haproxy httpchk", path, int(port), False, HAPROXY_ACCEPTS)
+    return checks
+
+
+def compose_daemons() -> list[Deployed]:
+    found = []
+    balanced = haproxy_checks()
+    for name, service in daemons_of(compose()["services"]):
+        healthcheck = " ".join(service["healthcheck"]["test"])
+        (url,) = re.findall(r"http://[^'\" ]+", healthcheck)
+        parts = urllib.parse.urlsplit(url)
+        assert parts.hostname == "127.0.0.1", url
+        assert parts.port is not None, url
+        probes = [Probe("compose healthcheck", parts.path, parts.port, True, URLOPEN_ACCEPTS)]
+        if name in balanced:
+            probes.append(balanced[name])
+        environ = filled(service.get("environment", {}))
+        found.append(Deployed(f"compose {name}", list(service["command"]), environ, tuple(probes)))
+    return found
+
+
+def every_daemon() -> list[Deployed]:
+    return kubernetes_daemons() + compose_daemons()
+
+
+def test_the_kit_names_probes_for_every_daemon() -> None:
+    """Every deployed daemon has a liveness and a readiness check; HAProxy checks each of
+    the execservers it fronts (the probes themselves are asked below)."""
+    daemons = {d.who: d for d in every_daemon()}
+    assert len(daemons) == 6, sorted(daemons)
+    for deployed in daemons.values():
+        assert deployed.probes, deployed.who
+    for name in ("exec-a", "exec-b"):
+        assert [p.who for p in daemons[f"compose {name}"].probes] == [
+            "compose healthcheck",
+            "haproxy httpchk",
+        ]
+    for component in ("execserver", "fylr"):
+        probes = daemons[f"kubernetes trio-broker-{component}"].probes
+        assert [p.who for p in probes] == ["kubernetes livenessProbe", "kubernetes readinessProbe"]
+
+
+def run_environment(
+    deployed: Deployed, args: argparse.Namespace, secrets: Path, pg_dsn: str, state: Path
+) -> dict[str, str]:
+    """The daemon process's environment: the deployed one (secrets from ``secrets``) on
+    this process's without its own ``TRIO_BROKER_`` variables; a fylr gets the test's
+    database and a state folder of the test's."""
+    environ = deployed_environ(args.config, deployed.environ, secrets)
+    if args.command == "fylr":
+        environ[f"{ENV_PREFIX}DATABASE"] = pg_dsn
+        environ[f"{ENV_PREFIX}STATE_DIR"] = str(state)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    return {**base, **environ}
+
+
+@pytest.mark.parametrize("deployed", every_daemon(), ids=lambda d: d.who.replace(" ", "-"))
+async def test_the_daemon_answers_every_probe_the_kit_names(
+    deployed: Deployed, secrets: Path, pg_dsn: str, tmp_path: Path
+) -> None:
+    """The daemon, started as the kit starts it on a host of its own, answers each of its
+    checks on the path and port the kit's file names with a status the platform takes as
+    healthy: a probe path the daemon does not serve (404) or a port it does not listen
+    on fails here."""
+    require_namespaces()
+    args = parse(deployed.argv)
+    environ = run_environment(deployed, args, secrets, pg_dsn, tmp_path / "state")
+    opener = open_fylr_process if args.command == "fylr" else open_execserver_process
+    answers: dict[str, tuple[int, str]] = {}
+    with open_network("pod") as network:
+        pod = network["pod"]
+        async with opener(
+            local_config(args.config), prefix=pod.prefix, env=environ, log_level="error"
+        ) as daemon:
+            for probe in deployed.probes:
+                address = "127.0.0.1" if probe.loopback else pod.address
+                with trio.fail_after(30):
+                    stream = await pod.connect(address, probe.port)
+                    async with stream:
+                        ((status, raw),) = await exchange_on(
+                            stream, f"{address}:{probe.port}", [("GET", probe.path, ())]
+                        )
+                answers[f"{probe.who} GET {probe.path} :{probe.port}"] = (status, raw.decode())
+    assert daemon.port == listen_port(load(args.command, args.config, deployed.environ, secrets))
+    for (who, (status, body)), probe in zip(answers.items(), deployed.probes, strict=True):
+        low, high = probe.accepts
+        assert low <= status <= high, f"{deployed.who}: {who} answered {status} {body}"
+
+
+# -- systemd: restarts ---------------------------------------------------------------------
+
+
+def exit_statuses(found: Mapping[str, list[str]]) -> set[int]:
+    """The exit statuses a unit does not restart after (``RestartPreventExitStatus``)."""
+    lines = found.get("RestartPreventExitStatus", [])
+    return {int(word) for line in lines for word in line.split()}
+
+
+@pytest.mark.parametrize("unit", list(units()), ids=lambda unit: unit.name)
+def test_the_systemd_unit_restarts_a_failed_start_with_a_back_off(unit: Path) -> None:
+    """Restart=on-failure after RestartSec (a back-off of at least a second); a start-up
+    failure (exit 1: the database not up yet at boot, a port still held) is restarted, a
+    configuration problem (exit 2) is not; and restarts alone never exhaust the start
+    limit, so a daemon whose database comes up late is never given up on."""
+    found = directives(unit)
+    assert found["Restart"] == ["on-failure"]
+    (delay_text,) = found["RestartSec"]
+    delay = seconds(delay_text)
+    assert delay >= 1
+    assert exit_statuses(found) == {2}
+    (interval_text,) = found["StartLimitIntervalSec"]
+    (burst,) = found["StartLimitBurst"]
+    interval = seconds(interval_text)
+    # starts at least `delay` apart: at most interval // delay + 1 of them in any interval
+    assert interval // delay + 1 <= int(burst), (interval, delay, burst)
+
+
+async def test_a_fylr_exits_with_the_statuses_the_units_expect(tmp_path: Path, pg_dsn: str) -> None:
+    """A fylr that cannot start (its port held by another process) exits 1, which the
+    units restart; one with a broken configuration exits 2, which they do not."""
+    held = trio.socket.socket()
+    await held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    configs: dict[str, dict[str, Any]] = {
+        "busy": {"listen": f"127.0.0.1:{port}", "database": pg_dsn, "execservers": []},
+        "broken": {"listen": "127.0.0.1:0", "database": pg_dsn, "connect_timeout": "soon"},
+    }
+    statuses = {}
+    with held:
+        for name, config in configs.items():
+            path = tmp_path / f"{name}.yml"
+            path.write_text(yaml.safe_dump({**config, "state_dir": str(tmp_path / name)}))
+            with trio.fail_after(60):
+                done = await trio.run_process(
+                    [sys.executable, "-m", "trio_broker_daemons", "fylr", "--config", str(path)],
+                    capture_stderr=True,
+                    check=False,
+                )
+            statuses[name] = (done.returncode, done.stderr.decode())
+    prevented = set.intersection(*(exit_statuses(directives(unit)) for unit in units()))
+    assert statuses["busy"][0] == 1, statuses
+    assert "cannot listen on" in statuses["busy"][1]
+    assert statuses["broken"][0] == 2, statuses
+    assert 1 not in prevented
+    assert 2 in prevented

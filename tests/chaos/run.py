@@ -13,7 +13,8 @@ writes the workload of :mod:`tests.chaos.samples` and runs, in one nursery:
   ``GET /api/v1/eas/<id>?wait=S`` on the fylrs in turn (as a client would);
 - **the chaos schedule** (:func:`schedule`): ``kill -9`` of a fylr or an
   execserver and its restart after a while, ``pg_ctl restart -m immediate``, a
-  drain (SIGTERM) of an execserver and its restart. Each event waits until the
+  drain (SIGTERM) of an execserver and its restart, and ``checksum`` runs over
+  every stored file (asked of a fylr while the rest goes on). Each event waits until the
   run's *progress* (files uploaded plus originals ended, out of twice the
   files) has reached its threshold and until its gap after the previous event
   has passed. The seed decides every event's kind, target, threshold, gap and
@@ -25,7 +26,9 @@ until each has answered 200 after it: a 500 there (or anywhere else) is a
 violation, a 503 is not. Once the uploads and the schedule are through, the run
 waits (bounded) until every file has ended and the queue has nothing ready or
 claimed, then checks (:mod:`tests.chaos.checks`): the rows and downloads of
-every file, the queue left empty but for the ``failed`` rows of the versions a
+every file (after one more checksum run of them all: no file may be marked
+damaged, since nothing changed a stored byte), the queue left empty but for the
+``failed`` rows of the versions a
 corrupt image fails (the converter's refusal in their ``last_error``), every
 execserver idle (no running job, offer
 or parked want, its pool free; waited for, bounded), every daemon stopping
@@ -87,6 +90,7 @@ class ChaosPlan:
         kills: how many ``kill -9`` of a daemon (fylr or execserver).
         database_restarts: how many ``pg_ctl restart -m immediate``.
         drains: how many drains of an execserver.
+        checksums: how many checksum runs over every stored file, during the run.
         max_side: the largest side of a generated image.
         pace: the most seconds an uploader waits between two uploads.
         gap: the range of seconds between two events.
@@ -100,6 +104,7 @@ class ChaosPlan:
     kills: int
     database_restarts: int = 2
     drains: int = 1
+    checksums: int = 2
     max_side: int = 1200
     pace: float = 0.3
     gap: tuple[float, float] = (2.0, 5.0)
@@ -122,15 +127,16 @@ class Event:
     """One step of the chaos schedule.
 
     Attributes:
-        action: ``kill`` (then restart), ``database`` (an immediate restart) or
-            ``drain`` (SIGTERM to an execserver, then restart).
+        action: ``kill`` (then restart), ``database`` (an immediate restart),
+            ``drain`` (SIGTERM to an execserver, then restart) or ``checksum`` (a
+            checksum run over every stored file, asked of a fylr).
         target: the daemon (``fylr-1``, ``exec-b`` …); None for the database.
         progress: the share of the run's progress (0..1) it waits for.
         gap: the least seconds after the previous event.
         down: for a kill, the seconds the daemon stays down.
     """
 
-    action: Literal["kill", "database", "drain"]
+    action: Literal["kill", "database", "drain", "checksum"]
     target: str | None
     progress: float
     gap: float
@@ -141,6 +147,8 @@ class Event:
             return "restart the database (immediate)"
         if self.action == "drain":
             return f"drain {self.target} and restart it"
+        if self.action == "checksum":
+            return f"a checksum run of every stored file, asked of {self.target}"
         return f"kill -9 {self.target}, restart it after {self.down:.1f} s"
 
 
@@ -163,7 +171,7 @@ def schedule(plan: ChaosPlan) -> list[Event]:
     ]
     rng.shuffle(actions)
     thresholds = sorted(rng.uniform(0.05, 0.85) for _ in actions)
-    return [
+    events = [
         Event(
             action=action,
             target=target,
@@ -173,6 +181,19 @@ def schedule(plan: ChaosPlan) -> list[Event]:
         )
         for (action, target), threshold in zip(actions, thresholds, strict=True)
     ]
+    # checksum runs from a generator of their own: the other events stay as they were
+    sums = random.Random(f"chaos-checksums-{plan.seed}")
+    events += [
+        Event(
+            action="checksum",
+            target=sums.choice(FYLRS),
+            progress=round(sums.uniform(0.05, 0.85), 3),
+            gap=round(sums.uniform(*plan.gap), 2),
+            down=round(sums.uniform(*plan.down), 2),  # unused: nothing goes down
+        )
+        for _ in range(plan.checksums)
+    ]
+    return sorted(events, key=lambda event: event.progress)
 
 
 @attrs.define
@@ -188,6 +209,7 @@ class ChaosReport:
     restarts: int = 0
     database_restarts: int = 0
     drains: int = 0
+    checksums: int = 0
     violations: list[str] = attrs.Factory(list)
     notes: list[str] = attrs.Factory(list)
     duration: float = 0.0
@@ -201,6 +223,7 @@ class ChaosReport:
             f" 1 duplicate, {self.uploads_retried} uploads retried),"
             f" {len(self.kills)} kills ({kills}), {self.restarts} restarts,"
             f" {self.database_restarts} database restarts, {self.drains} drains,"
+            f" {self.checksums} checksum runs,"
             f" {len(self.violations)} violations, {self.duration:.1f} s",
         ]
         lines += [f"  VIOLATION {v}" for v in self.violations]
@@ -432,6 +455,9 @@ class _Run:
         if event.action == "database":
             await self._restart_database(self.report.database_restarts + 1)
             return
+        if event.action == "checksum":
+            await self._checksum(event.target, f"event {number}")
+            return
         assert event.target is not None
         daemon = self.inst.daemons[event.target]
         status: int | None
@@ -452,6 +478,27 @@ class _Run:
                     " (0 expected)"
                 )
         await self._restart(daemon, number)
+
+    async def _checksum(self, target: str | None, what: str) -> None:
+        """Ask a fylr (``target``, or any that runs) to checksum every stored file."""
+        names = [target] if target is not None else [f.name for f in self.inst.fylrs]
+        for fylr in [self.inst.daemons[name] for name in names]:
+            if not fylr.running:
+                continue
+            try:
+                response = await self.http.post(
+                    f"{fylr.url}/inspect/system/fylr/checksum",
+                    headers={"authorization": f"Bearer {self.config.tokens.operator}"},
+                )
+            except httpx.HTTPError as exc:
+                self.report.notes.append(f"{what}: checksum not asked of {fylr.name}: {exc}")
+                continue
+            self._note_answer(fylr, response.status_code)
+            if response.status_code == 202:
+                self.report.checksums += 1
+                self.report.notes.append(f"{what}: {response.json()['queued']} files to checksum")
+                return
+            self.report.notes.append(f"{what}: {fylr.name} answered {response.status_code}")
 
     async def _restart(self, daemon: Daemon, number: int) -> None:
         for attempt in (1, 2):
@@ -536,6 +583,16 @@ class _Run:
     # -- the checks ----------------------------------------------------------------------
 
     async def check(self) -> None:
+        await self._checksum(None, "the end")  # every file once more: nothing may be damaged
+        await self._wait_settled()
+        damaged = await self.query(
+            "SELECT id, filename, version, damage FROM files WHERE damage IS NOT NULL ORDER BY id"
+        )
+        for row in damaged or []:
+            what = f"version {row['version']} of " if row["version"] else ""
+            self.report.violations.append(
+                f"{what}{row['filename']} (file {row['id']}) marked damaged: {row['damage']}"
+            )
         rows = await self.query(
             "SELECT id, kind, parent_id, version, source, filename, class AS file_class, status,"
             " storage_key, size, sha256, metadata, error FROM files ORDER BY id"

@@ -53,6 +53,9 @@ def test_the_schedule_follows_the_seed() -> None:
     assert set(FYLRS) <= set(kills)
     assert set(kills) & set(EXECSERVERS)
     assert [e.action for e in events].count("database") == 2
+    checksums = [e for e in events if e.action == "checksum"]
+    assert len(checksums) == plan.checksums
+    assert all(e.target in FYLRS for e in checksums)
     drains = [e for e in events if e.action == "drain"]
     assert len(drains) == 1
     assert drains[0].target in EXECSERVERS
@@ -212,13 +215,15 @@ async def _run(plan: ChaosPlan, tmp_path: Path) -> None:
     assert len(report.kills) == plan.kills
     assert report.database_restarts == plan.database_restarts
     assert report.drains == plan.drains
+    assert report.checksums >= 1  # the one at the end, at least
     if report.violations:
         pytest.fail(report.summary(), pytrace=False)
 
 
 async def test_chaos_short(tmp_path: Path) -> None:
     """About a minute: ~40 uploads, four kills (both fylrs among them), two database
-    restarts, a drain; every file ends as promised and nothing is left behind."""
+    restarts, a drain, checksum runs; every file ends as promised, no checksum marks a
+    file damaged, and nothing is left behind."""
     await _run(SHORT, tmp_path)
 
 

@@ -251,17 +251,40 @@ def test_an_older_execserver_is_not_asked_again() -> None:
 
 
 def test_the_best_answer_wins_and_rows_ahead_add_up() -> None:
-    """The fewest wants ahead wins; unclaimed rows come on top; eta is mean × rounds."""
+    """The fewest wants ahead wins; unclaimed rows come on top; running and capacity add
+    up over the answers; eta waits for the slot releases ahead at the whole capacity."""
     slow = Answer(instance_id="x", running=2, waiting=9, ahead=8, capacity=2, mean_s=3.0)
     fast = Answer(instance_id="y", running=3, waiting=7, ahead=6, capacity=4, mean_s=2.0)
-    position = queue_position([slow, fast], rows_ahead=4)
+    position = queue_position([slow, fast], rows_ahead=4, ready_rows=10)
     assert position is not None
-    assert (position.instance_id, position.running, position.waiting) == ("y", 3, 7)
+    assert (position.instance_id, position.running, position.capacity) == ("y", 5, 6)
     assert position.position == 11
-    assert position.eta_s == pytest.approx(2.0 * (10 // 4 + 1))
+    assert position.waiting == 9 + 10  # the most wants known, and every unclaimed row
+    # 10 ahead and itself, 1 slot free: 10 releases at 6 slots, then its own run
+    assert position.eta_s == pytest.approx(2.0 * (10 / 6 + 1))
     assert queue_position([]) is None
     with pytest.raises(ValueError, match="rows_ahead must be >= 0, got -1"):
         queue_position([fast], rows_ahead=-1)
+    with pytest.raises(ValueError, match="claimed_ahead must be >= 0, got -2"):
+        queue_position([fast], claimed_ahead=-2)
+
+
+def test_claimed_rows_no_execserver_sees_count_ahead() -> None:
+    """A dispatcher holds 40 claimed rows, 2 run, 1 is offered: the execserver sees 1 want,
+    the queue 38 rows that hold no slot. The step is number 39 + the unclaimed rows ahead,
+    never "1 waiting, you are number 41", and the estimate counts them all."""
+    book = Answer(instance_id="x", running=2, waiting=1, ahead=1, capacity=2, mean_s=1.0)
+    position = queue_position([book], rows_ahead=2, claimed_ahead=40, ready_rows=5, claimed_rows=40)
+    assert position is not None
+    assert position.held_ahead == 38
+    assert position.position == 38 + 2 + 1
+    assert position.waiting == 38 + 5
+    assert position.eta_s == pytest.approx(1.0 * (41 / 2 + 1))
+    # the execserver's book wins when it knows more (other clients' wants)
+    crowded = attrs.evolve(book, ahead=50, waiting=60)
+    position = queue_position([crowded], claimed_ahead=40, claimed_rows=40)
+    assert position is not None
+    assert (position.position, position.waiting) == (51, 60)
 
 
 def test_answers_from_stats_count_the_wants_at_or_above_the_priority() -> None:

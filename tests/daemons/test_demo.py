@@ -28,6 +28,8 @@ async def test_the_demo_runs_to_the_end_and_exits_0(tmp_path: Path) -> None:
     assert "/inspect/system/fylr" in output
     assert "/metrics" in output
     assert "broken.png (priority 0): done" in output
+    assert "modified original of sunset.jpg (rotate 90, format png)" in output
+    assert "sunset.png: done, derived from" in output
     assert "done, exit status 0" in output
     # the state folder is gone
     line = next(line for line in output.splitlines() if "state folder" in line)

@@ -21,8 +21,13 @@ import pytest
 import trio
 from PIL import Image
 from trio_broker_daemons.execserver.config import ExecserverConfig
-from trio_broker_daemons.fylr import produce
-from trio_broker_daemons.fylr.config import FylrConfig, MetadataConfig, VersionConfig
+from trio_broker_daemons.fylr import derived, produce
+from trio_broker_daemons.fylr.config import (
+    ConvertConfig,
+    FylrConfig,
+    MetadataConfig,
+    VersionConfig,
+)
 
 from trio_broker.core.argv import fill_argv
 
@@ -246,6 +251,60 @@ async def test_bad_arguments_fail_with_one_line(
     assert one_line(result.stderr).startswith(reason)
 
 
+async def test_modify_crops_then_rotates_clockwise(prepared: Path, tmp_path: Path) -> None:
+    """modify crops the upright picture, turns it clockwise, and writes the asked format."""
+    source = image_of((prepared / "sunset.jpg").read_bytes()).convert("RGB")
+    result = await convert(
+        ["modify", "--rotate", "90", "--crop", "0,0,400,100", "--format", "png"],
+        (prepared / "sunset.jpg").read_bytes(),
+        tmp_path,
+    )
+    assert (result.returncode, result.stderr) == (0, "")
+    modified = image_of(result.stdout)
+    assert (modified.format, modified.size) == ("PNG", (100, 400))
+    # turned clockwise: the crop's top left corner is now the top right one
+    assert _close(modified.convert("RGB").getpixel((99, 0)), source.getpixel((0, 0)))
+
+
+async def test_modify_follows_the_exif_orientation_and_keeps_the_format(
+    prepared: Path, tmp_path: Path
+) -> None:
+    """Without a format the input's own is kept; the EXIF orientation is applied first."""
+    result = await convert(
+        ["modify", "--rotate", "0", "--crop", "", "--format", ""],
+        (prepared / "portrait.jpg").read_bytes(),
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    upright = image_of(result.stdout)
+    assert (upright.format, upright.size) == ("JPEG", (600, 900))
+
+
+@pytest.mark.parametrize(
+    ("args", "status", "reason"),
+    [
+        (["--crop", "0,0,2000,10"], 1, "convert_image: crop 0,0,2000,10 reaches outside the"),
+        (["--rotate", "45"], 2, "convert_image modify: argument --rotate: expected 0, 90, 180"),
+        (["--crop", "1,2,3"], 2, "convert_image modify: argument --crop: expected x,y,w,h"),
+        (["--format", "exe"], 2, "convert_image modify: argument --format: expected one of"),
+    ],
+)
+async def test_modify_refuses_with_one_line(
+    prepared: Path, tmp_path: Path, args: list[str], status: int, reason: str
+) -> None:
+    """A crop outside the picture (exit 1) or a bad argument (exit 2): one stderr line."""
+    result = await convert(["modify", *args], (prepared / "sunset.jpg").read_bytes(), tmp_path)
+    assert (result.returncode, result.stdout) == (status, b"")
+    assert one_line(result.stderr).startswith(reason)
+
+
+def _close(one: object, other: object) -> bool:
+    """Two RGB pixels within JPEG's rounding of each other."""
+    assert isinstance(one, tuple)
+    assert isinstance(other, tuple)
+    return all(abs(a - b) <= 12 for a, b in zip(one, other, strict=True))
+
+
 async def test_a_missing_input_file_fails_with_one_line(tmp_path: Path) -> None:
     """A missing --input path exits 1 naming the file."""
     result = await convert(["metadata", "--input", str(tmp_path / "nope.jpg")], b"", tmp_path)
@@ -270,6 +329,7 @@ def test_both_example_configurations_load(prepared: Path) -> None:
         "file_metadata",
         "gzip",
         "sha256",
+        "modify",
     }
     assert set(localized.services) == set(execserver.services)
     thumbnail = localized.services["thumbnail"].argv
@@ -281,20 +341,26 @@ def test_both_example_configurations_load(prepared: Path) -> None:
 
 
 def test_every_step_fills_its_service_template(prepared: Path) -> None:
-    """Every metadata step and version names an example service and fills its argv."""
+    """Every metadata step and version, each conversion and the modify step, names an
+    example service and fills its argv."""
     execserver = ExecserverConfig.from_yaml(prepared / "execserver.yml")
     fylr = FylrConfig.from_yaml(EXAMPLES / "fylr.yml")
     steps = 0
+    calls: list[VersionConfig | MetadataConfig | ConvertConfig] = []
     for file_class in fylr.classes.values():
-        calls: list[VersionConfig | MetadataConfig] = [*file_class.versions.values()]
+        calls += [*file_class.versions.values()]
         calls += [file_class.metadata] if file_class.metadata else []
-        for call in calls:
-            service = execserver.services[call.service]
-            assert service.argv is not None
-            assert service.placeholders <= set(call.params)
-            fill_argv(service.argv, call.params)
-            steps += 1
-    assert steps == 9
+        calls += [file_class.convert] if file_class.convert else []
+    assert fylr.modify is not None
+    modification = derived.Modification(rotate=90, crop=(0, 0, 10, 10), format="png")
+    calls.append(attrs.evolve(fylr.modify, params=modification.params()))
+    for call in calls:
+        service = execserver.services[call.service]
+        assert service.argv is not None
+        assert service.placeholders <= set(call.params)
+        fill_argv(service.argv, call.params)
+        steps += 1
+    assert steps == 11
 
 
 def service_argv(

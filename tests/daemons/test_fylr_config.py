@@ -175,9 +175,61 @@ def test_the_example_configuration_loads() -> None:
     """examples/fylr.yml is a valid configuration with the classes it documents."""
     path = Path(__file__).resolve().parents[2] / "examples" / "fylr.yml"
     config = FylrConfig.from_yaml(path)
-    assert set(config.classes) == {"image", "text", "other"}
+    assert set(config.classes) == {"image", "text", "legacy_image", "other"}
     assert config.classes["image"].versions["preview_small"].source == "preview"
     assert config.classes["other"].versions == {}
+    convert = config.classes["legacy_image"].convert
+    assert convert is not None
+    assert (convert.service, convert.extension, convert.mimetype) == ("modify", "png", "image/png")
+    assert config.modify is not None
+    assert config.modify.service == "modify"
+    assert (config.parallel, config.storage_locations, config.storage_location) == (None, {}, None)
+
+
+def test_an_api_only_node_and_storage_locations(tmp_path: Path) -> None:
+    """parallel: 0 makes an API-only node; locations are folders by name, relative ones
+    relative to the file; storage_location picks where new files go."""
+    config = load(
+        tmp_path,
+        """
+        execservers: []
+        parallel: 0
+        storage_locations: {archive: archive, cold: /srv/cold}
+        storage_location: archive
+        """,
+    )
+    assert config.api_only
+    assert config.locations == {
+        "default": config.storage_dir,
+        "archive": tmp_path / "archive",
+        "cold": Path("/srv/cold"),
+    }
+    assert config.storage_location == "archive"
+    assert (
+        FylrConfig.from_mapping({**MINIMAL, "storage_location": "default"}).storage_location is None
+    )
+    assert not FylrConfig.from_mapping(MINIMAL).api_only
+
+
+def test_a_produce_first_class_and_modified_originals() -> None:
+    """convert names the conversion and the converted original's extension; modify the
+    service of modified originals."""
+    config = FylrConfig.from_mapping(
+        with_classes(
+            {
+                "scan": {
+                    "extensions": ["bmp", "tif"],
+                    "convert": {"service": "to_png", "extension": ".PNG", "timeout": "1m"},
+                },
+                "image": {"extensions": ["png"]},
+            },
+            modify={"service": "modify", "params": {"quality": 90}},
+        )
+    )
+    convert = config.classes["scan"].convert
+    assert convert is not None
+    assert (convert.service, convert.extension, convert.timeout) == ("to_png", "png", 60.0)
+    assert config.modify == MetadataConfig(service="modify", params={"quality": 90})
 
 
 # -- pinned error lines ---------------------------------------------------------------
@@ -237,6 +289,39 @@ OTHER_VERSION = "expected the name of another version of this class"
         ("classes", {"": {}}, "['']: expected class names of 1 to 200 characters, got ''"),
         ("classes", {"c": []}, ".c: expected a mapping, got a list"),
         ("databse", None, "unknown key (did you mean 'database'?)"),
+        (
+            "parallel",
+            4,
+            "expected 0 (an API-only node: no file processing here) or null (process files),"
+            " got 4: the dispatcher sizes itself (max_in_flight, local_workers)",
+        ),
+        (
+            "parallel",
+            False,
+            "expected 0 (an API-only node: no file processing here) or null"
+            " (process files), got false: the dispatcher sizes itself (max_in_flight,"
+            " local_workers)",
+        ),
+        ("storage_locations", [], "expected a mapping of location names to folders, got a list"),
+        (
+            "storage_locations",
+            {"Cold": "/x"},
+            ".Cold: expected a location name of 1 to 63 characters of a-z, 0-9, '_' and '-',"
+            " starting with a letter or digit, got 'Cold'",
+        ),
+        (
+            "storage_locations",
+            {"default": "/x"},
+            ".default: the location name 'default' is state_dir/files, always there",
+        ),
+        ("storage_locations", {"cold": ""}, ".cold: expected a non-empty string, got ''"),
+        (
+            "storage_location",
+            "cold",
+            "expected null, 'default' or a name of storage_locations (none configured), got 'cold'",
+        ),
+        ("modify", {"params": {}}, ".service: required key is missing"),
+        ("modify", {"service": "m", "extension": "png"}, ".extension: unknown key"),
     ],
 )
 def test_top_level_errors(key: str, value: object, message: str) -> None:
@@ -326,6 +411,24 @@ def test_document_errors() -> None:
                 }
             },
             "versions.a.source: sources form a cycle: a -> b -> c -> a",
+        ),
+        ({"convert": {"service": "s"}}, "convert.extension: required key is missing"),
+        (
+            {"convert": {"service": "s", "extension": "a b"}},
+            "convert.extension: " + EXT_HINT + "'a b'",
+        ),
+        (
+            {"convert": {"service": "s", "extension": "x"}},
+            "convert.extension: files converted to 'x' belong to class 'c', which converts"
+            " again: name an extension of a class without convert",
+        ),
+        (
+            {
+                "convert": {"service": "s", "extension": "y"},
+                "versions": {"delivered": {"service": "t"}},
+            },
+            "versions.delivered: the version name 'delivered' keeps the upload of a class with"
+            " convert: name this version otherwise",
         ),
     ],
 )

@@ -103,7 +103,8 @@ async def test_position_counts_wants_and_rows_ahead_and_moves_up(
             queue = await queue_of(http, x)
             assert queue is not None
             assert (queue["basis"], queue["position"], queue["rows_ahead"]) == ("execserver", 5, 2)
-            assert (queue["running"], queue["waiting"], queue["capacity"]) == (1, 4, 1)
+            # waiting: the 4 wants of the execserver's book and the 3 unclaimed rows
+            assert (queue["running"], queue["waiting"], queue["capacity"]) == (1, 7, 1)
             assert queue["action"] == "metadata"
             # unclaimed: every want at priority 0 or above (4), plus the 2 rows of priority 4
             queue = await queue_of(http, y)
@@ -116,7 +117,7 @@ async def test_position_counts_wants_and_rows_ahead_and_moves_up(
                     [*command, "--server", fylr.url], capture_stdout=True, capture_stderr=True
                 )
             assert printed.stdout.decode() == (
-                f"x.txt #{x} metadata: 1 running, 4 waiting, you are number 5\n"
+                f"x.txt #{x} metadata: 1 running, 7 waiting, you are number 5\n"
             )
 
             await peer.send(p.Cancel(job_id="w0"))  # w0 ends: its slot is offered to w1
@@ -147,7 +148,8 @@ async def test_position_counts_wants_and_rows_ahead_and_moves_up(
                 with trio.fail_after(WAIT):
                     await out.wait_for("you are number")
                 nursery.cancel_scope.cancel()
-            assert "z.txt: 1 running, 2 waiting, you are number 6" in out.getvalue()
+            # w3 and x in the book, the 2 rows, y and z unclaimed: 6 waiting, z the last
+    assert "z.txt: 1 running, 6 waiting, you are number 6" in out.getvalue()
 
 
 def test_the_words_of_a_position() -> None:
@@ -164,3 +166,52 @@ def test_the_words_of_a_position() -> None:
         "roughly 2 hours",
     ]
     assert eta_text(None) is None
+
+
+HOLD_CLASS: dict[str, Any] = {
+    "extensions": ["txt"],
+    "metadata": {"service": "hold", "params": {"seconds": 600}},
+    "versions": {},
+}
+
+
+async def test_claimed_rows_the_execserver_does_not_see_count_ahead(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """One slot, six files: the dispatcher claims as many rows as it may (3 here), one runs,
+    the others wait; the last file is unclaimed. Its position merges both books: the
+    claimed rows ahead that hold no slot (2 of 3) and the unclaimed rows ahead (2), and
+    "waiting" counts the same, so the line reads "1 running, 5 waiting, you are number
+    5" (it read "2 waiting, you are number 5": the execserver's book alone)."""
+    async with open_installation(
+        pg_dsn,
+        tmp_path,
+        fylrs=1,
+        balanced=0,
+        execserver={"slots": 1},
+        fylr={"classes": {"text": HOLD_CLASS}, "max_in_flight": 8},
+    ) as inst:
+        (fylr,) = inst.fylrs
+        (handle,) = inst.execservers
+        async with httpx.AsyncClient(base_url=fylr.url, timeout=WAIT) as http:
+            ids = []
+            for n in range(6):
+                response = await http.put("/eas/put", params={"filename": f"{n}.txt"}, content=b"x")
+                ids.append(response.json()["id"])
+            with trio.fail_after(WAIT):  # all claimed, the first runs
+                await fylr.wait_until(
+                    lambda s: (
+                        s.dispatcher is not None
+                        and s.dispatcher.exec_in_flight == min(6, s.dispatcher.exec_limit)
+                    )
+                )
+                await handle.wait_until(lambda: handle.broker.running() == 1)
+            queue = await queue_of(http, ids[-1])
+            dispatcher = fylr.statistics().dispatcher
+    assert dispatcher is not None
+    claimed = dispatcher.exec_in_flight
+    assert 1 < claimed < 6  # the admission's limit (3 on two cores)
+    assert queue is not None
+    assert queue["basis"] == "figures"
+    assert (queue["rows_ahead"], queue["held_ahead"]) == (5 - claimed, claimed - 1)
+    assert (queue["running"], queue["waiting"], queue["position"]) == (1, 5, 5)

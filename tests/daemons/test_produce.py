@@ -253,6 +253,7 @@ def test_plan_sync_against_itself_is_empty(wanted: dict[str, str]) -> None:
 def test_api_status_table() -> None:
     """Every internal state maps to the API status of the published table, by kind."""
     assert {state: pr.api_status(state) for state in pr.STATES} == {
+        "pending_produce": "processing",  # its own produce step (convert, modify) first
         "new": "processing",  # queued for its first step
         "metadata": "processing",
         "sync": "sync",
@@ -261,6 +262,7 @@ def test_api_status_table() -> None:
         "error": "failed",
     }
     assert {state: pr.api_status(state, "version") for state in pr.STATES} == {
+        "pending_produce": "processing",  # never a version's; mapped anyway
         "new": "pending",
         "metadata": "processing",
         "sync": "sync",
@@ -294,17 +296,26 @@ def test_transitions() -> None:
     pr.check_transition("original", "metadata", "new")  # requeued
     pr.check_transition("original", "new", "sync")  # no metadata step
     pr.check_transition("original", "done", "sync")  # re-sync
+    produced_first: list[pr.FileState] = ["pending_produce", "new", "metadata", "sync"]
+    for old, new in itertools.pairwise(produced_first):
+        pr.check_transition("original", old, new)
+    pr.check_transition("original", "pending_produce", "sync")  # its class has no metadata step
+    pr.check_transition("original", "error", "pending_produce")  # its failed produce retried
     version: list[pr.FileState] = ["new", "produce", "done"]
     for old, new in itertools.pairwise(version):
         pr.check_transition("version", old, new)
     pr.check_transition("version", "produce", "new")  # requeued
+    pr.check_transition("version", "done", "new")  # its stored bytes went missing (sync_check)
     assert not pr.can_transition("original", "new", "done")
+    assert not pr.can_transition("original", "pending_produce", "done")
+    assert not pr.can_transition("original", "done", "pending_produce")
     assert not pr.can_transition("version", "done", "produce")
     assert not pr.can_transition("version", "new", "metadata")
+    assert not pr.can_transition("version", "new", "pending_produce")
     assert not pr.can_transition("bogus", "new", "new")  # type: ignore[arg-type]
     with pytest.raises(pr.InvalidTransition) as info:
-        pr.check_transition("version", "done", "new")
-    assert str(info.value) == "version file cannot go from 'done' to 'new' (allowed: nothing)"
+        pr.check_transition("version", "done", "produce")
+    assert str(info.value) == "version file cannot go from 'done' to 'produce' (allowed: new)"
 
 
 def test_every_unfinished_state_can_fail() -> None:

@@ -327,3 +327,110 @@ async def test_a_stream_of_an_async_generator(tmp_path: Path) -> None:
     with trio.fail_after(TIMEOUT):
         stored = await storage.write_stream("version", produce())
         assert await read_all(storage, stored.key) == b"0" * 10 + b"1" * 10 + b"2" * 10
+
+
+# -- storage locations --------------------------------------------------------------------
+
+
+def two_locations(tmp_path: Path, current: str | None = None) -> Storage:
+    return Storage(
+        tmp_path / "files",
+        writer="w",
+        locations={"archive": tmp_path / "archive"},
+        current=current,
+    )
+
+
+async def test_new_files_go_to_the_current_location_and_keys_name_it(tmp_path: Path) -> None:
+    """A key outside ``default`` starts with its location; its path is in that folder."""
+    storage = two_locations(tmp_path, current="archive")
+    with trio.fail_after(TIMEOUT):
+        stored = await storage.write_stream("original", Chunks([b"archived"]))
+    assert re.fullmatch(r"archive:originals/([0-9a-f]{2})/\1[0-9a-f]{30}", stored.key)
+    assert storage.path(stored.key) == tmp_path / "archive" / stored.key.split(":", 1)[1]
+    assert storage.location_of(stored.key) == "archive"
+    assert Storage.kind_of(stored.key) == "original"
+    assert await read_all(storage, stored.key) == b"archived"
+    plain = storage.relocated(stored.key, "default")
+    assert storage.location_of(plain) == "default"
+    assert storage.relocated(plain, "archive") == stored.key
+    assert files_under(tmp_path / "files") == []
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "attic:originals/ab/ab0123456789abcdef0123456789abcd",  # not configured
+        "default:originals/ab/ab0123456789abcdef0123456789abcd",  # default has no prefix
+        "Archive:originals/ab/ab0123456789abcdef0123456789abcd",
+        ":originals/ab/ab0123456789abcdef0123456789abcd",
+    ],
+)
+def test_keys_of_unknown_locations_are_refused(tmp_path: Path, key: str) -> None:
+    """A prefix names a configured location, spelled as configured; nothing else is a key."""
+    with pytest.raises(ValueError, match="not a storage key"):
+        two_locations(tmp_path).path(key)
+
+
+def test_an_unknown_current_location_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="current: no location named 'attic'"):
+        Storage(tmp_path, current="attic")
+    with pytest.raises(ValueError, match="no storage location named 'attic'"):
+        two_locations(tmp_path).relocated("originals/ab/ab0123456789abcdef0123456789abcd", "attic")
+
+
+async def test_copy_to_makes_a_durable_copy_under_the_same_name(tmp_path: Path) -> None:
+    """copy_to writes the same bytes under the same name elsewhere, hashed; the source stays;
+    a copy left by an interrupted move is replaced, not kept beside."""
+    storage = two_locations(tmp_path)
+    content = os.urandom(3 * WRITE_BATCH + 5)
+    with trio.fail_after(TIMEOUT):
+        stored = await storage.write_stream("version", Chunks([content]))
+        target = storage.path(storage.relocated(stored.key, "archive"))
+        target.parent.mkdir(parents=True)
+        target.write_bytes(b"a half copy of an interrupted move")
+        copied = await storage.copy_to(stored.key, "archive")
+    assert copied == StoredFile(
+        key=f"archive:{stored.key}", size=len(content), sha256=hashlib.sha256(content).hexdigest()
+    )
+    assert copied.key in storage.recording
+    assert storage.path(copied.key).read_bytes() == content
+    assert storage.path(stored.key).read_bytes() == content
+    assert [p.name for p in files_under(tmp_path / "archive")] == [target.name]
+    with pytest.raises(ValueError, match="already in location 'archive'"):
+        await storage.copy_to(copied.key, "archive")
+
+
+async def test_a_reader_with_the_old_key_finds_a_moved_file(tmp_path: Path) -> None:
+    """Once the old copy is gone, open_read, exists and digest of the old key find the new one;
+    remove_copies deletes every copy but the key's own."""
+    storage = two_locations(tmp_path)
+    with trio.fail_after(TIMEOUT):
+        stored = await storage.write_stream("original", Chunks([b"moving"]))
+        copied = await storage.copy_to(stored.key, "archive")
+        assert await storage.remove_copies(copied.key) == 1
+        assert not storage.path(stored.key).exists()
+        assert await read_all(storage, stored.key) == b"moving"
+        assert await storage.exists(stored.key)
+        assert await storage.find(stored.key) == storage.path(copied.key)
+        assert await storage.digest(stored.key) == (6, hashlib.sha256(b"moving").hexdigest())
+        assert await storage.remove_copies(copied.key) == 0
+        await storage.delete(copied.key)
+        assert not await storage.exists(stored.key)
+        with pytest.raises(FileNotFoundError):
+            await storage.open_read(stored.key)
+        with pytest.raises(FileNotFoundError):
+            await storage.digest(copied.key)
+        with pytest.raises(FileNotFoundError):
+            await storage.copy_to(stored.key, "archive")
+    assert files_under(tmp_path) == []
+
+
+async def test_scan_covers_every_location_with_prefixed_keys(tmp_path: Path) -> None:
+    """A sweep sees the files of every location, each stored one under its full key."""
+    storage = two_locations(tmp_path)
+    with trio.fail_after(TIMEOUT):
+        here = await storage.write_stream("original", Chunks([b"here"]))
+        moved = await storage.copy_to(here.key, "archive")
+    keys = {leftover.key for leftover in await storage.scan(time.time())}
+    assert keys == {here.key, moved.key}

@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -44,6 +44,7 @@ async def open_execserver_process(
     ready_within: float = 60.0,
     stop_within: float = 60.0,
     prefix: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
 ) -> AsyncIterator[DaemonProcess]:
     """Run ``trio-broker execserver`` in a subprocess until the block ends.
 
@@ -57,6 +58,7 @@ async def open_execserver_process(
             ``["ip", "netns", "exec", "NAME"]`` to run it on a test host in a
             network namespace. It must exec the command (so that the signals reach
             the daemon itself) and pass the standard streams through.
+        env: the daemon's whole environment (default: this process's).
 
     Yields:
         The process and its bound address. If it is still running when the block
@@ -69,6 +71,7 @@ async def open_execserver_process(
         ready_within=ready_within,
         stop_within=stop_within,
         prefix=prefix,
+        env=env,
     ) as daemon:
         yield daemon
 
@@ -82,6 +85,7 @@ async def open_fylr_process(
     stop_within: float = 60.0,
     prefix: Sequence[str] = (),
     stderr: Path | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> AsyncIterator[DaemonProcess]:
     """Run ``trio-broker fylr`` in a subprocess until the block ends.
 
@@ -99,6 +103,7 @@ async def open_fylr_process(
             :func:`open_execserver_process`).
         stderr: a file that gets the daemon's log (appended); ``None``: this
             process's stderr.
+        env: the daemon's whole environment (default: this process's).
 
     Yields:
         The process and its bound address. If it is still running when the block
@@ -112,6 +117,7 @@ async def open_fylr_process(
         stop_within=stop_within,
         prefix=prefix,
         stderr=stderr,
+        env=env,
     ) as daemon:
         yield daemon
 
@@ -126,6 +132,7 @@ async def _open_daemon_process(
     stop_within: float,
     prefix: Sequence[str],
     stderr: Path | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> AsyncIterator[DaemonProcess]:
     with (
         tempfile.TemporaryDirectory(prefix="trio-broker-daemon-") as tmp,
@@ -143,6 +150,7 @@ async def _open_daemon_process(
             [*prefix, sys.executable, "-m", "trio_broker_daemons", "--log-level", log_level,
              command, "--config", str(path), "--ready-file", str(ready)],
             stderr=log,
+            env=None if env is None else dict(env),
         )  # fmt: skip
         try:
             with trio.fail_after(ready_within):

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import h11
 import trio
 
-__all__ = ["UPGRADE", "exchange"]
+__all__ = ["UPGRADE", "exchange", "exchange_on"]
 
 UPGRADE: tuple[tuple[str, str], ...] = (
     ("connection", "Upgrade"),
@@ -39,25 +39,35 @@ async def exchange(
     Returns:
         ``(status, body)`` of each answer.
     """
-    answers: list[tuple[int, bytes]] = []
     with trio.fail_after(within):
         stream = await trio.open_tcp_stream(host, port)
         async with stream:
-            http = h11.Connection(h11.CLIENT)
-            for method, target, headers in requests:
-                if http.our_state is not h11.IDLE:
-                    break
-                given = [(name.lower(), value) for name, value in headers]
-                if not any(name == "host" for name, _ in given):
-                    given.insert(0, ("host", f"{host}:{port}"))
-                await stream.send_all(
-                    http.send(h11.Request(method=method, target=target, headers=given)) or b""
-                )
-                await stream.send_all(http.send(h11.EndOfMessage()) or b"")
-                answers.append(await _answer(stream, http))
-                if http.states != {h11.CLIENT: h11.DONE, h11.SERVER: h11.DONE}:
-                    break
-                http.start_next_cycle()
+            return await exchange_on(stream, f"{host}:{port}", requests)
+
+
+async def exchange_on(
+    stream: trio.SocketStream,
+    host: str,
+    requests: Sequence[tuple[str, str, Sequence[tuple[str, str]]]],
+) -> list[tuple[int, bytes]]:
+    """:func:`exchange` on a connection made elsewhere (a test host's); ``host`` is the
+    ``Host`` header added to requests without one. The caller bounds it and closes it."""
+    answers: list[tuple[int, bytes]] = []
+    http = h11.Connection(h11.CLIENT)
+    for method, target, headers in requests:
+        if http.our_state is not h11.IDLE:
+            break
+        given = [(name.lower(), value) for name, value in headers]
+        if not any(name == "host" for name, _ in given):
+            given.insert(0, ("host", host))
+        await stream.send_all(
+            http.send(h11.Request(method=method, target=target, headers=given)) or b""
+        )
+        await stream.send_all(http.send(h11.EndOfMessage()) or b"")
+        answers.append(await _answer(stream, http))
+        if http.states != {h11.CLIENT: h11.DONE, h11.SERVER: h11.DONE}:
+            break
+        http.start_next_cycle()
     return answers
 
 

@@ -428,7 +428,9 @@ async def test_enqueue_in_commits_and_rolls_back_with_the_callers_transaction(
 async def test_positions_count_the_rows_a_claim_takes_first(store: Store) -> None:
     """A row's position is the number of ready rows of the same actions the claim order
     puts before it: claiming exactly that many leaves it, and the next claim takes it;
-    rows not ready yet, of other actions, of other files, failed or gone do not count."""
+    rows not ready yet, of other actions, of other files, failed or gone do not count.
+    The claimed rows ahead of it (held by dispatchers) and the ready and claimed rows
+    in all come with it."""
     later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(hours=1)
     ids = await store.enqueue_many(
         [
@@ -449,6 +451,7 @@ async def test_positions_count_the_rows_a_claim_takes_first(store: Store) -> Non
     assert ahead == {"f4": 0, "f2": 1, "f5": 2, "f1": 3, "f3": 4, "f8": 5, "f6": 0}
     assert [p.item.id for p in positions] == sorted(p.item.id for p in positions)
     assert all(p.item.status == "new" for p in positions)
+    assert {(p.claimed_ahead, p.ready, p.claimed) for p in positions} == {(0, 6, 0)}
     everything = await store.positions(refs)
     assert {p.item.file_ref: p.ahead for p in everything}["f2"] == 2  # f7 counts too
     # the claim order agrees, row by row
@@ -459,6 +462,9 @@ async def test_positions_count_the_rows_a_claim_takes_first(store: Store) -> Non
         assert taken.file_ref == ref, (ref, count)
         now = {p.item.file_ref: p for p in await store.positions([ref], actions=["exec"])}
         assert now[ref].item.status == "claimed"
+        # every row ahead of it was claimed before it; it is claimed itself
+        assert (now[ref].ahead, now[ref].claimed_ahead) == (0, count)
+        assert (now[ref].ready, now[ref].claimed) == (6 - count - 1, count + 1)
     assert await store.positions(["nothing"]) == []
     await store.fail((await store.claim("b1", 1, actions=["local"]))[0], "boom")
     assert [p.item.file_ref for p in await store.positions(["f7"])] == []
@@ -467,9 +473,15 @@ async def test_positions_count_the_rows_a_claim_takes_first(store: Store) -> Non
 
 async def test_figures_count_by_state_and_priority(store: Store) -> None:
     """figures() counts every state per priority (highest first) and in all, as counts()
-    does; an empty queue has no priorities and zero counts."""
+    does, with the age of each priority's oldest ready row and the soonest start of a
+    delayed one; an empty queue has no priorities, zero counts and no ages."""
     empty = await store.figures()
     assert (empty.counts, dict(empty.by_priority)) == (await store.counts(), {})
+    assert (dict(empty.oldest_ready), empty.oldest_ready_s, empty.next_start_after) == (
+        {},
+        None,
+        None,
+    )
     later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(hours=1)
     await store.enqueue_many(
         [
@@ -491,6 +503,18 @@ async def test_figures_count_by_state_and_priority(store: Store) -> None:
     assert figures.counts == await store.counts()
     assert figures.counts.total == 5
     assert first.priority == 4
+    assert figures.next_start_after == later
+    assert set(figures.oldest_ready) == {0, -2}  # priority 4 has no ready row
+    await store.call(
+        lambda conn: conn.execute(
+            "UPDATE broker_queue SET created_at = now() - interval '90 seconds'"
+            " WHERE file_ref = 'c'"
+        )
+    )
+    aged = await store.figures()
+    assert 90 <= aged.oldest_ready[0] < 150
+    assert 0 <= aged.oldest_ready[-2] < 60
+    assert aged.oldest_ready_s == aged.oldest_ready[0]
 
 
 async def test_failed_rows_are_listed_with_reason_attempts_and_time(store: Store) -> None:

@@ -30,16 +30,23 @@ Subscriptions (:class:`Subscriptions`, on the execserver)
     of the same connection is recognised by its generation and does nothing.
 
 Queue positions (:func:`queue_position`, on the client)
-    A job's position is the best answer among the execservers that can run it,
-    plus the work a queue would hand out before it (the unclaimed rows a
-    dispatcher claims first: priority descending, then id). "Best" is the
-    execserver with the fewest wants ahead. A job parked at execservers takes
-    their ``POSITION`` answers (``ahead`` by the grant rule); a job not parked
-    anywhere yet (an unclaimed row) takes, from each execserver's ``STATS``,
-    every want waiting there at its priority or above: it would join behind
-    them. ``position`` is 1 + everything ahead: the hard number. ``eta_s`` is
-    only a hint, ``mean × (ahead // capacity + 1)`` with the service's mean
-    runtime (null while it was never measured), as the protocol's own ``eta_s``.
+    A job's position merges two books: the execservers' (the wants parked
+    there, from every client) and the queue's (the rows a dispatcher holds or
+    would claim first: priority descending, then id). Ahead of the job are
+    the wants ahead of it at the execserver with the fewest (a job parked at
+    execservers takes their ``POSITION`` answers, ``ahead`` by the grant rule;
+    a job not parked anywhere yet takes, from each execserver's ``STATS``,
+    every want waiting there at its priority or above), or, when more, the
+    claimed rows ahead of it that hold no slot (claimed rows ahead less the busy
+    slots: a dispatcher may hold claimed rows it has not offered yet, which no
+    execserver sees); and on top the unclaimed rows ahead of it. ``position``
+    is 1 + everything ahead: the hard number. ``waiting`` counts the same way
+    over everything waiting (so it is never below ``position``), ``running``
+    and ``capacity`` add up over the execservers that answered. ``eta_s`` is
+    only a hint: the slot releases the job waits for (everything ahead and
+    itself, less the free slots) at ``capacity`` slots of the service's mean
+    runtime each, then one run: ``mean × (max(0, ahead + 1 - free) / capacity
+    + 1)`` (null while the mean was never measured).
 """
 
 from __future__ import annotations
@@ -203,16 +210,22 @@ class Answer:
 
 @attrs.frozen(kw_only=True)
 class QueuePosition:
-    """Where a job stands (``3 running, 7 waiting, you are number 11, roughly 4 minutes``).
+    """Where a job stands (``3 running, 7 waiting, you are number 5, roughly 4 minutes``).
 
     Attributes:
-        running: busy slots at the execserver of the best answer.
-        waiting: wants parked there, when known.
+        running: busy slots at the execservers that answered.
+        waiting: everything waiting for a slot: the wants the execservers know
+            (or the claimed rows that hold no slot, when more) and the unclaimed
+            rows; never below ``position``.
         position: 1 + the wants and rows ahead of the job (the hard number).
-        capacity: the slots the job's service can hold there.
-        eta_s: a rough hint of the wait in seconds; null when it cannot be told.
+        capacity: the slots the job's service can hold at the execservers that
+            answered.
+        eta_s: a rough hint of the time until the job ends, in seconds; null
+            when it cannot be told.
         instance_id: the execserver of the best answer.
         rows_ahead: unclaimed queue rows counted in ``position``.
+        held_ahead: claimed rows ahead of the job that hold no slot; counted in
+            ``position`` when more than the execserver's wants ahead.
     """
 
     running: int
@@ -222,6 +235,7 @@ class QueuePosition:
     eta_s: float | None
     instance_id: str
     rows_ahead: int
+    held_ahead: int = 0
 
 
 def answer_from_position(
@@ -265,39 +279,64 @@ def answer_from_stats(stats: p.Stats, service: str, priority: int) -> Answer | N
     )
 
 
-def queue_position(answers: Iterable[Answer], *, rows_ahead: int = 0) -> QueuePosition | None:
-    """The best of ``answers`` plus ``rows_ahead`` unclaimed rows (see the module docstring).
+def queue_position(
+    answers: Iterable[Answer],
+    *,
+    rows_ahead: int = 0,
+    claimed_ahead: int = 0,
+    ready_rows: int = 0,
+    claimed_rows: int = 0,
+) -> QueuePosition | None:
+    """The execservers' ``answers`` merged with the queue's rows (see the module docstring).
 
     Args:
         answers: one per execserver that can run the job.
         rows_ahead: unclaimed queue rows a dispatcher would claim before the job.
+        claimed_ahead: claimed queue rows before the job in the claim order.
+        ready_rows: unclaimed queue rows in all (the job's own one included when it
+            is unclaimed).
+        claimed_rows: claimed queue rows in all (the job's own one included when
+            it is claimed).
 
     Returns:
         The position, or None when there is no answer at all.
 
     Raises:
-        ValueError: ``rows_ahead`` is negative.
+        ValueError: a count is negative.
     """
-    if rows_ahead < 0:
-        raise ValueError(f"rows_ahead must be >= 0, got {rows_ahead}")
-    best: Answer | None = None
-    for answer in answers:
-        if best is None or (answer.ahead, -answer.capacity) < (best.ahead, -best.capacity):
-            best = answer
-    if best is None:
+    counts = {
+        "rows_ahead": rows_ahead,
+        "claimed_ahead": claimed_ahead,
+        "ready_rows": ready_rows,
+        "claimed_rows": claimed_rows,
+    }
+    for name, value in counts.items():
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    found = sorted(answers, key=lambda a: (a.ahead, -a.capacity))
+    if not found:
         return None
-    ahead = best.ahead + rows_ahead
+    best = found[0]
+    running = sum(a.running for a in found)
+    capacity = sum(a.capacity for a in found)
+    held_ahead = max(0, claimed_ahead - running)
+    ahead = max(best.ahead, held_ahead) + rows_ahead
+    known = max((a.waiting for a in found if a.waiting is not None), default=0)
+    waiting = max(known, claimed_rows - running, 0) + ready_rows
+    mean = next((a.mean_s for a in found if a.mean_s is not None), None)
     eta: float | None = None
-    if best.mean_s is not None and best.capacity > 0:
-        eta = best.mean_s * (ahead // best.capacity + 1)
+    if mean is not None and capacity > 0:
+        releases = max(0, ahead + 1 - max(0, capacity - running))
+        eta = mean * (releases / capacity + 1)
     return QueuePosition(
-        running=best.running,
-        waiting=best.waiting,
+        running=running,
+        waiting=max(waiting, ahead + 1),
         position=ahead + 1,
-        capacity=best.capacity,
+        capacity=capacity,
         eta_s=eta,
         instance_id=best.instance_id,
         rows_ahead=rows_ahead,
+        held_ahead=held_ahead,
     )
 
 

@@ -40,6 +40,7 @@ import math
 import random
 import secrets
 import ssl
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator, Mapping
 from typing import Any, assert_never
 
@@ -94,6 +95,13 @@ class AddressState:
             differed from the address the socket was connected to (a balancer
             or a forwarding in between; a host name alone is not one).
         names: the execservers' names, by instance id.
+        state: ``connected`` (an execserver answered that takes work),
+            ``draining`` (every execserver reached drains), ``unreachable`` (no
+            connection, and the latest dial failed) or ``connecting`` (no
+            connection yet, a dial under way or due).
+        last_error: why the latest dial failed, while it is unreachable.
+        unreachable_since: since when (UNIX time) every dial failed, while it is
+            unreachable.
     """
 
     address: str
@@ -102,6 +110,9 @@ class AddressState:
     covered: bool
     balanced: bool
     names: Mapping[str, str]
+    state: str = "connecting"
+    last_error: str | None = None
+    unreachable_since: float | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -164,6 +175,19 @@ def _split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _dial_error(exc: BaseException) -> str:
+    """A failed dial in one line: what failed, and how (``ConnectionRefusedError:
+    Connection refused``; trio's "all attempts … failed" gives its attempts' reasons)."""
+    if isinstance(exc, trio.TooSlowError):
+        return f"no answer within {DIAL_TIMEOUT:g} s"
+    if isinstance(exc.__cause__, BaseExceptionGroup):
+        reasons = [_dial_error(leaf) for leaf in exc.__cause__.exceptions]
+        return "; ".join(dict.fromkeys(reasons))
+    text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    text = " ".join(text.split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def _format_address(sockname: Any) -> str:
     host, port = sockname[0], sockname[1]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -211,7 +235,8 @@ class BrokerClient:
         self._finished = 0
         self._failed = 0
         self._closed = False
-        self._failed_dials: set[str] = set()  # addresses whose latest dial failed
+        # addresses whose latest dial failed: why, and since when (UNIX time) they fail
+        self._dial_failures: dict[str, tuple[str, float]] = {}
         self._connection_tasks = 0
         self._no_connection_tasks = trio.Event()
         self._watchers = 0
@@ -411,6 +436,11 @@ class BrokerClient:
         for address in self.config.addresses:
             conns = core.pool(address)
             hellos = [h for h in (core.hello(c) for c in conns) if h is not None]
+            failure = self._dial_failures.get(address) if not hellos else None
+            if hellos:
+                state = "draining" if all(h.draining for h in hellos) else "connected"
+            else:
+                state = "connecting" if failure is None else "unreachable"
             addresses.append(
                 AddressState(
                     address=address,
@@ -419,6 +449,9 @@ class BrokerClient:
                     covered=core.covered(address),
                     balanced=core.balanced(address),
                     names={h.instance_id: h.name for h in hellos},
+                    state=state,
+                    last_error=None if failure is None else failure[0],
+                    unreachable_since=None if failure is None else failure[1],
                 )
             )
         return ClientStatistics(
@@ -617,11 +650,12 @@ class BrokerClient:
             HandshakeRefused,
         ) as exc:
             log.info("dialling %s failed: %r", address, exc)
-            self._failed_dials.add(address)
+            since = self._dial_failures.get(address, ("", time.time()))[1]
+            self._dial_failures[address] = (_dial_error(exc), since)
             core.dial_failed(conn_id, now=trio.current_time())
             self._driver.flush()
             return
-        self._failed_dials.discard(address)
+        self._dial_failures.pop(address, None)
         if self._closed:  # closed while this dial was under way
             with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
                 await transport.close(p.CLOSE_NORMAL, "client closing")
@@ -690,7 +724,7 @@ async def open_broker_client(
             with trio.move_on_after(wait_connected):
                 await client.wait_until(
                     lambda: all(
-                        a.instances or a.address in client._failed_dials
+                        a.instances or a.address in client._dial_failures
                         for a in client.statistics().addresses
                     )
                 )

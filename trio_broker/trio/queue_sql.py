@@ -39,6 +39,7 @@ from psycopg import sql
 
 __all__ = [
     "BACKENDS_TABLE",
+    "CLAIMED_REFS",
     "CLAIM_ORDER",
     "COMPLETE_ID",
     "COUNTS",
@@ -248,6 +249,11 @@ DELETE_UNCLAIMED: Final = sql.SQL(
     " AND file_ref = ANY(%s::text[])"
 )
 """Delete the new and failed rows of one action for some files; claimed rows stay."""
+CLAIMED_REFS: Final = sql.SQL(
+    "SELECT DISTINCT file_ref FROM broker_queue WHERE action = %s AND status = 'claimed'"
+    " AND file_ref = ANY(%s::text[])"
+)
+"""The files (of some) that have a claimed row of one action."""
 
 # -- failed rows ---------------------------------------------------------------------------
 
@@ -293,9 +299,14 @@ _STATE_COUNTS = sql.SQL(
 COUNTS: Final = sql.SQL("SELECT {} FROM broker_queue").format(_STATE_COUNTS)
 """Rows by state: ready, delayed, claimed, failed (one row)."""
 COUNTS_BY_PRIORITY: Final = sql.SQL(
-    "SELECT priority, {} FROM broker_queue GROUP BY priority ORDER BY priority DESC"
-).format(_STATE_COUNTS)
-"""Rows by state per priority (ready, delayed, claimed, failed after the priority)."""
+    "SELECT priority, {counts},"
+    " extract(epoch FROM now() - min(created_at) FILTER (WHERE {ready}))::float8,"
+    " min(start_after) FILTER (WHERE status = 'new' AND start_after > now())"
+    " FROM broker_queue GROUP BY priority ORDER BY priority DESC"
+).format(counts=_STATE_COUNTS, ready=READY)
+"""Rows by state per priority (ready, delayed, claimed, failed after the priority), then
+the age in seconds of the oldest ready row (since it was enqueued; null without one)
+and the soonest ``start_after`` of a delayed row (null without one)."""
 
 ITEM_BY_ID: Final = sql.SQL("SELECT {} FROM broker_queue WHERE id = %s").format(ITEM_COLUMNS)
 ROWS_OF: Final = sql.SQL(
@@ -309,11 +320,13 @@ HELD: Final = sql.SQL(
 
 
 def positions_query(with_actions: bool) -> sql.Composed:
-    """The new and claimed rows of some files (``%(refs)s``), each with the ready rows
-    ahead of it in :data:`CLAIM_ORDER`.
+    """The new and claimed rows of some files (``%(refs)s``), each with its competitors:
+    the ready rows ahead of it in :data:`CLAIM_ORDER`, the claimed rows ahead of it
+    (held by a dispatcher: running, or waiting for a slot), and, in all, the ready
+    rows and the claimed rows.
 
     With ``with_actions``, only rows of ``%(actions)s`` count, both as the files'
-    rows and as the rows ahead. Returns :data:`ITEM_COLUMNS` and the count.
+    rows and as their competitors. Returns :data:`ITEM_COLUMNS` and the four counts.
     """
 
     def actions_of(alias: str) -> sql.Composable:
@@ -323,10 +336,14 @@ def positions_query(with_actions: bool) -> sql.Composed:
 
     return sql.SQL(
         "SELECT {columns},"
-        " (SELECT count(*) FROM broker_queue r WHERE {ready}{r_actions} AND {ahead})"
+        " count(*) FILTER (WHERE {ready} AND {ahead}),"
+        " count(*) FILTER (WHERE r.status = 'claimed' AND r.id <> q.id AND {ahead}),"
+        " count(*) FILTER (WHERE {ready}),"
+        " count(*) FILTER (WHERE r.status = 'claimed')"
         " FROM broker_queue q"
+        " LEFT JOIN broker_queue r ON (r.status = 'claimed' OR {ready}){r_actions}"
         " WHERE q.file_ref = ANY(%(refs)s::text[]){q_actions} AND q.status IN ('new', 'claimed')"
-        " ORDER BY q.id"
+        " GROUP BY q.id ORDER BY q.id"
     ).format(
         columns=_ITEM_OF_Q,
         ready=ready("r"),

@@ -23,7 +23,14 @@ import attrs
 import psycopg
 from psycopg.rows import TupleRow
 
-__all__ = ["MIGRATION_LOCK", "QUEUE_SCOPE", "Migration", "apply_migrations", "load_migrations"]
+__all__ = [
+    "MIGRATION_LOCK",
+    "QUEUE_SCOPE",
+    "Migration",
+    "apply_migrations",
+    "load_migrations",
+    "pending_migrations",
+]
 
 Connection = psycopg.Connection[TupleRow]
 
@@ -153,3 +160,28 @@ def apply_migrations(
             )
             applied_now.append(key)
     return applied_now
+
+
+def pending_migrations(
+    conn: Connection, migrations: Sequence[Migration] | None = None
+) -> list[Migration]:
+    """The migrations of ``migrations`` that ``conn``'s database has not applied (one read).
+
+    Nothing is written or locked: a readiness check asks this of a database
+    that a newer or an older server may share.
+
+    Args:
+        conn: a connection in autocommit mode.
+        migrations: what should be applied; the library's own by default.
+
+    Returns:
+        The missing ones, in the given order (all of them when the database has
+        no ``schema_migrations`` at all).
+    """
+    if migrations is None:
+        migrations = load_migrations()
+    try:
+        done = set(conn.execute("SELECT scope, version FROM schema_migrations").fetchall())
+    except psycopg.errors.UndefinedTable:
+        return list(migrations)
+    return [m for m in migrations if (m.scope, m.version) not in done]

@@ -53,7 +53,8 @@ has an async method on the store that borrows a pooled connection for it instead
 (the name without ``_in``; :meth:`Store.enqueue_many` for :func:`enqueue_in`).
 
 Inspection. :meth:`Store.counts` counts the rows by state;
-:meth:`Store.figures` adds the same per priority; :meth:`Store.positions`
+:meth:`Store.figures` adds the same per priority, the oldest ready row's age and
+the soonest delayed row's start; :meth:`Store.positions`
 ranks rows among the ready rows a claim would take before them;
 :meth:`Store.failed` lists the failed rows with their reasons.
 
@@ -117,6 +118,7 @@ __all__ = [
     "Store",
     "StoreStatistics",
     "StoreUnavailable",
+    "claimed_in",
     "delete_unclaimed_in",
     "describe_dsn",
     "enqueue_in",
@@ -227,6 +229,17 @@ def delete_unclaimed_in(conn: Connection, action: str, file_refs: Sequence[str])
         How many rows were deleted.
     """
     return conn.execute(queue_sql.DELETE_UNCLAIMED, (action, list(file_refs))).rowcount
+
+
+def claimed_in(conn: Connection, action: str, file_refs: Sequence[str]) -> set[str]:
+    """Which of ``file_refs`` have a row of ``action`` that a backend holds, on ``conn``.
+
+    For an application that queues an item per file at most once at a time: with
+    :func:`delete_unclaimed_in` and :func:`enqueue_in` in one transaction, it
+    replaces the waiting rows and leaves the files whose item runs.
+    """
+    rows = conn.execute(queue_sql.CLAIMED_REFS, (action, list(file_refs))).fetchall()
+    return {row[0] for row in rows}
 
 
 def failed_in(conn: Connection, *, limit: int) -> list[FailedItem]:
@@ -365,18 +378,30 @@ class Store:
 
     # -- plumbing ------------------------------------------------------------------------
 
-    async def call(self, fn: Callable[[Connection], T], *, kind: str = "call") -> T:
+    async def call(
+        self, fn: Callable[[Connection], T], *, kind: str = "call", abandon_on_cancel: bool = False
+    ) -> T:
         """Run ``fn(connection)`` in a worker thread with a pooled connection.
 
         For tables beside the queue (the connection is in autocommit mode; open
         ``conn.transaction()`` for several statements). ``fn`` must be short: it
         holds a connection and a thread.
 
+        Args:
+            fn: what to run.
+            kind: its name in :meth:`statistics`.
+            abandon_on_cancel: a cancelled call returns at once, leaving the
+                thread to finish ``fn`` and give its connection back (for a
+                read-only check that must answer in time, a probe); otherwise a
+                cancellation waits for ``fn``.
+
         Raises:
             StoreUnavailable: the server is unreachable or the connection broke.
         """
         self._calls[kind] += 1
-        return await trio.to_thread.run_sync(self._call_sync, fn, limiter=self._limiter)
+        return await trio.to_thread.run_sync(
+            self._call_sync, fn, limiter=self._limiter, abandon_on_cancel=abandon_on_cancel
+        )
 
     def _call_sync(self, fn: Callable[[Connection], T]) -> T:
         try:
@@ -713,24 +738,33 @@ class Store:
         return await self.call(run, kind="counts")
 
     async def figures(self) -> QueueFigures:
-        """The rows by state, in all and per priority (one full scan: for inspection)."""
+        """The rows by state, in all and per priority, with the oldest ready row's age and
+        the soonest delayed row's start (one statement, one full scan: for inspection)."""
 
         def run(conn: Connection) -> QueueFigures:
             rows = conn.execute(queue_sql.COUNTS_BY_PRIORITY).fetchall()
-            by_priority = {row[0]: _counts(row[1:]) for row in rows}
-            totals = [sum(column) for column in zip(*(row[1:] for row in rows), strict=True)]
-            return QueueFigures(counts=_counts(totals or (0, 0, 0, 0)), by_priority=by_priority)
+            by_priority = {row[0]: _counts(row[1:5]) for row in rows}
+            totals = [sum(column) for column in zip(*(row[1:5] for row in rows), strict=True)]
+            starts = [row[6] for row in rows if row[6] is not None]
+            return QueueFigures(
+                counts=_counts(totals or (0, 0, 0, 0)),
+                by_priority=by_priority,
+                oldest_ready={row[0]: row[5] for row in rows if row[5] is not None},
+                next_start_after=min(starts, default=None),
+            )
 
         return await self.call(run, kind="figures")
 
     async def positions(
         self, file_refs: Sequence[str], *, actions: Sequence[str] | None = None
     ) -> list[ItemPosition]:
-        """The new and claimed rows of ``file_refs``, each with the ready rows ahead of it.
+        """The new and claimed rows of ``file_refs``, each with its competitors.
 
         "Ahead" is the claim order itself
         (:data:`~trio_broker.trio.queue_sql.CLAIM_ORDER`: priority descending,
-        then id), counted among the rows a claim could take now. One statement.
+        then id): the ready rows ahead (those a claim could take now) and the
+        claimed rows ahead (held by dispatchers), with the ready and claimed rows
+        in all (:class:`ItemPosition`). One statement.
 
         Args:
             file_refs: the files whose rows to rank.
@@ -746,7 +780,13 @@ class Store:
 
         def run(conn: Connection) -> list[ItemPosition]:
             return [
-                ItemPosition(item=_item(row), ahead=row[-1])
+                ItemPosition(
+                    item=_item(row),
+                    ahead=row[-4],
+                    claimed_ahead=row[-3],
+                    ready=row[-2],
+                    claimed=row[-1],
+                )
                 for row in conn.execute(query, params).fetchall()
             ]
 

@@ -139,27 +139,44 @@ class QueueFigures:
         counts: the rows by state, over every priority.
         by_priority: the rows by state per priority, highest priority first
             (only priorities that have rows).
+        oldest_ready: per priority that has ready rows, the age in seconds of
+            its oldest one (since it was enqueued, on the database's clock).
+        next_start_after: the soonest ``start_after`` of a delayed row (``None``
+            without one).
     """
 
     counts: QueueCounts
     by_priority: Mapping[int, QueueCounts] = attrs.field(factory=dict)
+    oldest_ready: Mapping[int, float] = attrs.field(factory=dict)
+    next_start_after: datetime.datetime | None = None
+
+    @property
+    def oldest_ready_s(self) -> float | None:
+        """The age of the oldest ready row of any priority (``None`` without one)."""
+        return max(self.oldest_ready.values(), default=None)
 
 
 @attrs.frozen(kw_only=True)
 class ItemPosition:
-    """A new or claimed row and the ready rows a claim would take before it
-    (:meth:`~trio_broker.trio.store.Store.positions`).
+    """A new or claimed row and its competitors in the queue
+    (:meth:`~trio_broker.trio.store.Store.positions`), among the actions asked about.
 
     Attributes:
         item: the row (``payload`` and ``last_error`` included).
         ahead: ready rows that come before it in the claim order
-            (:data:`~trio_broker.trio.queue_sql.CLAIM_ORDER`), among the actions
-            asked about. For a claimed row it is the rows that would now be
-            claimed before a row like it.
+            (:data:`~trio_broker.trio.queue_sql.CLAIM_ORDER`). For a claimed row
+            it is the rows that would now be claimed before a row like it.
+        claimed_ahead: claimed rows (other than it) that come before it in the
+            claim order: held by a dispatcher, each running or waiting for a slot.
+        ready: the ready rows, in all.
+        claimed: the claimed rows, in all (it included when it is claimed).
     """
 
     item: QueueItem
     ahead: int
+    claimed_ahead: int = 0
+    ready: int = 0
+    claimed: int = 0
 
 
 @attrs.frozen(kw_only=True)

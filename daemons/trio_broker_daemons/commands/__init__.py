@@ -5,6 +5,7 @@ daemon (:mod:`trio_broker_daemons.execserver`, :mod:`trio_broker_daemons.fylr`) 
 one of the client commands here: ``upload``
 (:mod:`~trio_broker_daemons.commands.upload`), ``position``
 (:mod:`~trio_broker_daemons.commands.position`), ``top``
-(:mod:`~trio_broker_daemons.commands.top`) and ``fylr requeue``
+(:mod:`~trio_broker_daemons.commands.top`), ``storage``
+(:mod:`~trio_broker_daemons.commands.storage`) and ``fylr requeue``
 (:mod:`~trio_broker_daemons.commands.requeue`).
 """

@@ -20,14 +20,23 @@ from typing import Final
 
 from trio_broker._version import __version__
 
-__all__ = ["DAEMON_MODULES", "SERVER_VARIABLE", "TOKEN_VARIABLE", "build_parser", "main"]
+__all__ = [
+    "CLIENT_COMMANDS",
+    "DAEMON_MODULES",
+    "SERVER_VARIABLE",
+    "TOKEN_VARIABLE",
+    "build_parser",
+    "main",
+]
 
 LOG_LEVELS: Final = ("debug", "info", "warning", "error")
 LOG_FORMATS: Final = ("logfmt", "json")
 SERVER_VARIABLE: Final = "TRIO_BROKER_SERVER"
 """The environment variable ``upload --server`` defaults to."""
 TOKEN_VARIABLE: Final = "TRIO_BROKER_FYLR_TOKEN"
-"""The environment variable ``upload``, ``position`` and ``top`` take the fylr's token from."""
+"""The environment variable the client commands take the fylr's token from."""
+CLIENT_COMMANDS: Final = ("upload", "position", "top", "storage")
+"""The commands that talk to a fylr (``--server`` and its token)."""
 
 
 def _global_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
@@ -235,8 +244,42 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _global_options(position, top=False)
     _global_options(top, top=False)
+    _storage_command(commands)
     _simulate_parser(commands)
     return parser
+
+
+def _storage_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``trio-broker storage ACTION (--file ID… | --all)``: queue a local action."""
+    storage = commands.add_parser(
+        "storage",
+        help="check, move or repair the stored files of a fylr",
+        description=(
+            "Ask a fylr to queue a local action for some files (--file, repeatable: an "
+            "original with its versions) or for all (--all): checksum (hash the stored "
+            "bytes, mark a mismatch), copy-move (move them to another storage location), "
+            "sync-check (make again the versions whose stored bytes are missing or "
+            "damaged). Needs the operator token."
+        ),
+    )
+    storage.add_argument("action", choices=("checksum", "copy-move", "sync-check"))
+    which = storage.add_mutually_exclusive_group(required=True)
+    which.add_argument(
+        "--file", dest="files", type=int, action="append", metavar="ID", help="the file ID"
+    )
+    which.add_argument("--all", action="store_true", help="every file")
+    storage.add_argument(
+        "--location", metavar="NAME", help="copy-move: the target (default: storage_location)"
+    )
+    storage.add_argument(
+        "--priority",
+        type=_priority,
+        default=None,
+        metavar="BAND",
+        help="the items' priority (default: background)",
+    )
+    _client_options(storage, "operator")
+    _global_options(storage, top=False)
 
 
 def _seeds(text: str) -> range:
@@ -318,13 +361,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "fylr" and args.operation == "requeue" and not args.failed:
         print("trio-broker fylr: requeue needs --failed", file=sys.stderr)
         return 2
-    if args.command in ("upload", "position", "top") and args.server is None:
+    if args.command == "storage" and args.location is not None and args.action != "copy-move":
+        print("trio-broker storage: --location is for copy-move only", file=sys.stderr)
+        return 2
+    if args.command in CLIENT_COMMANDS and args.server is None:
         print(
             f"trio-broker {args.command}: give --server HOST:PORT or set {SERVER_VARIABLE}",
             file=sys.stderr,
         )
         return 2
-    if args.command in ("upload", "position", "top"):
+    if args.command in CLIENT_COMMANDS:
         try:
             args.fylr_token = _fylr_token(args)
         except ValueError as exc:
@@ -371,7 +417,7 @@ def _simulate(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from trio_broker_daemons.runtime.logfmt import configure_logging
 
-    if args.command in ("position", "top"):
+    if args.command in ("position", "top", "storage"):
         from trio_broker_daemons.commands.upload import server_url
 
         configure_logging(args.log_level or "warning", args.log_format)
@@ -384,6 +430,17 @@ def _run(args: argparse.Namespace) -> int:
             from trio_broker_daemons.commands.position import main as position_main
 
             return position_main(server, args.file_id, token=args.fylr_token)
+        if args.command == "storage":
+            from trio_broker_daemons.commands.storage import main as storage_main
+
+            return storage_main(
+                server,
+                args.action,
+                files=None if args.all else args.files,
+                location=args.location,
+                priority=args.priority,
+                token=args.fylr_token,
+            )
         from trio_broker_daemons.commands.top import main as top_main
 
         return top_main(server, once=args.once, token=args.fylr_token)

@@ -3,8 +3,11 @@
 It follows the same document as the fylr's topology page
 (``/inspect/system/topology/ws``, which pushes a new document when something
 changes, at most once a second) and redraws it with rich's Live display, which
-refreshes each second: a table of the fylr servers, one of the execservers
-(with the balancer each is reached through) and the callback warnings. While
+refreshes each second: the installation's health (``ok``, ``warning`` or
+``error``, with one line per problem), a table of the fylr servers, one of the
+execservers (with the balancer each is reached through and its state: lost
+replicas and configured addresses not reached included) and one of the
+database queue per priority band. While
 it runs, the fylrs subscribe to the execservers' figures as for the page; when
 it stops, they stop. ``--once`` prints the document of
 ``/inspect/system/topology/data`` once instead (for scripts and logs). A fylr
@@ -76,13 +79,15 @@ def _execserver_table(document: Mapping[str, Any]) -> Table:
         for instance in balancer["instances"]:
             via[instance] = balancer["address"]
     table = Table(title="execservers", title_justify="left", expand=True)
-    columns = ("name", "via", "slots", "running", "waiting", "finished", "failed", "/min", "pipes")
-    for column in columns:
-        table.add_column(column, justify="left" if column in ("name", "via") else "right")
+    columns = ("name", "via", "state", "slots", "running", "waiting", "finished", "failed")
+    for column in (*columns, "/min", "pipes"):
+        table.add_column(column, justify="left" if column in columns[:3] else "right")
     for execserver in document["execservers"]:
         figures = execserver["figures"]
-        name = execserver["name"] + (" (draining)" if execserver["draining"] else "")
-        if figures is None:
+        state = execserver["state"]
+        if state == "lost":
+            state = f"lost since {_clock(execserver['lost_since'])}"
+        if figures is None or execserver["state"] == "lost":
             row = ["-"] * 6
         else:
             row = [
@@ -93,32 +98,78 @@ def _execserver_table(document: Mapping[str, Any]) -> Table:
                 str(figures["per_minute"]),
                 f"{_bytes(figures['bytes_in'])} in, {_bytes(figures['bytes_out'])} out",
             ]
+        style = "yellow" if execserver["state"] in ("lost", "draining") else None
         table.add_row(
-            name, via.get(execserver["instance_id"], "direct"), str(execserver["slots"]), *row
+            execserver["name"],
+            via.get(execserver["instance_id"], "direct"),
+            state,
+            str(execserver["slots"]),
+            *row,
+            style=style,
+        )
+    for unreached in document["unreached"]:
+        state = unreached["state"]
+        if state == "unreachable":
+            state = f"unreachable since {_clock(unreached['unreachable_since'])}"
+        style = "red" if unreached["state"] == "unreachable" else "yellow"
+        table.add_row(unreached["address"], "-", state, *["-"] * 7, style=style)
+    return table
+
+
+def _clock(instant: str | None) -> str:
+    """``HH:MM:SS UTC`` of a document's ISO 8601 instant."""
+    return "?" if instant is None else f"{instant[11:19]} UTC"
+
+
+def _age(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.0f} s"
+
+
+def _queue_table(queue: Mapping[str, Any]) -> Table:
+    table = Table(
+        title=f"queue (a step may wait {queue['wait_limit_s']:g} s for a slot)",
+        title_justify="left",
+        expand=True,
+    )
+    for column in ("priority", "ready", "oldest ready", "claimed", "delayed", "failed"):
+        table.add_column(column, justify="left" if column == "priority" else "right")
+    for band in [*queue["bands"], {**queue, "band": "all", "priority": None}]:
+        table.add_row(
+            band["band"] if band["priority"] is None else f"{band['band']} ({band['priority']})",
+            str(band["ready"]),
+            _age(band["oldest_ready_s"]),
+            str(band["claimed"]),
+            str(band["delayed"]),
+            str(band["failed"]),
+            style="bold" if band["priority"] is None else None,
         )
     return table
 
 
+_LEVEL_STYLE: Final = {"ok": "green", "warning": "yellow", "error": "red"}
+
+
 def render(document: Mapping[str, Any]) -> Group:
     """The terminal view of one topology document."""
+    health = document["health"]
+    lost = sum(1 for e in document["execservers"] if e["state"] == "lost")
     parts: list[Any] = [
-        Text(
-            f"{len(document['fylrs'])} fylr, {len(document['balancers'])} balancer, "
-            f"{len(document['execservers'])} execserver (served by {document['served_by']})",
-            style="bold",
+        Text.assemble(
+            ("● ", _LEVEL_STYLE[health["level"]]),
+            (
+                f"{health['level']}: {len(document['fylrs'])} fylr, "
+                f"{len(document['balancers'])} balancer, "
+                f"{len(document['execservers']) - lost} execserver"
+                f" (served by {document['served_by']})",
+                "bold",
+            ),
         ),
-        _fylr_table(document),
-        _execserver_table(document),
     ]
-    names = {f["id"]: f["name"] for f in document["fylrs"]}
-    for link in document["links"]:
-        for warning in link["warnings"]:
-            parts.append(
-                Text(f"⚠ {names.get(link['from'], link['from'])}: callback check {warning}", "red")
-            )
-    for fylr in document["fylrs"]:
-        for warning in fylr["warnings"]:
-            parts.append(Text(f"⚠ {fylr['name']}: {warning}", style="red"))
+    for problem in health["problems"]:
+        parts.append(Text(f"⚠ {problem['text']}", style=_LEVEL_STYLE[problem["level"]]))
+    parts += [_fylr_table(document), _execserver_table(document)]
+    queue = document["queue"]
+    parts.append(Text("queue: not read") if queue is None else _queue_table(queue))
     return Group(*parts)
 
 

@@ -45,6 +45,14 @@ Routes (role in brackets):
     the stored original (``original``) or a ``done`` version; 404 otherwise.
 ``GET /healthz`` [public]
     200 ``{"status": "serving"}``, 503 ``{"status": "stopping"}``.
+``PUT /eas/put?original=ID&version=NAME``, ``POST /eas/produce?source=ID&…`` [upload]
+    a manual version; a modified original
+    (:mod:`~trio_broker_daemons.fylr.entry_api`).
+``POST /inspect/system/fylr/checksum|copy_move|sync_check[?file=ID]`` [operator]
+    queue a local action for one file or all
+    (:mod:`~trio_broker_daemons.fylr.entry_api`).
+``GET /livez``, ``GET /readyz`` [public]
+    the probes (:mod:`trio_broker_daemons.fylr.probes`).
 
 The application also carries the inspection routes [operator]
 (:func:`trio_broker_daemons.fylr.metrics.routes`,
@@ -86,15 +94,18 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from trio_broker.trio.store import StoreUnavailable
-from trio_broker_daemons.fylr import metrics, topology
+from trio_broker_daemons.fylr import metrics, probes, topology
 from trio_broker_daemons.fylr.access import Access, Role
 from trio_broker_daemons.fylr.config import FileClass, is_version_name
+from trio_broker_daemons.fylr.derived import priority_of
+from trio_broker_daemons.fylr.entry_api import EntryApi
 from trio_broker_daemons.fylr.files import FileRow
 from trio_broker_daemons.fylr.guard import FylrGate, access_of, guarded, route, undeclared
+from trio_broker_daemons.fylr.local_actions import integrity_members
 from trio_broker_daemons.fylr.position import add_queue_positions
 from trio_broker_daemons.fylr.produce import api_status, class_of
 from trio_broker_daemons.fylr.state import FylrState
-from trio_broker_daemons.fylr.storage import FileReader, FileTooLarge, StoredFile
+from trio_broker_daemons.fylr.storage import FileReader, FileTooLarge, StoredFile, StoredKind
 from trio_broker_daemons.fylr.worker import OCTET_STREAM
 from trio_broker_daemons.runtime.logfmt import fields
 
@@ -236,6 +247,7 @@ def _row_document(row: FileRow, base: str, sign: Sign | None) -> dict[str, Any]:
         "created_at": row.created_at.isoformat(),
         "updated_at": row.updated_at.isoformat(),
         "url": url,
+        **integrity_members(row),
     }
 
 
@@ -306,42 +318,19 @@ class FileApi:
         """``PUT /eas/put?filename=…&priority=…``: store the body, record the file."""
         state = self.state
         filename = request.query_params.get("filename", "")
-        raw_priority = request.query_params.get("priority", "0")
         problem = None
         if not filename or len(filename) > MAX_FILENAME_CHARS or "\x00" in filename:
             problem = f"filename: expected 1 to {MAX_FILENAME_CHARS} characters"
-        try:
-            priority = int(raw_priority)
-        except ValueError:
-            priority = 0
-            problem = problem or f"priority: expected an integer, got {raw_priority!r}"
-        if problem is None and not PRIORITY_MIN <= priority <= PRIORITY_MAX:
-            problem = f"priority: expected a 32-bit signed integer, got {priority}"
+        priority, bad_priority = priority_of(request.query_params.get("priority", "0"))
+        problem = problem or bad_priority
         if state.stopping:
             return _early(unavailable("the server is shutting down"))
         if problem is not None:
             state.count("uploads_refused")
             return _early(JSONResponse({"error": problem}, status_code=400))
-        limit = state.config.max_upload_size
-        declared = request.headers.get("content-length", "")
-        if limit is not None and declared.isdigit() and int(declared) > limit:
-            state.count("uploads_refused")
-            return _early(JSONResponse({"error": f"the file is larger than {limit} bytes"}, 413))
-        try:
-            stored = await self.storage.write_stream(
-                "original", _RequestBody(request.receive), max_size=limit
-            )
-        except FileTooLarge as exc:
-            state.count("uploads_refused")
-            return _early(JSONResponse({"error": str(exc)}, status_code=413))
-        except _UploadInterrupted:
-            state.count("uploads_aborted")
-            log.info("upload interrupted", extra=fields(filename=filename))
-            return Response(status_code=400)  # nobody reads it
-        except OSError as exc:  # the folder failed (a vanished temporary file, an I/O error)
-            state.count("uploads_failed")
-            log.warning("upload not stored", extra=fields(filename=filename, error=repr(exc)))
-            return unavailable(f"the file could not be stored: {exc}")
+        stored = await self.store_body(request, "original", what=filename)
+        if isinstance(stored, Response):
+            return stored
         class_name = class_of(filename, state.config)
         file_class = state.file_class(class_name)
         try:
@@ -370,6 +359,38 @@ class FileApi:
         )
         return JSONResponse(self.document(row, []), status_code=201)
 
+    async def store_body(
+        self, request: Request, kind: StoredKind, *, what: str
+    ) -> StoredFile | Response:
+        """Stream a request's body into storage (hashed on the way), or the answer why not.
+
+        Returns:
+            The stored file (the caller settles its key), or 413 over
+            ``max_upload_size``, 400 for a sender that went away, 503 when the
+            storage folder failed; each counted.
+        """
+        state = self.state
+        limit = state.config.max_upload_size
+        declared = request.headers.get("content-length", "")
+        if limit is not None and declared.isdigit() and int(declared) > limit:
+            state.count("uploads_refused")
+            return _early(JSONResponse({"error": f"the file is larger than {limit} bytes"}, 413))
+        try:
+            return await self.storage.write_stream(
+                kind, _RequestBody(request.receive), max_size=limit
+            )
+        except FileTooLarge as exc:
+            state.count("uploads_refused")
+            return _early(JSONResponse({"error": str(exc)}, status_code=413))
+        except _UploadInterrupted:
+            state.count("uploads_aborted")
+            log.info("upload interrupted", extra=fields(filename=what))
+            return Response(status_code=400)  # nobody reads it
+        except OSError as exc:  # the folder failed (a vanished temporary file, an I/O error)
+            state.count("uploads_failed")
+            log.warning("upload not stored", extra=fields(filename=what, error=repr(exc)))
+            return unavailable(f"the file could not be stored: {exc}")
+
     async def _record(
         self,
         stored: StoredFile,
@@ -387,6 +408,7 @@ class FileApi:
                 stored=stored,
                 mimetype=_guess_mimetype(filename),
                 metadata_step=file_class is not None and file_class.metadata is not None,
+                produce_first=file_class is not None and file_class.convert is not None,
             )
         finally:
             self.storage.settled(stored.key)
@@ -505,12 +527,20 @@ def build_app(state: FylrState, access: Access | None = None) -> Starlette:
     """
     access = access or access_of(state.config)
     api = FileApi(state, access)
+    entry = EntryApi(
+        state,
+        document=lambda row: api.document(row, []),
+        upload=api.upload,
+        store_body=api.store_body,
+        unavailable=unavailable,
+    )
     routes = [
-        route("/eas/put", api.upload, role=Role.UPLOAD, methods=("PUT",)),
+        *entry.routes(),  # /eas/put (uploads, manual versions), /eas/produce, local actions
         route("/api/v1/eas/download/{file_id}/{version}", api.download, role=Role.READ, links=True),
         route("/api/v1/eas/{file_id}/sync", api.resync, role=Role.OPERATOR, methods=("POST",)),
         route("/api/v1/eas/{file_id}", api.get_file, role=Role.READ),
         route("/healthz", api.healthz, role=Role.PUBLIC),
+        *probes.routes(state),
         *metrics.routes(state),
         *topology.routes(state, access),
         *guarded(state.pipes.routes(), role=Role.PIPE),

@@ -24,9 +24,14 @@ Theory of operation
 - **a broker client** (:mod:`trio_broker.trio.client`) to every configured execserver;
   the pipe URLs it puts into jobs point back at this listener;
 - **a dispatcher** (:mod:`trio_broker.trio.dispatcher`) that drains ``broker_queue``
-  into the steps of the queue worker (:mod:`trio_broker_daemons.fylr.worker`),
-  settles each step's one decision through the worker, and claims at once when
-  the broker client's capacity changes (it watches the client itself).
+  into the steps of the queue worker (:mod:`trio_broker_daemons.fylr.worker`;
+  an original's own produce step: :mod:`~trio_broker_daemons.fylr.derived_worker`)
+  and the local actions (:mod:`~trio_broker_daemons.fylr.local_actions`),
+  settles each step's one decision through them, and claims at once when
+  the broker client's capacity changes (it watches the client itself). With
+  ``parallel: 0`` (an API-only node) there is neither dispatcher nor broker
+  client: the process only beats its heartbeat, and another fylr on the same
+  database does the work.
 
 What these parts share (resources, counters, change events) is one
 :class:`~trio_broker_daemons.fylr.state.FylrState`.
@@ -54,7 +59,7 @@ from trio_broker.core.client import ClientConfig
 from trio_broker.trio.client import BrokerClient, open_broker_client
 from trio_broker.trio.dispatcher import Action, Dispatcher, DispatcherConfig, serve_dispatcher
 from trio_broker.trio.listener import listener_config, serve_app
-from trio_broker.trio.store import Store, describe_dsn, open_store
+from trio_broker.trio.store import Store, StoreUnavailable, describe_dsn, open_store
 from trio_broker_daemons.fylr.api import build_app
 from trio_broker_daemons.fylr.brokercheck import (
     CallbackCheck,
@@ -62,7 +67,9 @@ from trio_broker_daemons.fylr.brokercheck import (
     check_execservers,
 )
 from trio_broker_daemons.fylr.config import FylrConfig, new_backend_id
+from trio_broker_daemons.fylr.derived_worker import OwnProduceStep
 from trio_broker_daemons.fylr.files import fylr_migrations
+from trio_broker_daemons.fylr.local_actions import LocalActions
 from trio_broker_daemons.fylr.metrics import inspect_document
 from trio_broker_daemons.fylr.pgcluster import open_pg_cluster
 from trio_broker_daemons.fylr.state import FylrState, FylrStatistics
@@ -203,7 +210,7 @@ async def _maybe_client(
 ) -> AsyncIterator[BrokerClient | None]:
     callbacks = CallbackCheck(config, state.backend_id)
     state.callback_warnings = lambda: callbacks.warnings
-    if not config.execservers:
+    if not config.execservers or config.api_only:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(callbacks.serve, None)
             yield None
@@ -255,6 +262,10 @@ async def serve_fylr(
         health, the inspection document (JSON), Prometheus text.
     ``POST /inspect/system/fylr/requeue[?id=N]``, ``POST /inspect/system/fylr/sweep``
         retry the failed queue rows; sweep the storage folder now.
+    ``PUT /eas/put?original=ID&version=NAME``, ``POST /eas/produce?source=ID&…``
+        a manual version; a modified original.
+    ``POST /inspect/system/fylr/checksum|copy_move|sync_check[?file=ID]``
+        queue a local action for one file or all.
 
     While the database is unavailable every route that needs it answers 503
     with ``Retry-After``.
@@ -269,7 +280,12 @@ async def serve_fylr(
         StoreUnavailable: the database could not be reached.
     """
     backend_id = config.backend_id or new_backend_id(config.name)
-    storage = Storage(config.storage_dir, writer=backend_id)
+    storage = Storage(
+        config.storage_dir,
+        writer=backend_id,
+        locations=config.storage_locations,
+        current=config.storage_location,
+    )
     state: FylrState | None = None
     try:
         async with (
@@ -301,12 +317,15 @@ async def serve_fylr(
                 try:
                     async with _maybe_client(config, state, port) as client:
                         state.client = client
-                        actions = FileWorker(state).actions()
                         async with trio.open_nursery() as work:
-                            dispatcher: Dispatcher = await work.start(
-                                _dispatcher_task(store, actions, config, backend_id, client)
-                            )
-                            state.dispatcher = dispatcher
+                            if config.api_only:  # parallel: 0: another fylr does the work
+                                work.start_soon(_heartbeat, state)
+                            else:
+                                state.dispatcher = await work.start(
+                                    _dispatcher_task(
+                                        store, _actions(state), config, backend_id, client
+                                    )
+                                )
                             work.start_soon(topology_of(state).serve)
                             work.start_soon(state.sweeper.serve)
                             log.info(
@@ -316,6 +335,7 @@ async def serve_fylr(
                                     backend_id=backend_id,
                                     database=database,
                                     execservers=",".join(config.execservers) or None,
+                                    api_only=config.api_only,
                                 ),
                             )
                             task_status.started(handle)
@@ -348,6 +368,33 @@ def _log_open_roles(config: FylrConfig, url: str) -> None:
             " loopback only)",
             extra=fields(open_roles=roles, listen=config.listen),
         )
+
+
+def _actions(state: FylrState) -> list[Action]:
+    """The dispatcher's actions: the file worker's steps (an original's own produce step
+    handled before a version's), and the local actions."""
+    worker = FileWorker(state)
+    return [*OwnProduceStep(worker).wrap(worker.actions()), *LocalActions(worker).actions()]
+
+
+async def _heartbeat(state: FylrState) -> None:
+    """An API-only node's heartbeat (a dispatcher beats otherwise): its uploads in
+    progress belong to a live backend, which no sweep touches. Unregistered at the end."""
+    config = state.config
+    try:
+        while True:
+            await trio.sleep(config.heartbeat_interval)
+            try:
+                await state.store.heartbeat(state.backend_id, config.name)
+            except StoreUnavailable as exc:
+                log.info("heartbeat failed", extra=fields(error=str(exc)))
+    finally:
+        with (
+            trio.CancelScope(shield=True),
+            trio.move_on_after(_SHUTDOWN_TIMEOUT),
+            contextlib.suppress(StoreUnavailable),
+        ):
+            await state.store.unregister_backend(state.backend_id)
 
 
 def _dispatcher_task(

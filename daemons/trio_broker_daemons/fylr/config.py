@@ -102,8 +102,14 @@ Top-level keys (:class:`FylrConfig`):
     Cap on queue items in flight; 0 = automatic
     (:func:`~trio_broker.core.admission.auto_max_in_flight` of the database pool).
 ``local_workers`` (0, >= 0)
-    Concurrent local-bound actions (sync, checksum, copy); 0 =
+    Concurrent local-bound actions (sync, checksum, copy_move, sync_check); 0 =
     :func:`~trio_broker.trio.host.cpu_count`.
+``parallel`` (null)
+    ``0`` makes an API-only node: no dispatcher and no broker connections; it
+    serves uploads, downloads, pipes and inspection while another fylr on the
+    same database (and storage folder) does the work. Null (the default)
+    processes files. Any other value is refused: the dispatcher sizes itself
+    (``max_in_flight``, ``local_workers``).
 ``claim_interval`` (1s, > 0)
     How often the dispatcher claims queue rows when nothing finishes.
 ``retry_delay`` (1m, >= 0)
@@ -129,6 +135,21 @@ Top-level keys (:class:`FylrConfig`):
     writer's leftovers go once 2 × ``stale_after`` old, swept every 10 × ``stale_after``.
 ``max_upload_size`` (null)
     Largest upload accepted, bytes or a size string; null = no limit.
+``storage_locations`` ({})
+    Further storage locations besides ``default`` (``state_dir/files``): a name
+    (1 to 63 of ``a-z 0-9 _ -``, starting with a letter or digit, not
+    ``default``) → a folder (relative to the configuration file's folder). A
+    stored file's key names its location (``archive:originals/…``); the
+    ``copy_move`` action moves files between locations.
+``storage_location`` (null)
+    Where new files are stored: null = ``default``, or a name of
+    ``storage_locations``. ``copy_move`` moves files here unless told another.
+``modify`` (null)
+    The step that makes modified originals (``POST /eas/produce``): ``{service:
+    NAME, params: {...}, timeout, stall_timeout}``; the job's params are these
+    with ``rotate`` (0, 90, 180, 270), ``crop`` (``x,y,w,h`` or empty) and
+    ``format`` (an extension, or empty to keep the source's) laid over them.
+    Null: modified originals are refused (501).
 ``default_class`` (null)
     The class of files whose extension no class lists (and of files without one);
     null = such files have no class: no metadata step and no versions.
@@ -148,6 +169,15 @@ File class keys (:class:`FileClass`):
 ``versions`` ({})
     Version name → :class:`VersionConfig`. Names are 1 to 200 characters of
     ``A-Z a-z 0-9 _ . -`` (they appear in download URLs), not ``original``.
+``convert`` (null)
+    A produce-first class: its originals are converted before they are
+    originals at all (:class:`ConvertConfig`: ``service``, ``params``,
+    ``extension``, ``mimetype``, ``timeout``, ``stall_timeout``). The upload is
+    kept as the original's manual version ``delivered``; the converted bytes
+    are the original, named with ``extension`` and classified again by it, so
+    the class of that extension gives its metadata step and versions. That
+    class must not convert again, and a class with ``convert`` has no version
+    named ``delivered``.
 
 Version keys (:class:`VersionConfig`):
 
@@ -212,9 +242,12 @@ from trio_broker_daemons.fylr.access import Tokens, check_host_names, check_orig
 
 __all__ = [
     "DEFAULT_FYLR_LISTEN",
+    "DEFAULT_LOCATION",
+    "DELIVERED_VERSION",
     "MAX_BACKEND_ID_CHARS",
     "MAX_NAME_CHARS",
     "RESERVED_VERSION_NAMES",
+    "ConvertConfig",
     "FileClass",
     "FylrConfig",
     "MetadataConfig",
@@ -232,6 +265,11 @@ MAX_NAME_CHARS: Final = 200
 MAX_BACKEND_ID_CHARS: Final = 200
 RESERVED_VERSION_NAMES: Final = frozenset({"original"})
 """Version names refused: ``original`` names the uploaded file in download URLs."""
+DELIVERED_VERSION: Final = "delivered"
+"""The manual version that keeps a produce-first original's upload as it was delivered."""
+DEFAULT_LOCATION: Final = "default"
+"""The storage location ``state_dir/files`` (keys without a location prefix)."""
+_LOCATION_NAME: Final = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 
 ParamValue: TypeAlias = str | int | float | bool
 """A job parameter value (what an argv placeholder can be filled with)."""
@@ -496,7 +534,7 @@ def _job_limit(value: object) -> float | None:
     return None if value is None else parse_duration(value)
 
 
-def job_limits(recipe: "VersionConfig | MetadataConfig") -> dict[str, str]:
+def job_limits(recipe: "VersionConfig | MetadataConfig | ConvertConfig") -> dict[str, str]:
     """The job object members for a recipe's own limits (none when it sets none)."""
     limits = {"timeout": recipe.timeout, "stall_timeout": recipe.stall_timeout}
     return {name: format_job_duration(v) for name, v in limits.items() if v is not None}
@@ -533,6 +571,52 @@ def _mimetype(value: object) -> str | None:
     return None if value is None else nonempty_string(value)
 
 
+def _parallel(value: object) -> int | None:
+    """``null`` (process files) or ``0`` (an API-only node); nothing else."""
+    if value is None or (type(value) is int and value == 0):
+        return value
+    raise ConfigError(
+        "expected 0 (an API-only node: no file processing here) or null (process files),"
+        f" got {show(value)}: the dispatcher sizes itself (max_in_flight, local_workers)"
+    )
+
+
+def _location_name(value: object) -> str:
+    if type(value) is not str or not _LOCATION_NAME.fullmatch(value):
+        raise ConfigError(
+            "expected a location name of 1 to 63 characters of a-z, 0-9, '_' and '-',"
+            f" starting with a letter or digit, got {show(value)}"
+        )
+    if value == DEFAULT_LOCATION:
+        raise ConfigError(f"the location name {value!r} is state_dir/files, always there")
+    return value
+
+
+def _locations(value: object) -> dict[str, Path]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"expected a mapping of location names to folders, got {show(value)}")
+    result: dict[str, Path] = {}
+    for name, raw in value.items():
+        try:
+            result[_location_name(name)] = config_path(raw)
+        except ConfigError as exc:
+            raise ConfigError(exc.reason, keys=(name,) if type(name) is str else ()) from None
+    return result
+
+
+def _optional_location(value: object) -> str | None:
+    if value is None or value == DEFAULT_LOCATION:
+        return None
+    return _location_name(value)
+
+
+def _convert(value: object) -> "ConvertConfig | None":
+    if value is None:
+        return None
+    config: ConvertConfig = converter.structure(value, ConvertConfig)
+    return config
+
+
 _Listen = Annotated[str, Rule(listen_address)]
 _Name = Annotated[str, Rule(nonempty_string)]
 _BackendId = Annotated[str | None, Rule(_backend_id)]
@@ -558,6 +642,10 @@ _JobLimit = Annotated[float | None, Rule(_job_limit)]
 _LinkKey = Annotated[str | None, Rule(_link_key)]
 _HostNames = Annotated[tuple[str, ...], Rule(check_host_names)]
 _Origins = Annotated[tuple[str, ...], Rule(check_origins)]
+_Parallel = Annotated[int | None, Rule(_parallel)]
+_Locations = Annotated[Mapping[str, Path], Rule(_locations)]
+_Location = Annotated[str | None, Rule(_optional_location)]
+_Extension = Annotated[str, Rule(_extension)]
 
 
 # -- the classes ---------------------------------------------------------------
@@ -595,8 +683,30 @@ class VersionConfig:
     stall_timeout: _JobLimit = None
 
 
+@attrs.frozen(kw_only=True)
+class ConvertConfig:
+    """A produce-first class's conversion: what its uploads become before they are originals.
+
+    Attributes:
+        service: the execserver service that converts (body mode: the upload on
+            its stdin, the original on its stdout).
+        extension: the converted original's extension (its name and its class).
+        params: the job's params.
+        mimetype: the MIME type the converted original is labelled with.
+        timeout, stall_timeout: the job's own limits, as a version's.
+    """
+
+    service: _ServiceName
+    extension: _Extension
+    params: _Params = attrs.field(factory=dict)
+    mimetype: _MimeType = None
+    timeout: _JobLimit = None
+    stall_timeout: _JobLimit = None
+
+
 _Versions = Annotated[Mapping[str, VersionConfig], Rule(_versions)]
 _Metadata = Annotated[MetadataConfig | None, Rule(_metadata)]
+_Convert = Annotated[ConvertConfig | None, Rule(_convert)]
 
 
 @attrs.frozen(kw_only=True)
@@ -611,8 +721,15 @@ class FileClass:
     extensions: _Extensions = ()
     metadata: _Metadata = None
     versions: _Versions = attrs.field(factory=dict)
+    convert: _Convert = None
 
     def __attrs_post_init__(self) -> None:
+        if self.convert is not None and DELIVERED_VERSION in self.versions:
+            raise ConfigError(
+                f"the version name {DELIVERED_VERSION!r} keeps the upload of a class with"
+                " convert: name this version otherwise",
+                keys=("versions", DELIVERED_VERSION),
+            )
         names = sorted(self.versions)
         for name, version in self.versions.items():
             if version.source is not None and (
@@ -706,6 +823,10 @@ class FylrConfig:
     max_upload_size: _UploadLimit = None
     default_class: _OptionalName = None
     classes: _Classes = attrs.field(factory=dict)
+    parallel: _Parallel = None
+    storage_locations: _Locations = attrs.field(factory=dict)
+    storage_location: _Location = None
+    modify: _Metadata = None
 
     def __attrs_post_init__(self) -> None:
         if self.ping_timeout <= self.ping_interval:
@@ -742,6 +863,30 @@ class FylrConfig:
                         keys=("classes", class_name, "extensions", index),
                     )
                 owner[extension] = class_name
+        self._check_conversions(owner)
+        if self.storage_location is not None and self.storage_location not in (
+            self.storage_locations
+        ):
+            known = ", ".join(sorted(self.storage_locations)) or "none configured"
+            raise ConfigError(
+                f"expected null, {DEFAULT_LOCATION!r} or a name of storage_locations ({known}),"
+                f" got {show(self.storage_location)}",
+                keys=("storage_location",),
+            )
+
+    def _check_conversions(self, owner: Mapping[str, str]) -> None:
+        """A converted original's extension must lead to a class that does not convert."""
+        for class_name, file_class in self.classes.items():
+            if file_class.convert is None:
+                continue
+            extension = file_class.convert.extension
+            target = owner.get(extension, self.default_class)
+            if target is not None and self.classes[target].convert is not None:
+                raise ConfigError(
+                    f"files converted to {extension!r} belong to class {target!r}, which"
+                    " converts again: name an extension of a class without convert",
+                    keys=("classes", class_name, "convert", "extension"),
+                )
 
     def _check_broker_tls(self) -> None:
         schemes = {split_broker_address(a)[0] for a in self.execservers}
@@ -839,6 +984,16 @@ class FylrConfig:
     def pg_dir(self) -> Path:
         """Where the embedded PostgreSQL cluster lives: ``state_dir/pg``."""
         return self.state_dir / "pg"
+
+    @property
+    def api_only(self) -> bool:
+        """Whether this fylr processes no files (``parallel: 0``)."""
+        return self.parallel == 0
+
+    @property
+    def locations(self) -> dict[str, Path]:
+        """Every storage location by name: ``default`` and ``storage_locations``."""
+        return {DEFAULT_LOCATION: self.storage_dir, **self.storage_locations}
 
     def resolved_local_workers(self, *, root: str | os.PathLike[str] = "/") -> int:
         """Concurrent local-bound actions: ``local_workers``, or the CPU count when 0.

@@ -24,7 +24,9 @@ state its step starts from:
 ``produce``
     the version goes back to ``new``, and so do the versions that failed only
     because it had (``source version '…' failed``), down the chain; an original
-    that had ended ``done`` goes back to ``produce``;
+    that had ended ``done`` goes back to ``produce``; an original whose own
+    produce step (a conversion, a modification) had failed goes back to
+    ``pending_produce``;
 ``sync`` and any other action
     only the row is requeued.
 """
@@ -134,6 +136,11 @@ def _reset_metadata(conn: Connection, file_id: int) -> None:
 
 
 def _reset_produce(conn: Connection, version_id: int) -> None:
+    conn.execute(  # an original's own produce step
+        "UPDATE files SET status = 'pending_produce', error = NULL, updated_at = now()"
+        " WHERE id = %s AND kind = 'original' AND status = 'error'",
+        (version_id,),
+    )
     found = conn.execute(
         "SELECT parent_id, version FROM files WHERE id = %s AND kind = 'version'", (version_id,)
     ).fetchone()

@@ -60,6 +60,7 @@ from trio_broker_daemons.fylr.produce import (
 from trio_broker_daemons.fylr.storage import StoredFile
 
 __all__ = [
+    "FILE_COLUMNS",
     "FYLR_SCOPE",
     "FileRow",
     "FileStore",
@@ -67,7 +68,9 @@ __all__ = [
     "SyncResult",
     "VersionEnd",
     "WantedVersion",
+    "file_row",
     "fylr_migrations",
+    "queue_steps",
 ]
 
 Connection: TypeAlias = psycopg.Connection[TupleRow]
@@ -78,7 +81,8 @@ ACTION_PRODUCE: Final = "produce"
 
 _COLUMNS: Final = (
     "id, kind, parent_id, version, source, filename, class, status, priority, storage_key,"
-    " size, sha256, mimetype, metadata, produce_hash, error, created_at, updated_at"
+    " size, sha256, mimetype, metadata, produce_hash, error, created_at, updated_at,"
+    " manual, derived_from, derivation, checked_at, damage"
 )
 
 
@@ -105,6 +109,12 @@ class FileRow:
         error: why it failed (or, for an original whose metadata step failed,
             why there is no metadata).
         created_at, updated_at: timestamps.
+        manual: a version uploaded by hand (or a produce-first upload as delivered):
+            no produce hash, never touched by a sync.
+        derived_from: a modified original's source original.
+        derivation: what a modified original was asked to be (rotate, crop, format).
+        checked_at: when the checksum action last read its stored bytes.
+        damage: why its stored bytes cannot be trusted, or ``None``.
     """
 
     id: int
@@ -125,6 +135,11 @@ class FileRow:
     error: str | None
     created_at: datetime.datetime
     updated_at: datetime.datetime
+    manual: bool = False
+    derived_from: int | None = None
+    derivation: Mapping[str, Any] | None = None
+    checked_at: datetime.datetime | None = None
+    damage: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -232,6 +247,11 @@ def _row(values: Sequence[Any]) -> FileRow:
         error=values[15],
         created_at=values[16],
         updated_at=values[17],
+        manual=values[18],
+        derived_from=values[19],
+        derivation=values[20],
+        checked_at=values[21],
+        damage=values[22],
     )
 
 
@@ -243,6 +263,22 @@ def _one(conn: Connection, query: str, params: Sequence[Any] | Mapping[str, Any]
 def _enqueue(conn: Connection, items: Sequence[tuple[int, str, int]]) -> None:
     """Queue steps in the caller's transaction: ``(file id, action, priority)`` each."""
     enqueue_in(conn, [NewItem(file_ref=str(i), action=a, priority=p) for i, a, p in items])
+
+
+FILE_COLUMNS: Final = _COLUMNS
+"""The columns :func:`file_row` reads, for the modules that write ``files`` beside this one."""
+
+
+def file_row(
+    conn: Connection, query: str, params: Sequence[Any] | Mapping[str, Any]
+) -> FileRow | None:
+    """The one row a statement selecting :data:`FILE_COLUMNS` returns, or ``None``."""
+    return _one(conn, query, params)
+
+
+def queue_steps(conn: Connection, items: Sequence[tuple[int, str, int]]) -> None:
+    """Queue steps in the caller's transaction: ``(file id, action, priority)`` each."""
+    _enqueue(conn, items)
 
 
 FYLR_SCOPE: Final = "fylr"
@@ -329,6 +365,7 @@ class FileStore:
         stored: StoredFile,
         mimetype: str | None,
         metadata_step: bool,
+        produce_first: bool = False,
     ) -> FileRow:
         """Insert an uploaded original and queue its first step, in one transaction.
 
@@ -340,9 +377,13 @@ class FileStore:
             mimetype: a first guess (the metadata step may correct it).
             metadata_step: queue ``metadata`` (state ``new``); otherwise ``sync``
                 (state ``sync``).
+            produce_first: its class converts it first: queue its ``produce``
+                (state ``pending_produce``) before either.
         """
         status: FileState = "new" if metadata_step else "sync"
         action = ACTION_METADATA if metadata_step else ACTION_SYNC
+        if produce_first:
+            status, action = "pending_produce", ACTION_PRODUCE
 
         def run(conn: Connection) -> FileRow:
             with conn.transaction():
@@ -503,7 +544,8 @@ class FileStore:
         Removes the rows of versions no longer wanted or wanted with another
         produce hash (their unclaimed produce steps too), creates the missing
         ones and queues the produce of those that can start, keeps the rest
-        untouched; the original goes to ``produce``, or ``done`` when every
+        untouched; a manual version is kept, and no version of its name is
+        made; the original goes to ``produce``, or ``done`` when every
         version has finished (or there is none). The caller deletes
         ``removed_keys`` from storage afterwards.
 
@@ -532,7 +574,9 @@ class FileStore:
                         (file_id,),
                     ).fetchall()
                 ]
-                by_name = {row.version: row for row in rows if row.version is not None}
+                manual = {row.version: row.status for row in rows if row.manual}
+                by_name = {row.version: row for row in rows if row.version and not row.manual}
+                wanted = {name: w for name, w in wanted.items() if name not in manual}
                 plan = plan_sync(
                     {name: row.produce_hash or "" for name, row in by_name.items()},
                     {name: w.produce_hash for name, w in wanted.items()},
@@ -542,7 +586,10 @@ class FileStore:
                     ids = [row.id for row in removed]
                     conn.execute("DELETE FROM files WHERE id = ANY(%s::bigint[])", (ids,))
                     delete_unclaimed_in(conn, ACTION_PRODUCE, [str(i) for i in ids])
-                states: dict[str, FileState] = {name: by_name[name].status for name in plan.keep}
+                states: dict[str, FileState] = {
+                    **{name: by_name[name].status for name in plan.keep},
+                    **{cast(str, name): status for name, status in manual.items()},
+                }
                 queued: list[str] = []
                 to_queue: list[tuple[int, str, int]] = []
                 for name in plan.create:

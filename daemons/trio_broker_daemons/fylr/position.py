@@ -19,12 +19,17 @@ has ``queue: null``. The figures come from where the step is:
   priority or above is ahead of it. For a step parked elsewhere that count
   includes the step's own want, so it is at most one too high.
 
-To either, the unclaimed rows of exec-bound actions that the dispatchers would
-claim before the step's row are added
-(:func:`~trio_broker.core.figures.queue_position`): the store counts them in
-its own claim order (:meth:`Store.positions
-<trio_broker.trio.store.Store.positions>`; only rows whose ``start_after`` has
-passed).
+Either is merged with the queue's book
+(:func:`~trio_broker.core.figures.queue_position`), which the store counts in
+its own claim order in one statement (:meth:`Store.positions
+<trio_broker.trio.store.Store.positions>`, rows of exec-bound actions only):
+the claimed rows ahead of the step that hold no slot count when they are more
+than the execservers' wants ahead (a dispatcher holds claimed rows it has not
+offered yet, which no execserver sees: counting only the execservers' book made
+"1 waiting, you are number 41" and estimates ten times too short), and the
+unclaimed rows ahead of it (only rows whose ``start_after`` has passed) come on
+top. ``running`` and ``capacity`` add up over the execservers that answered, and
+``waiting`` is never below ``position``.
 ``position`` is the hard number; ``eta_s`` is a hint, marked as such by every
 client that shows it ("roughly").
 
@@ -49,6 +54,7 @@ from trio_broker.core.figures import (
     queue_position,
 )
 from trio_broker.trio.store import ItemPosition, QueueItem
+from trio_broker_daemons.fylr.derived import own_produce
 from trio_broker_daemons.fylr.files import ACTION_METADATA, ACTION_PRODUCE, FileRow
 from trio_broker_daemons.fylr.state import FylrState
 from trio_broker_daemons.fylr.topology import topology_of
@@ -72,12 +78,15 @@ def step_job_id(item: QueueItem) -> str:
 def _may_wait(row: FileRow) -> bool:
     """Whether the row's state allows an exec-bound step of it in the queue (read none else)."""
     if row.kind == "original":
-        return row.status in ("new", "metadata")
+        return row.status in ("pending_produce", "new", "metadata")
     return row.status in ("new", "produce")
 
 
 def _service_of(state: FylrState, row: FileRow) -> str | None:
     """The service a file's exec-bound step runs (None: its class has none any more)."""
+    if row.kind == "original" and row.status == "pending_produce":  # its own produce step
+        own = own_produce(state.config, filename=row.filename, derivation=row.derivation)
+        return None if isinstance(own, str) else own.service
     if row.kind == "original":
         file_class = state.file_class(row.file_class)
         step = None if file_class is None else file_class.metadata
@@ -116,7 +125,13 @@ async def _position(state: FylrState, step: ItemPosition, service: str) -> dict[
                 found = answer_from_stats(link.stats, service, item.priority)
                 if found is not None:
                     answers.append(found)
-    position = queue_position(answers, rows_ahead=step.ahead)
+    position = queue_position(
+        answers,
+        rows_ahead=step.ahead,
+        claimed_ahead=step.claimed_ahead,
+        ready_rows=step.ready,
+        claimed_rows=step.claimed,
+    )
     return None if position is None else _document(position, item, basis)
 
 
@@ -132,6 +147,7 @@ def _document(position: QueuePosition, item: QueueItem, basis: str) -> dict[str,
         "capacity": position.capacity,
         "eta_s": position.eta_s,
         "rows_ahead": position.rows_ahead,
+        "held_ahead": position.held_ahead,
         "instance_id": position.instance_id,
     }
 

@@ -33,25 +33,43 @@ An original goes ``new → metadata → sync → produce → done``:
 Internal states, the API status they read as (for an original, for a version),
 and who is in them:
 
-===========  ==============  ==============  ==========================================
-state        original        version         meaning
-===========  ==============  ==============  ==========================================
-``new``      ``processing``  ``pending``     original: stored, its first step queued;
-                                             version: row created by sync, not yet begun
-``metadata`` ``processing``  ``processing``  original: metadata job claimed (running)
-``sync``     ``sync``        ``sync``        original: metadata known, sync queued or
-                                             running (local)
-``produce``  ``sync``        ``processing``  original: its versions being made;
-                                             version: produce job claimed (running)
-``done``     ``done``        ``done``        finished: content and metadata stored
-``error``    ``failed``      ``failed``      failed for good; the row's ``error`` says why
-===========  ==============  ==============  ==========================================
+===================  ==============  ==============  ==================================
+state                original        version         meaning
+===================  ==============  ==============  ==================================
+``pending_produce``  ``processing``  ``processing``  original: its own produce step (a
+                                                     produce-first conversion, or a
+                                                     modified original) queued or running
+``new``              ``processing``  ``pending``     original: stored, its first step
+                                                     queued; version: row created by
+                                                     sync, not yet begun
+``metadata``         ``processing``  ``processing``  original: metadata job claimed
+                                                     (running)
+``sync``             ``sync``        ``sync``        original: metadata known, sync
+                                                     queued or running (local)
+``produce``          ``sync``        ``processing``  original: its versions being made;
+                                                     version: produce job claimed
+``done``             ``done``        ``done``        finished: content and metadata
+                                                     stored
+``error``            ``failed``      ``failed``      failed for good; the row's
+                                                     ``error`` says why
+===================  ==============  ==============  ==================================
 
 The API collapses the states as the published file worker does: an original
 whose first step is queued or running is ``processing``, one whose versions are
 planned or being made is ``sync``; ``pending`` is a version that has not begun
 (its produce waits for a slot, or for its source version). A version is never
 in ``metadata`` or ``sync``; the table maps them anyway.
+
+**Originals that are produced first** start in ``pending_produce`` with a
+queued ``produce`` step of their own: a class's *conversion* (``convert``: the
+upload, say a BMP, delivered as a PNG; the upload itself is kept as the manual
+version ``delivered``), or a *modified original* (``POST /eas/produce``: a
+rotated, cropped or reformatted copy of another original, linked to it by
+``derived_from``). Once produced, the original goes on as an upload would:
+``pending_produce → new → metadata → sync → produce → done`` (``sync`` at once
+without a metadata step). **Manual versions** (uploaded by hand) are ``done``
+from the start and never touched by a sync; a version whose stored bytes went
+missing is queued again (``done → new``, the ``sync_check`` action).
 
 Transitions (:data:`TRANSITIONS`, checked by :func:`check_transition`): a claimed
 step that is requeued (no slot within ``connect_timeout``, no execserver, a
@@ -112,7 +130,9 @@ __all__ = [
     "wanted_versions",
 ]
 
-FileState: TypeAlias = Literal["new", "metadata", "sync", "produce", "done", "error"]
+FileState: TypeAlias = Literal[
+    "pending_produce", "new", "metadata", "sync", "produce", "done", "error"
+]
 """A file row's internal state (see the module docstring)."""
 ApiStatus: TypeAlias = Literal["pending", "processing", "sync", "done", "failed"]
 """What ``GET /api/v1/eas/<id>`` reports."""
@@ -120,11 +140,20 @@ FileKind: TypeAlias = Literal["original", "version"]
 Readiness: TypeAlias = Literal["ready", "waiting", "failed"]
 """Whether a version's source exists (:func:`source_readiness`)."""
 
-STATES: Final[tuple[FileState, ...]] = ("new", "metadata", "sync", "produce", "done", "error")
+STATES: Final[tuple[FileState, ...]] = (
+    "pending_produce",
+    "new",
+    "metadata",
+    "sync",
+    "produce",
+    "done",
+    "error",
+)
 FINISHED_STATES: Final[frozenset[FileState]] = frozenset({"done", "error"})
 
 API_STATUS: Final[Mapping[FileKind, Mapping[FileState, ApiStatus]]] = {
     "original": {
+        "pending_produce": "processing",
         "new": "processing",
         "metadata": "processing",
         "sync": "sync",
@@ -133,6 +162,7 @@ API_STATUS: Final[Mapping[FileKind, Mapping[FileState, ApiStatus]]] = {
         "error": "failed",
     },
     "version": {
+        "pending_produce": "processing",
         "new": "pending",
         "metadata": "processing",
         "sync": "sync",
@@ -145,6 +175,8 @@ API_STATUS: Final[Mapping[FileKind, Mapping[FileState, ApiStatus]]] = {
 
 TRANSITIONS: Final[Mapping[FileKind, Mapping[FileState, frozenset[FileState]]]] = {
     "original": {
+        # produced: its metadata queued; no metadata step (straight to sync); failed
+        "pending_produce": frozenset({"new", "sync", "error"}),
         # claimed for metadata; no metadata step (straight to sync); failed
         "new": frozenset({"metadata", "sync", "error"}),
         # metadata known; requeued; failed
@@ -155,14 +187,16 @@ TRANSITIONS: Final[Mapping[FileKind, Mapping[FileState, frozenset[FileState]]]] 
         "produce": frozenset({"done", "sync", "error"}),
         # synced again (configuration changed); processed again from the start
         "done": frozenset({"sync", "new"}),
-        "error": frozenset({"sync", "new"}),
+        # or its own produce step retried
+        "error": frozenset({"sync", "new", "pending_produce"}),
     },
     "version": {
         # claimed for produce; its source failed
         "new": frozenset({"produce", "error"}),
         # stored; failed; requeued
         "produce": frozenset({"done", "error", "new"}),
-        "done": frozenset(),
+        # its stored bytes went missing: made again (sync_check)
+        "done": frozenset({"new"}),
         # retried
         "error": frozenset({"new"}),
     },

@@ -44,6 +44,20 @@ written (or failed to write) its row (:meth:`Storage.settled`), and the sweep
 spares those; so a live fylr also removes what it stored itself and then could
 not record (the database failed at that moment).
 
+Storage locations
+-----------------
+
+The folder is the ``default`` location; further locations are other folders by
+name (``FylrConfig.storage_locations``), and new files go to the *current* one.
+A key outside ``default`` starts with its location: ``archive:originals/ab/…``.
+A file keeps its name (the part after the location) wherever it is stored, so
+a file moved to another location (:meth:`Storage.copy_to`, the ``copy_move``
+action) is found by a reader that still holds its old key: :meth:`Storage.open_read`
+and :meth:`Storage.exists` look for the same name in the other locations when
+the key's own file is missing (:meth:`Storage.find`). A move therefore never
+has a moment where neither copy exists, nor one where a reader that read the
+row a moment earlier finds nothing.
+
 Blocking file I/O runs in worker threads (:func:`trio.to_thread.run_sync`); small
 chunks are gathered to :data:`WRITE_BATCH` bytes before each hop, and hashing
 happens in the thread along with the write.
@@ -56,7 +70,7 @@ import hashlib
 import os
 import re
 import secrets
-from collections.abc import AsyncIterable, Collection, Iterable
+from collections.abc import AsyncIterable, Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Final, Literal, TypeAlias
@@ -66,6 +80,7 @@ import trio
 
 __all__ = [
     "CHUNK_SIZE",
+    "DEFAULT_LOCATION",
     "KIND_FOLDERS",
     "WRITE_BATCH",
     "FileReader",
@@ -87,8 +102,13 @@ CHUNK_SIZE: Final = 65536
 WRITE_BATCH: Final = 65536
 """Bytes gathered from the incoming chunks before one write in a worker thread."""
 
+DEFAULT_LOCATION: Final = "default"
+"""The location of keys without a prefix: the folder given as ``root``."""
+
 _TEMP_PREFIX: Final = ".tmp-"
-_KEY: Final = re.compile(r"(originals|versions)/([0-9a-f]{2})/(\2[0-9a-f]{30})")
+_KEY: Final = re.compile(
+    r"(?:([a-z0-9][a-z0-9_-]{0,62}):)?((originals|versions)/([0-9a-f]{2})/(\4[0-9a-f]{30}))"
+)
 _TEMP_NAME: Final = re.compile(r"\.tmp-([0-9a-f]{16})-[0-9a-f]{16}")
 _NAME: Final = re.compile(r"[0-9a-f]{32}")
 _TAG_HEX: Final = 16
@@ -234,13 +254,33 @@ class Storage:
     """Originals and versions in one local folder, by random keys.
 
     Args:
-        root: the folder; it and its subfolders are created on first write.
+        root: the folder of the ``default`` location; it and its subfolders are
+            created on first write.
         writer: the backend id of the process that writes through this object
             (its files carry :func:`writer_tag` of it).
+        locations: further locations by name (folders).
+        current: where new files go (``None``: ``default``).
+
+    Raises:
+        ValueError: ``current`` names no location.
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, writer: str = "") -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        writer: str = "",
+        locations: Mapping[str, str | os.PathLike[str]] | None = None,
+        current: str | None = None,
+    ) -> None:
         self.root = Path(root)
+        self.roots: dict[str, Path] = {
+            DEFAULT_LOCATION: self.root,
+            **{name: Path(folder) for name, folder in (locations or {}).items()},
+        }
+        self.current = current or DEFAULT_LOCATION
+        if self.current not in self.roots:
+            raise ValueError(f"current: no location named {self.current!r}")
         self.writer = writer
         self.tag = writer_tag(writer)
         self.recording: set[str] = set()
@@ -261,9 +301,37 @@ class Storage:
         Raises:
             ValueError: not a well-formed key (so never a path outside the folder).
         """
-        if not isinstance(key, str) or not _KEY.fullmatch(key):
+        location, name = self._split(key)
+        return self.roots[location] / name
+
+    def _split(self, key: str) -> tuple[str, str]:
+        """A key's location and name (the part every location stores it under)."""
+        match = _KEY.fullmatch(key) if isinstance(key, str) else None
+        if match is None:
             raise ValueError(f"not a storage key: {key!r}")
-        return self.root / key
+        location = match.group(1) or DEFAULT_LOCATION
+        if location not in self.roots or match.group(1) == DEFAULT_LOCATION:
+            raise ValueError(f"not a storage key of a configured location: {key!r}")
+        return location, match.group(2)
+
+    def location_of(self, key: str) -> str:
+        """The location a key names (``default`` for a key without a prefix).
+
+        Raises:
+            ValueError: not a well-formed key, or its location is not configured.
+        """
+        return self._split(key)[0]
+
+    def relocated(self, key: str, location: str) -> str:
+        """The key of the same file in another location.
+
+        Raises:
+            ValueError: not a well-formed key, or a location that is not configured.
+        """
+        _, name = self._split(key)
+        if location not in self.roots:
+            raise ValueError(f"no storage location named {location!r}")
+        return name if location == DEFAULT_LOCATION else f"{location}:{name}"
 
     @staticmethod
     def kind_of(key: str) -> StoredKind:
@@ -275,7 +343,7 @@ class Storage:
         match = _KEY.fullmatch(key) if isinstance(key, str) else None
         if match is None:
             raise ValueError(f"not a storage key: {key!r}")
-        return "original" if match.group(1) == "originals" else "version"
+        return "original" if match.group(3) == "originals" else "version"
 
     def new_key(self, kind: StoredKind) -> str:
         """A fresh key of this kind: 64 random bits and this writer's tag (nothing is created).
@@ -286,7 +354,8 @@ class Storage:
         if kind not in KIND_FOLDERS:
             raise ValueError(f"kind must be 'original' or 'version', got {kind!r}")
         name = secrets.token_hex(8) + self.tag
-        return f"{KIND_FOLDERS[kind]}/{name[:2]}/{name}"
+        key = f"{KIND_FOLDERS[kind]}/{name[:2]}/{name}"
+        return key if self.current == DEFAULT_LOCATION else f"{self.current}:{key}"
 
     async def write_stream(
         self, kind: StoredKind, chunks: AsyncIterable[bytes], *, max_size: int | None = None
@@ -312,9 +381,10 @@ class Storage:
             On any of these and on cancellation nothing is left behind.
         """
         key = self.new_key(kind)
-        final = self.root / key
+        final = self.path(key)
+        root = self.roots[self.current]
         # one worker-thread hop to open, one per WRITE_BATCH, one to finish
-        temp, stream = await trio.to_thread.run_sync(_open_new, final.parent, self.root, self.tag)
+        temp, stream = await trio.to_thread.run_sync(_open_new, final.parent, root, self.tag)
         digest = hashlib.sha256()
         size = 0
         pending: list[bytes] = []
@@ -373,9 +443,25 @@ class Storage:
         """
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        path = self.path(key)
-        file, size = await trio.to_thread.run_sync(_open_for_reading, path)
+        paths = self._candidates(key)
+        file, size = await trio.to_thread.run_sync(_open_first, paths)
         return FileReader(file, size=size, chunk_size=chunk_size)
+
+    def _candidates(self, key: str) -> list[Path]:
+        """Where a key's file may be: its own location first, then the others."""
+        location, name = self._split(key)
+        others = [root / name for where, root in self.roots.items() if where != location]
+        return [self.roots[location] / name, *others]
+
+    async def find(self, key: str) -> Path | None:
+        """The file of a key: its own, or the same name in another location (a moved
+        file read through its old key); ``None`` when none exists.
+
+        Raises:
+            ValueError: a malformed key.
+        """
+        paths = self._candidates(key)
+        return await trio.to_thread.run_sync(_first_file, paths)
 
     async def delete(self, key: str) -> bool:
         """Delete a stored file.
@@ -397,23 +483,88 @@ class Storage:
         return True
 
     async def exists(self, key: str) -> bool:
-        """Whether a file is stored under this key.
+        """Whether a file is stored under this key (in its location, or moved to another).
 
         Raises:
             ValueError: a malformed key.
         """
-        return await trio.to_thread.run_sync(self.path(key).is_file)
+        return await self.find(key) is not None
+
+    async def digest(self, key: str) -> tuple[int, str]:
+        """Read a stored file through and hash it: its size and SHA-256 (hex).
+
+        Raises:
+            ValueError: a malformed key.
+            FileNotFoundError: no location holds it.
+            OSError: it could not be read.
+        """
+        paths = self._candidates(key)
+        return await trio.to_thread.run_sync(_digest_first, paths)
+
+    async def copy_to(self, key: str, location: str) -> StoredFile:
+        """Copy a stored file to another location under the same name.
+
+        The copy is written to a temporary file there, hashed on the way, made
+        durable and renamed over any earlier copy of that name (an interrupted
+        move's), so the returned key names a complete file; the source stays.
+        The new key is in :attr:`recording` until :meth:`settled`.
+
+        Args:
+            key: the file's key (its own location, or where it was moved).
+            location: the target location.
+
+        Returns:
+            The new key (``location``'s), the size and the SHA-256 of what was copied.
+
+        Raises:
+            ValueError: a malformed key, an unknown location, or the key's own.
+            FileNotFoundError: no location holds the file.
+            OSError: reading or writing failed (nothing is left behind).
+        """
+        target = self.relocated(key, location)
+        if target == key:
+            raise ValueError(f"{key!r} is already in location {location!r}")
+        sources = self._candidates(key)
+        final = self.path(target)
+        self.recording.add(target)
+        try:
+            size, sha256 = await trio.to_thread.run_sync(
+                _copy, sources, final, self.roots[location], self.tag
+            )
+        except BaseException:
+            self.recording.discard(target)
+            raise
+        return StoredFile(key=target, size=size, sha256=sha256)
+
+    async def remove_copies(self, key: str) -> int:
+        """Delete the copies of a key's file in the locations other than its own.
+
+        What an interrupted move leaves: the old copy after its row changed, or
+        a new one before. Only the same name is touched, which no other file has.
+
+        Returns:
+            How many copies were deleted.
+
+        Raises:
+            ValueError: a malformed key.
+        """
+        return await trio.to_thread.run_sync(_remove, self._candidates(key)[1:])
 
     async def scan(self, now: float) -> list[Leftover]:
-        """Every temporary and stored file under the folder, with its writer and age.
+        """Every temporary and stored file of every location, with its writer and age.
 
         Args:
             now: the current time (``time.time()``), to age the files by their mtime.
 
         Returns:
-            The files found (a file that vanishes while scanning is left out).
+            The files found (a file that vanishes while scanning is left out); a
+            stored file's key names its location.
         """
-        return await trio.to_thread.run_sync(_scan, self.root, now)
+        found: list[Leftover] = []
+        for location, root in self.roots.items():
+            prefix = "" if location == DEFAULT_LOCATION else f"{location}:"
+            found += await trio.to_thread.run_sync(_scan, root, now, prefix)
+        return found
 
     async def remove(self, leftovers: Iterable[Leftover]) -> int:
         """Delete files :meth:`scan` found (those already gone count as not deleted).
@@ -425,8 +576,10 @@ class Storage:
         return await trio.to_thread.run_sync(_remove, paths)
 
     async def available(self) -> bool:
-        """Whether the folder itself can be reached (a missing file then is really missing)."""
-        return await trio.to_thread.run_sync(_folder_available, self.root)
+        """Whether every location's folder can be reached (a missing file then is really
+        missing)."""
+        roots = list(self.roots.values())
+        return await trio.to_thread.run_sync(lambda: all(map(_folder_available, roots)))
 
 
 def _open_for_reading(path: Path) -> tuple[IO[bytes], int]:
@@ -438,7 +591,60 @@ def _open_for_reading(path: Path) -> tuple[IO[bytes], int]:
         raise
 
 
-def _scan(root: Path, now: float) -> list[Leftover]:
+def _open_first(paths: Sequence[Path]) -> tuple[IO[bytes], int]:
+    """The first of ``paths`` that opens; the first one's ``FileNotFoundError`` if none does."""
+    missing: FileNotFoundError | None = None
+    for path in paths:
+        try:
+            return _open_for_reading(path)
+        except FileNotFoundError as exc:
+            missing = missing or exc
+    assert missing is not None
+    raise missing
+
+
+def _first_file(paths: Sequence[Path]) -> Path | None:
+    return next((path for path in paths if path.is_file()), None)
+
+
+def _read_through(
+    stream: IO[bytes], sink: Callable[[bytes], object] | None = None
+) -> tuple[int, str]:
+    digest = hashlib.sha256()
+    size = 0
+    while chunk := stream.read(CHUNK_SIZE * 16):
+        digest.update(chunk)
+        size += len(chunk)
+        if sink is not None:
+            sink(chunk)
+    return size, digest.hexdigest()
+
+
+def _digest_first(paths: Sequence[Path]) -> tuple[int, str]:
+    stream, _ = _open_first(paths)
+    with stream:
+        return _read_through(stream)
+
+
+def _copy(sources: Sequence[Path], final: Path, root: Path, tag: str) -> tuple[int, str]:
+    """Copy the first readable of ``sources`` to ``final`` through a temporary file."""
+    source, _ = _open_first(sources)
+    with source:
+        temp, stream = _open_new(final.parent, root, tag)
+        try:
+            size, sha256 = _read_through(source, stream.write)
+            stream.flush()
+            os.fsync(stream.fileno())
+            stream.close()
+            os.replace(temp, final)  # over an interrupted move's copy of this name
+        except BaseException:
+            _discard(stream, temp)
+            raise
+    _fsync_dir(final.parent)
+    return size, sha256
+
+
+def _scan(root: Path, now: float, prefix: str = "") -> list[Leftover]:
     found: list[Leftover] = []
     for folder in KIND_FOLDERS.values():
         try:
@@ -453,13 +659,15 @@ def _scan(root: Path, now: float) -> list[Leftover]:
             except FileNotFoundError:  # pragma: no cover - removed meanwhile
                 continue
             for entry in entries:
-                leftover = _leftover(entry, f"{folder}/{fan.name}", now)
+                leftover = _leftover(entry, f"{folder}/{fan.name}", now, prefix)
                 if leftover is not None:
                     found.append(leftover)
     return found
 
 
-def _leftover(entry: os.DirEntry[str], folder: str, now: float) -> Leftover | None:
+def _leftover(
+    entry: os.DirEntry[str], folder: str, now: float, prefix: str = ""
+) -> Leftover | None:
     name = entry.name
     try:
         if not entry.is_file(follow_symlinks=False):
@@ -471,7 +679,7 @@ def _leftover(entry: os.DirEntry[str], folder: str, now: float) -> Leftover | No
         match = _TEMP_NAME.fullmatch(name)
         writer = match.group(1) if match else None
         return Leftover(path=Path(entry.path), kind="temporary", key=None, writer=writer, age=age)
-    key = f"{folder}/{name}"
+    key = f"{prefix}{folder}/{name}"
     if not _NAME.fullmatch(name) or not _KEY.fullmatch(key):
         return None  # not ours: never touched
     return Leftover(path=Path(entry.path), kind="stored", key=key, writer=name[-_TAG_HEX:], age=age)

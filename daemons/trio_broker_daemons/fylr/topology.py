@@ -74,12 +74,14 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from trio_broker._version import __version__
 from trio_broker.core import protocol as p
 from trio_broker.core.errors import StoreUnavailable
-from trio_broker.trio.client import LinkState
+from trio_broker.trio.client import AddressState, LinkState
 from trio_broker.trio.inspection import iso_time
+from trio_broker.trio.store import QueueFigures
 from trio_broker.trio.views import BackendView, publish_view, read_views
 from trio_broker_daemons.fylr.access import Access, Role
 from trio_broker_daemons.fylr.guard import GuardedRoute, route, websocket_route
 from trio_broker_daemons.fylr.state import FylrState
+from trio_broker_daemons.fylr.trouble import Sightings, health, queue_member
 
 __all__ = [
     "DOCUMENT_VERSION",
@@ -136,6 +138,7 @@ class Topology:
         self._wake = trio.Event()
         self._published = trio.Event()
         self._watching: contextlib.ExitStack | None = None
+        self._sightings = Sightings()
 
     # -- who watches -------------------------------------------------------------------
 
@@ -243,11 +246,9 @@ class Topology:
                 "finished": c.finished,
                 "failed": c.failed,
             }
-            view["addresses"] = [
-                {"address": a.address, "balanced": a.balanced, "instances": list(a.instances)}
-                for a in c.addresses
-            ]
+            view["addresses"] = [_address_view(a) for a in c.addresses]
             view["links"] = [_link_view(link) for link in client.links()]
+        view["lost"] = self._sightings.update(view["links"], now=time.time())
         return view
 
     # -- the task ----------------------------------------------------------------------
@@ -298,13 +299,21 @@ class Topology:
         Raises:
             StoreUnavailable: the database could not be read.
         """
+        store = self.state.store
         if fresh or not self._views:
-            self._views = await read_views(self.state.store)
+            self._views = await read_views(store)
+        try:
+            figures: QueueFigures | None = await store.figures()
+        except StoreUnavailable as exc:
+            log.debug("could not read the queue's figures: %s", exc)
+            figures = None
+        config = self.state.config
         return topology_document(
             self._views,
             own=self.own_view(),
-            stale_after=self.state.config.stale_after,
+            stale_after=config.stale_after,
             served_by=self.state.backend_id,
+            queue=queue_member(figures, wait_limit=config.connect_timeout),
         )
 
 
@@ -336,6 +345,19 @@ def _hello_view(hello: p.Hello) -> dict[str, Any]:
     }
 
 
+def _address_view(address: AddressState) -> dict[str, Any]:
+    since = address.unreachable_since
+    return {
+        "address": address.address,
+        "balanced": address.balanced,
+        "instances": list(address.instances),
+        "state": address.state,
+        "connections": address.connections,
+        "last_error": address.last_error,
+        "unreachable_since": None if since is None else iso_time(since),
+    }
+
+
 def _link_view(link: LinkState) -> dict[str, Any]:
     stats = link.stats
     return {
@@ -358,6 +380,8 @@ def _execserver_node(instance_id: str, link: Mapping[str, Any], age: float) -> d
         "instance_id": instance_id,
         "name": hello["name"],
         "addr": hello["addr"],
+        "state": "draining" if hello["draining"] else "connected",
+        "lost_since": None,
         "slots": hello["processes"],
         "clients": hello["clients"],
         "idle": hello["idle"],
@@ -372,31 +396,27 @@ def _execserver_node(instance_id: str, link: Mapping[str, Any], age: float) -> d
         node["slots"] = stats["slots"]
         node["clients"] = stats["clients"]
         node["draining"] = stats["draining"]
-        node["figures"] = {
-            key: stats[key]
-            for key in (
-                "fast_reserve",
-                "running",
-                "offered",
-                "waiting",
-                "finished",
-                "failed",
-                "per_minute",
-                "bytes_in",
-                "bytes_out",
-            )
-        }
+        node["state"] = "draining" if stats["draining"] else "connected"
+        node["figures"] = {key: stats[key] for key in _FIGURES}
         node["services"] = {
-            name: {
-                "kind": s["kind"],
-                "capacity": s["capacity"],
-                "mean_s": s["mean_s"],
-                "running": s["running"],
-                "waiting": s["waiting"],
-            }
+            name: {key: s[key] for key in ("kind", "capacity", "mean_s", "running", "waiting")}
             for name, s in stats["services"].items()
         }
     return node
+
+
+_FIGURES: Final = (
+    "fast_reserve",
+    "running",
+    "offered",
+    "waiting",
+    "finished",
+    "failed",
+    "per_minute",
+    "bytes_in",
+    "bytes_out",
+)
+"""The ``STATS`` members an execserver node's ``figures`` carry."""
 
 
 def _better(new: dict[str, Any], old: dict[str, Any] | None) -> bool:
@@ -423,6 +443,175 @@ def _fylr_node(backend: BackendView, view: Mapping[str, Any], age: float | None)
     }
 
 
+def _address_state(address: Mapping[str, Any], reached: Sequence[str]) -> str:
+    """A published address's state (a view without one: from what it reached)."""
+    state = address.get("state")
+    if isinstance(state, str):
+        return state
+    return "connected" if reached else "connecting"
+
+
+class _Merge:
+    """The nodes and edges of the document, built up one backend's view at a time."""
+
+    def __init__(self) -> None:
+        self.fylrs: list[dict[str, Any]] = []
+        self.execservers: dict[str, dict[str, Any]] = {}
+        self.balancers: dict[str, dict[str, Any]] = {}
+        self.unreached: dict[str, dict[str, Any]] = {}
+        self.links: dict[tuple[str, str], dict[str, Any]] = {}
+        self.connections: list[dict[str, Any]] = []
+        self.addresses: list[dict[str, Any]] = []
+        self.lost: list[tuple[str, Mapping[str, Any], bool]] = []
+
+    def link(self, start: str, end: str, state: str) -> dict[str, Any]:
+        return self.links.setdefault(
+            (start, end), {"from": start, "to": end, "state": state, "warnings": []}
+        )
+
+    def balancer(self, address: str, instance_id: str) -> str:
+        """The balancer node of a balanced address, with ``instance_id`` behind it."""
+        via = f"lb:{address}"
+        balancer = self.balancers.setdefault(via, {"id": via, "address": address, "instances": []})
+        if instance_id not in balancer["instances"]:
+            balancer["instances"].append(instance_id)
+        return via
+
+    def add(self, backend: BackendView, view: Mapping[str, Any], age: float | None) -> None:
+        """One live backend: its fylr node, its connections, its addresses, its lost ones."""
+        fylr = _fylr_node(backend, view, age)
+        self.fylrs.append(fylr)
+        addresses = view.get("addresses", ())
+        reached: dict[str, list[str]] = {}  # by address: what it reaches, links included
+        for address in addresses:
+            reached[address["address"]] = list(address.get("instances", ()))
+        for link in view.get("links", ()):
+            instances = reached.setdefault(link["address"], [])
+            if link["instance_id"] not in instances:
+                instances.append(link["instance_id"])
+        states = {a["address"]: _address_state(a, reached[a["address"]]) for a in addresses}
+        balanced = {a["address"] for a in addresses if a.get("balanced")}
+        for link in view.get("links", ()):
+            state = states.get(link["address"], "connected")
+            self.connection(fylr["id"], link, age or 0.0, link["address"] in balanced, state)
+        for address in addresses:
+            name = address["address"]
+            self.address(fylr["id"], address, states[name], reached[name])
+        for lost in view.get("lost", ()):
+            self.lost.append((fylr["id"], lost, lost["address"] in balanced))
+
+    def connection(
+        self, fylr: str, link: Mapping[str, Any], age: float, balanced: bool, state: str
+    ) -> None:
+        instance_id = link["instance_id"]
+        node = _execserver_node(instance_id, link, age)
+        known = self.execservers.get(instance_id)
+        if _better(node, known):
+            node["seen_by"] = [] if known is None else known["seen_by"]
+            self.execservers[instance_id] = node
+        seen = self.execservers[instance_id]["seen_by"]
+        if fylr not in seen:
+            seen.append(fylr)
+        via: str | None = None
+        if balanced:
+            via = self.balancer(link["address"], instance_id)
+            self.link(fylr, via, state)
+            self.link(via, node["id"], node["state"])
+        else:
+            self.link(fylr, node["id"], state)
+        check = link.get("callback_check")
+        self.connections.append(
+            {
+                "fylr": fylr,
+                "execserver": node["id"],
+                "via": via,
+                "address": link["address"],
+                "callback_base": link.get("callback_base"),
+                "callback_check": check,
+                "callback_ok": None if check is None else check == "ok",
+                "figures": link.get("figures", "none"),
+            }
+        )
+
+    def address(
+        self, fylr: str, address: Mapping[str, Any], state: str, instances: list[str]
+    ) -> None:
+        """One configured address of one fylr; one it reaches nothing through gets a node."""
+        name = address["address"]
+        if not instances:
+            node = f"addr:{name}"
+            self.unreached_node(fylr, address, state)
+            self.link(fylr, node, state)
+        elif address.get("balanced"):
+            node = f"lb:{name}"
+        else:
+            node = f"exec:{instances[0]}"
+        self.addresses.append(
+            {
+                "fylr": fylr,
+                "address": name,
+                "state": state,
+                "connections": address.get("connections", 0),
+                "balanced": bool(address.get("balanced")),
+                "instances": instances,
+                "last_error": address.get("last_error"),
+                "unreachable_since": address.get("unreachable_since"),
+                "node": node,
+            }
+        )
+
+    def unreached_node(self, fylr: str, address: Mapping[str, Any], state: str) -> None:
+        name = address["address"]
+        node = self.unreached.setdefault(
+            name,
+            {
+                "id": f"addr:{name}",
+                "address": name,
+                "state": state,
+                "last_error": None,
+                "unreachable_since": None,
+                "fylrs": [],
+            },
+        )
+        node["fylrs"].append(fylr)
+        if state == "unreachable":
+            since = address.get("unreachable_since")
+            node["state"] = "unreachable"
+            node["last_error"] = address.get("last_error") or node["last_error"]
+            if node["unreachable_since"] is None or (since and since < node["unreachable_since"]):
+                node["unreachable_since"] = since
+
+    def resolve_lost(self) -> None:
+        """Draw each lost instance that no live fylr reaches any more as a lost node."""
+        for fylr, lost, balanced in self.lost:
+            instance_id = lost["instance_id"]
+            known = self.execservers.get(instance_id)
+            if known is not None and known["state"] != "lost":
+                continue  # another fylr still reaches it
+            if known is None:
+                link = {"hello": lost["hello"], "stats": None}
+                known = self.execservers[instance_id] = _execserver_node(instance_id, link, 0.0)
+                known["state"], known["lost_since"] = "lost", lost["lost_since"]
+            known["lost_since"] = max(known["lost_since"], lost["lost_since"])
+            if fylr not in known["seen_by"]:
+                known["seen_by"].append(fylr)
+            if balanced:
+                via = self.balancer(lost["address"], instance_id)
+                self.link(via, known["id"], "lost")
+            else:
+                self.link(fylr, known["id"], "lost")
+
+    def warn_callbacks(self) -> None:
+        """Mark each callback check that did not pass on its connection's first hop."""
+        for connection in self.connections:
+            if connection["callback_ok"] is False:
+                first_hop = connection["via"] or connection["execserver"]
+                name = self.execservers[connection["execserver"][5:]]["name"]
+                self.links[(connection["fylr"], first_hop)]["warnings"].append(
+                    f"{name}: {connection['callback_check']}"
+                )
+
+
 def topology_document(
     views: Sequence[BackendView],
     *,
@@ -430,6 +619,7 @@ def topology_document(
     stale_after: float = math.inf,
     served_by: str = "",
     now: float | None = None,
+    queue: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Merge the backends' views into one document (schema: ``topology.schema.json``).
 
@@ -439,82 +629,45 @@ def topology_document(
         stale_after: backends whose heartbeat is older are left out.
         served_by: the backend id of the serving process.
         now: the document's ``generated_at`` (default: the wall clock).
+        queue: the installation's queue (:func:`~trio_broker_daemons.fylr.trouble.queue_member`;
+            ``None``: not read).
 
     Returns:
-        ``version``, ``generated_at``, ``served_by``, ``fylrs``, ``balancers``,
-        ``execservers``, ``links`` and ``connections`` (docs/TOPOLOGY.md).
+        ``version``, ``generated_at``, ``served_by``, ``health``, ``fylrs``,
+        ``balancers``, ``execservers``, ``unreached``, ``links``, ``connections``,
+        ``addresses`` and ``queue`` (docs/TOPOLOGY.md).
     """
-    fylrs: list[dict[str, Any]] = []
-    execservers: dict[str, dict[str, Any]] = {}
-    balancers: dict[str, dict[str, Any]] = {}
-    links: dict[tuple[str, str], dict[str, Any]] = {}
-    connections: list[dict[str, Any]] = []
+    merge = _Merge()
     for backend in views:
         if backend.heartbeat_age > stale_after:
             continue
         view: Mapping[str, Any] | None = backend.view
-        age = backend.view_age if backend.view_age is not None else math.inf
+        age = backend.view_age
         if own is not None and backend.backend_id == own.get("backend_id"):
             view, age = own, 0.0
         if view is None or view.get("version") != DOCUMENT_VERSION:
             view = {}
-        fylr = _fylr_node(backend, view, age if math.isfinite(age) else None)
-        fylrs.append(fylr)
-        balanced = {a["address"] for a in view.get("addresses", ()) if a.get("balanced")}
-        for link in view.get("links", ()):
-            instance_id = link["instance_id"]
-            node = _execserver_node(instance_id, link, age if math.isfinite(age) else 0.0)
-            if _better(node, execservers.get(instance_id)):
-                node["seen_by"] = execservers.get(instance_id, {}).get("seen_by", [])
-                execservers[instance_id] = node
-            seen = execservers[instance_id]["seen_by"]
-            if fylr["id"] not in seen:
-                seen.append(fylr["id"])
-            via: str | None = None
-            if link["address"] in balanced:
-                via = f"lb:{link['address']}"
-                balancer = balancers.setdefault(
-                    via, {"id": via, "address": link["address"], "instances": []}
-                )
-                if instance_id not in balancer["instances"]:
-                    balancer["instances"].append(instance_id)
-                links.setdefault((fylr["id"], via), {"from": fylr["id"], "to": via})
-                links.setdefault((via, node["id"]), {"from": via, "to": node["id"]})
-            else:
-                links.setdefault((fylr["id"], node["id"]), {"from": fylr["id"], "to": node["id"]})
-            check = link.get("callback_check")
-            connections.append(
-                {
-                    "fylr": fylr["id"],
-                    "execserver": node["id"],
-                    "via": via,
-                    "address": link["address"],
-                    "callback_base": link.get("callback_base"),
-                    "callback_check": check,
-                    "callback_ok": None if check is None else check == "ok",
-                    "figures": link.get("figures", "none"),
-                }
-            )
-    for connection in connections:
-        if connection["callback_ok"] is False:
-            first_hop = connection["via"] or connection["execserver"]
-            link = links[(connection["fylr"], first_hop)]
-            link.setdefault("warnings", []).append(
-                f"{execservers[connection['execserver'][5:]]['name']}: "
-                f"{connection['callback_check']}"
-            )
-    for link in links.values():
-        link.setdefault("warnings", [])
-    return {
+        merge.add(backend, view, age)
+    merge.resolve_lost()
+    merge.warn_callbacks()
+    document: dict[str, Any] = {
         "version": DOCUMENT_VERSION,
         "generated_at": iso_time(time.time() if now is None else now),
         "served_by": served_by,
-        "fylrs": fylrs,
-        "balancers": list(balancers.values()),
-        "execservers": sorted(execservers.values(), key=lambda e: (e["name"], e["instance_id"])),
-        "links": list(links.values()),
-        "connections": connections,
+        "health": None,
+        "fylrs": merge.fylrs,
+        "balancers": list(merge.balancers.values()),
+        "execservers": sorted(
+            merge.execservers.values(), key=lambda e: (e["name"], e["instance_id"])
+        ),
+        "unreached": sorted(merge.unreached.values(), key=lambda u: u["address"]),
+        "links": list(merge.links.values()),
+        "connections": merge.connections,
+        "addresses": merge.addresses,
+        "queue": None if queue is None else dict(queue),
     }
+    document["health"] = health(document)
+    return document
 
 
 # -- routes ----------------------------------------------------------------------------------

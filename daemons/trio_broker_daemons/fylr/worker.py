@@ -18,7 +18,8 @@ which also queues the next step:
     ``error``, and the file goes on to sync.
 ``sync`` (local-bound)
     creates the missing version rows, removes the unwanted ones (and their
-    stored files), queues a produce for each version whose source exists.
+    stored files; a manual version stays), queues a produce for each version
+    whose source exists.
     Idempotent: a second sync of an unchanged file changes nothing.
 ``produce`` (exec-bound, body mode)
     the version's service reads its source (the original, or a ``done`` source
@@ -112,7 +113,7 @@ from trio_broker_daemons.fylr.produce import (
     wanted_versions,
 )
 from trio_broker_daemons.fylr.state import FylrState
-from trio_broker_daemons.fylr.storage import FileReader, Storage, StoredFile
+from trio_broker_daemons.fylr.storage import FileReader, Storage, StoredFile, StoredKind
 from trio_broker_daemons.runtime.logfmt import fields
 
 __all__ = ["METADATA_OUTPUT_LIMIT", "OCTET_STREAM", "FileWorker", "service_notice"]
@@ -469,19 +470,52 @@ class FileWorker:
     async def _produce(
         self, start: ProduceStart, recipe: VersionConfig, *, job_id: str | None = None
     ) -> tuple[p.Receipt, StoredFile]:
-        """Run a version's job with its rendition streamed into storage.
+        """Run a version's job with its rendition streamed into storage
+        (:meth:`produce_into_storage`)."""
+        version, original = start.version, start.original
+        return await self.produce_into_storage(
+            "version",
+            recipe.service,
+            recipe.params,
+            limits=job_limits(recipe),
+            source_key=start.source_key,
+            priority=original.priority,
+            subject=f"{original.filename} #{original.id} {version.version}",
+            job_id=job_id,
+        )
+
+    async def produce_into_storage(
+        self,
+        kind: StoredKind,
+        service: str,
+        params: Mapping[str, Any],
+        *,
+        limits: Mapping[str, str],
+        source_key: str,
+        priority: int,
+        subject: str,
+        job_id: str | None = None,
+    ) -> tuple[p.Receipt, StoredFile]:
+        """Run a body-mode job on a stored file with its output streamed into storage.
+
+        Args:
+            kind: what the output is stored as (a version; an original the fylr
+                produces itself).
+            service, params, limits: the job (:meth:`run_piped`).
+            source_key: the stored input.
+            priority, subject, job_id: of the job.
 
         Returns:
-            The receipt (``ok``, its whole output received) and the stored rendition.
+            The receipt (``ok``, its whole output received) and the stored output;
+            the caller settles its key (:meth:`Storage.settled`).
 
         Raises:
             JobStopped: the execserver stopped the job, or the output did not
                 arrive whole.
             JobFailed: the job ran and failed (its receipt says why).
-            RetryLater: the rendition could not be written to storage, or the
+            RetryLater: the output could not be written to storage, or the
                 input could not be read (:meth:`storage_failed`).
         """
-        version, original = start.version, start.original
         send, receive = trio.open_memory_channel[bytes](0)
         stored: list[StoredFile] = []
         failed: list[OSError] = []
@@ -489,7 +523,7 @@ class FileWorker:
         async def write() -> None:
             async with receive:
                 try:
-                    stored.append(await self.storage.write_stream("version", receive))
+                    stored.append(await self.storage.write_stream(kind, receive))
                 except OSError as exc:  # the storage's fault, not the job's: stop the job
                     failed.append(exc)
                     nursery.cancel_scope.cancel()
@@ -502,13 +536,13 @@ class FileWorker:
                 nursery.start_soon(write)
                 try:
                     receipt, stdout = await self.run_piped(
-                        recipe.service,
-                        recipe.params,
-                        limits=job_limits(recipe),
-                        source_key=start.source_key,
+                        service,
+                        params,
+                        limits=limits,
+                        source_key=source_key,
                         sink=sink,
-                        priority=original.priority,
-                        subject=f"{original.filename} #{original.id} {version.version}",
+                        priority=priority,
+                        subject=subject,
                         job_id=job_id,
                     )
                 except BaseException:
