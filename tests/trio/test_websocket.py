@@ -269,6 +269,7 @@ async def test_a_header_announcing_an_oversize_frame_closes_with_1009(
         await peer.ws._stream.send_all(masked_text_header(2**40))
         with trio.fail_after(WAIT):
             closed = await closed_by_server(peer.ws)
+        assert closed.reason is not None
         assert closed.reason.code == 1009
 
 
