@@ -358,17 +358,17 @@ def test_misuse_raises_and_changes_nothing(name: str) -> None:
     c.check_invariants()
 
 
-def test_a_known_claim_a_second_batch_and_stopping_while_running_are_misuse() -> None:
-    """A row claimed again under the same attempt, a second batch before the first is
-    written, and stopping while items run all raise."""
+def test_a_row_twice_in_a_claim_a_second_batch_and_stopping_while_running_are_misuse() -> None:
+    """A row twice in one claim, a second batch before the first is written, and
+    stopping while items run all raise."""
     c = core()
     c.plan(LOADS)
     item = Item(1, "exec")
     c.claimed([item])
     c.plan(LOADS)
     before = c.statistics()
-    with pytest.raises(DispatchUsageError, match="is known"):
-        c.claimed([item])
+    with pytest.raises(DispatchUsageError, match="twice"):
+        c.claimed([Item(2, "exec"), Item(2, "exec")])
     assert c.statistics() == before
     c.claimed([])
     decide(c, item, None)
@@ -570,3 +570,45 @@ def test_a_bound_for_an_unknown_action_or_below_one_is_refused(
 ) -> None:
     with pytest.raises(ValueError, match=match):
         core(unknown_service_attempts=attempts)
+
+
+def test_a_recheck_drops_the_claims_the_database_no_longer_shows() -> None:
+    """Running and settling items whose claim the database no longer shows are lost:
+    out of flight, out of the rows to keep, never decided or written; the ones still
+    held stay."""
+    c = core()
+    c.plan(LOADS)
+    a, b, d = Item(1, "exec"), Item(2, "exec"), Item(3, "exec")
+    c.claimed([a, b, d])
+    settling = c.finished(b, None)
+    assert c.recheck({(3, 1)}) == [(1, 1), (2, 1)]
+    stats = c.statistics()
+    assert (stats.lost, stats.exec_in_flight, stats.settling, stats.unwritten) == (2, 1, 0, 1)
+    assert c.known_ids() == {3}
+    with pytest.raises(DispatchUsageError):
+        c.settled(settling)
+    c.check_invariants()
+
+
+def test_a_recheck_waits_for_the_outstanding_claim() -> None:
+    c = core()
+    c.plan(LOADS)
+    with pytest.raises(DispatchUsageError, match="outstanding"):
+        c.recheck(set())
+
+
+def test_a_claim_returned_again_at_the_same_attempt_is_not_started_twice() -> None:
+    """A restart lost a claim's commit and this backend claimed the row again at the
+    same attempt: the item running under it stands; only new rows start."""
+    c = core()
+    c.plan(LOADS)
+    c.claimed([Item(1, "exec")])
+    c.plan(LOADS)
+    fresh = c.claimed([Item(1, "exec"), Item(2, "exec")])
+    assert fresh == [Item(2, "exec")]
+    stats = c.statistics()
+    assert (stats.claimed, stats.reclaimed, stats.exec_in_flight) == (2, 1, 2)
+    c.check_invariants()
+    c.plan(LOADS)
+    with pytest.raises(DispatchUsageError, match="twice"):
+        c.claimed([Item(3, "exec"), Item(3, "exec")])

@@ -12,6 +12,7 @@ import secrets
 import shutil
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psycopg
 import pytest
@@ -28,11 +29,12 @@ TEST_SETTINGS = {
 }
 
 
-@pytest.fixture(scope="session")
-def pg_cluster() -> Iterator[PgCluster]:
-    """The session's private PostgreSQL cluster (started once)."""
+@contextmanager
+def own_cluster(**settings: str) -> Iterator[PgCluster]:
+    """A PostgreSQL cluster of its own, with :data:`TEST_SETTINGS` and ``settings``
+    over them, for a test that restarts or fails over its server."""
     folder = tempfile.mkdtemp(prefix="trio-broker-pg-")
-    cluster = PgCluster(folder, settings=TEST_SETTINGS)
+    cluster = PgCluster(folder, settings={**TEST_SETTINGS, **settings})
     try:
         cluster.start()
         yield cluster
@@ -41,6 +43,13 @@ def pg_cluster() -> Iterator[PgCluster]:
             cluster.stop()
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[PgCluster]:
+    """The session's private PostgreSQL cluster (started once)."""
+    with own_cluster() as cluster:
+        yield cluster
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ import pytest
 import trio
 from trio_broker_daemons.fylr.pgcluster import PgCluster
 
+from tests.support.pg import own_cluster
 from tests.support.wire import WAIT, start_execserver
 from trio_broker.core import protocol as p
 from trio_broker.core.admission import AdmissionConfig, InstanceLoad
@@ -952,3 +953,124 @@ async def test_a_waiting_caller_gets_503_not_a_requeue() -> None:
             assert failed.value.answer.outcome == "no_slot"
             assert isinstance(failed.value.__cause__, NoSlot)
             nursery.cancel_scope.cancel()
+
+
+# -- claims re-checked every heartbeat -------------------------------------------------------
+
+
+async def _drain_with_a_stuck_first_dispatcher(
+    store: Store, dsn: str, total: int, take: Callable[[], Any]
+) -> tuple[Counter[int], DispatcherStatistics]:
+    """``d1`` claims every item and holds it (its first handler of each waits); ``take()``
+    makes the rows leave it; ``d2`` joins and the two drain them. Returns the
+    completions per item and d1's statistics once every item completed and d1's held
+    handlers ended."""
+    completed: Counter[int] = Counter()
+    all_done = trio.Event()
+    gate = trio.Event()
+    held: set[int] = set()
+
+    def complete(item: QueueItem) -> None:
+        completed[item.id] += 1
+        if len(completed) == total:
+            all_done.set()
+
+    async def first_holds(item: QueueItem) -> None:
+        if item.id not in held:
+            held.add(item.id)
+            await gate.wait()
+        complete(item)
+
+    async def quick(item: QueueItem) -> None:
+        complete(item)
+
+    config = dconfig("d1", local_workers=total, heartbeat_interval=0.3)
+    async with running(store, [Action("sync", False, first_holds)], config) as d1:
+        await until(d1, lambda s: s.local_in_flight == total)
+        await trio.to_thread.run_sync(take)
+        async with (
+            open_store(dsn, pool_size=2, migrate=False) as other,
+            running(other, [Action("sync", False, quick)], dconfig("d2")),
+        ):
+            with trio.fail_after(WAIT):
+                await all_done.wait()
+            await until(d1, lambda s: s.lost == total)
+        gate.set()  # had d1 kept its first handlers, they would complete now: a second time
+        await until(d1, lambda s: s.local_in_flight == 0)
+        stats = d1.statistics()
+    return completed, stats
+
+
+async def test_a_row_taken_from_under_a_dispatcher_is_not_completed_twice(pg_dsn: str) -> None:
+    """Rows requeued by SQL, as another node's stale sweep would, are let go by their
+    first holder at its next heartbeat: its handlers are cancelled, its outcomes never
+    written over the new holder's, and each item completes exactly once."""
+    total = 4
+
+    def sweep() -> None:
+        with psycopg.connect(pg_dsn) as conn:
+            conn.execute(
+                "UPDATE broker_queue SET status = 'new', claimed_by = NULL, claimed_at = NULL,"
+                " start_after = now(), last_error = 'requeued: backend d1 stopped heartbeating'"
+            )
+
+    async with open_store(pg_dsn, pool_size=3) as store:
+        ids = await store.enqueue_many(
+            NewItem(file_ref=str(i), action="sync") for i in range(total)
+        )
+        completed, stats = await _drain_with_a_stuck_first_dispatcher(store, pg_dsn, total, sweep)
+        counts = await store.counts()
+    assert sorted(completed) == ids
+    assert set(completed.values()) == {1}
+    assert stats.lost == total
+    assert stats.fenced == 0  # nothing of d1 was written over d2
+    assert counts.total == 0
+
+
+async def test_rows_held_but_unknown_go_back_at_the_next_heartbeat(pg_dsn: str) -> None:
+    """A row claimed under a dispatcher's id that it does not know (an outcome or claim
+    a database restart lost) is returned by its next heartbeat, though it lives."""
+    async with open_store(pg_dsn, pool_size=3) as store:
+        (item_id,) = await store.enqueue_many([NewItem(file_ref="a", action="other")])
+        async with running(
+            store, [Action("sync", False, _never)], dconfig(heartbeat_interval=0.3)
+        ) as d1:
+            with psycopg.connect(pg_dsn) as conn:
+                conn.execute(
+                    "UPDATE broker_queue SET status = 'claimed', claimed_by = 'd1', attempts = 1"
+                )
+            await until(d1, lambda s: s.returned == 1)
+        assert rows(pg_dsn)[item_id][0] == "new"
+
+
+def checkpoint(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CHECKPOINT")
+
+
+async def test_claims_an_immediate_restart_lost_are_let_go_not_completed_twice() -> None:
+    """``pg_ctl restart -m immediate`` while a dispatcher holds claims that were not yet
+    durable (asynchronous commit, a WAL writer that waits): the rows come back new, a
+    second dispatcher claims them, and the first one's re-check lets its items go. Each
+    item completes exactly once; nothing stays claimed."""
+    total = 4
+    # commits wait in the WAL buffers for up to 10 s: the restart loses the claims
+    with own_cluster(wal_writer_delay="10s") as cluster:
+        dsn = cluster.ensure_database("restart")
+        async with open_store(dsn, pool_size=3) as store:
+            ids = await store.enqueue_many(
+                NewItem(file_ref=str(i), action="sync") for i in range(total)
+            )
+            await trio.to_thread.run_sync(checkpoint, dsn)  # the rows themselves are durable
+
+            def restart() -> None:
+                cluster.restart(mode="immediate")
+
+            completed, stats = await _drain_with_a_stuck_first_dispatcher(
+                store, dsn, total, restart
+            )
+            counts = await store.counts()
+    assert sorted(completed) == ids
+    assert set(completed.values()) == {1}
+    assert stats.lost == total
+    assert counts.total == 0

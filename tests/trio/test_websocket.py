@@ -18,9 +18,11 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
+from trio_websocket import ConnectionClosed, WebSocketConnection
 from wsproto.connection import Connection, ConnectionType
 from wsproto.events import Ping, Pong, TextMessage
 
+from tests.support import wire
 from tests.support.wire import WAIT
 from trio_broker.core import protocol as p
 from trio_broker.core.broker import Broker, BrokerConfig, Effect
@@ -227,3 +229,54 @@ async def test_a_route_may_refuse_with_an_http_answer(nursery: trio.Nursery) -> 
             max_message_bytes=LIMIT,
         )
     assert refused.value.status == 403
+
+
+# -- raw frames from a real socket -----------------------------------------------------------
+
+
+def masked_text_header(length: int) -> bytes:
+    """A client's text-frame header (FIN, masked, a zero mask key) announcing ``length``."""
+    if length <= 125:
+        size = bytes([0x80 | length])
+    elif length < 2**16:
+        size = bytes([0x80 | 126]) + length.to_bytes(2, "big")
+    else:
+        size = bytes([0x80 | 127]) + length.to_bytes(8, "big")
+    return bytes([0x81]) + size + b"\0\0\0\0"  # a zero mask key leaves the payload as it is
+
+
+async def test_invalid_utf8_in_a_text_frame_is_bad_frame_and_the_connection_stays(
+    nursery: trio.Nursery,
+) -> None:
+    """A text frame whose payload is not UTF-8 is answered ``ERROR bad_frame``, like
+    any malformed frame, and the connection goes on (docs/PROTOCOL.md, section 2)."""
+    handle = await wire.start_execserver(nursery)
+    async with wire.connect(handle) as peer:
+        payload = b'{"type": "PONG", "nonce": "\xff\xfe"}'
+        await peer.ws._stream.send_all(masked_text_header(len(payload)) + payload)
+        await peer.expect_error("bad_frame")
+        await peer.send(p.Want(job_id="j1", service="noop", priority=0))
+        assert isinstance(await peer.recv(), p.Offer | p.Queued)
+
+
+async def test_a_header_announcing_an_oversize_frame_closes_with_1009(
+    nursery: trio.Nursery,
+) -> None:
+    """A frame header announcing more than ``max_frame_bytes`` closes the connection with
+    1009 at once, before any of its payload came."""
+    handle = await wire.start_execserver(nursery)
+    async with wire.connect(handle) as peer:
+        await peer.ws._stream.send_all(masked_text_header(2**40))
+        with trio.fail_after(WAIT):
+            closed = await closed_by_server(peer.ws)
+        assert closed.reason is not None
+        assert closed.reason.code == 1009
+
+
+async def closed_by_server(ws: WebSocketConnection) -> ConnectionClosed:
+    """Read until the server closes; its close."""
+    try:
+        while True:
+            await ws.get_message()
+    except ConnectionClosed as exc:
+        return exc

@@ -124,7 +124,7 @@ Everything here is pure: no trio, no I/O, no clock.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Final, Literal, Protocol, TypeAlias
+from typing import Any, Final, Literal, Protocol, TypeAlias, TypeVar
 
 import attrs
 
@@ -369,6 +369,9 @@ class ClaimedItem(Protocol):
     def priority(self) -> int: ...
 
 
+ItemT = TypeVar("ItemT", bound=ClaimedItem)
+
+
 @attrs.frozen(kw_only=True)
 class Decision:
     """A claimed item's verdict, to be written to its row (fenced to its claim).
@@ -466,7 +469,12 @@ class DispatchStatistics:
         completed, requeued, failed: outcomes written that took effect.
         fenced: outcomes written that no longer counted (the row was requeued meanwhile).
         returned: rows returned to the queue (an earlier life's, a lost claim's,
-            and at shutdown).
+            rows the database showed this backend holding unknown to it, and at
+            shutdown).
+        lost: items whose claim the database no longer showed this backend
+            holding (:meth:`DispatchCore.recheck`): dropped without an outcome.
+        reclaimed: rows a claim returned that this backend already ran under
+            the same claim (its first commit was lost): not started again.
         settling: decisions the application is settling (not yet to be written).
         pending_outcomes: decisions not yet written.
         unwritten: rows claimed whose outcome is not written.
@@ -492,6 +500,8 @@ class DispatchStatistics:
     failed: int
     fenced: int
     returned: int
+    lost: int
+    reclaimed: int
     settling: int
     pending_outcomes: int
     unwritten: int
@@ -534,7 +544,18 @@ class DispatchCore:
         self._reconcile = False
         self._closed = False
         self._counts = dict.fromkeys(
-            ("claims", "claimed", "completed", "requeued", "failed", "fenced", "returned"), 0
+            (
+                "claims",
+                "claimed",
+                "completed",
+                "requeued",
+                "failed",
+                "fenced",
+                "returned",
+                "lost",
+                "reclaimed",
+            ),
+            0,
         )
 
     # -- claiming --------------------------------------------------------------------------
@@ -588,12 +609,21 @@ class DispatchCore:
             self._counts["claims"] += 1
         return plan
 
-    def claimed(self, items: Sequence[ClaimedItem]) -> None:
+    def claimed(self, items: Sequence[ItemT]) -> list[ItemT]:
         """The claim of the last :meth:`plan` returned these rows: they are in flight.
+
+        A row whose claim (id and attempts) this backend already knows is that
+        same claim again: its first commit was lost (an immediate database
+        restart, a fail-over) and the row was claimed anew by this backend at the
+        same attempt. The item already running (or decided) under it stands;
+        the row is not started again.
+
+        Returns:
+            The items to start: the rows, less the claims already known.
 
         Raises:
             DispatchUsageError: no claim is outstanding; a row's action is not
-                registered; a claim is already known; or the rows exceed the plan
+                registered; a row comes twice in the claim; or the rows exceed the plan
                 (more even exec-bound rows than its general share, more exec-bound
                 rows than general plus odd-only, more local rows than its local
                 share). Nothing changed.
@@ -604,11 +634,15 @@ class DispatchCore:
         exec_actions, local_actions = self.config.exec_actions, self.config.local_actions
         exec_items = odd_items = local_items = local_odd = 0
         keys: set[Key] = set()
+        fresh: list[ItemT] = []
         for item in items:
             key = (item.id, item.attempts)
-            if key in self._unwritten or key in keys:
-                raise DispatchUsageError(f"item {item.id} (attempt {item.attempts}) is known")
+            if key in keys:
+                raise DispatchUsageError(f"item {item.id} (attempt {item.attempts}) comes twice")
             keys.add(key)
+            if key in self._unwritten:
+                continue
+            fresh.append(item)
             if item.action in exec_actions:
                 exec_items += 1
                 odd_items += is_odd(item.priority)
@@ -628,7 +662,7 @@ class DispatchCore:
                 f"{local_items} local rows for a plan of {plan}"
             )
         self._plan = None
-        for item in items:
+        for item in fresh:
             key = (item.id, item.attempts)
             self._unwritten.add(key)
             self._running[key] = item
@@ -637,9 +671,11 @@ class DispatchCore:
         self._local_in_flight += local_items
         self._local_odd_in_flight += local_odd
         self._peak_exec = max(self._peak_exec, self._exec_in_flight)
-        self._counts["claimed"] += len(items)
+        self._counts["claimed"] += len(fresh)
+        self._counts["reclaimed"] += len(items) - len(fresh)
         if plan.general:
             self._queue_deep = exec_items >= plan.general
+        return fresh
 
     def claim_failed(self) -> None:
         """The claim of the last :meth:`plan` failed; it may have taken rows unseen.
@@ -672,6 +708,37 @@ class DispatchCore:
     def returned(self, count: int) -> None:
         """Rows an earlier life of this backend left claimed went back to the queue."""
         self._counts["returned"] += count
+
+    def recheck(self, held: Collection[Key]) -> list[Key]:
+        """The database shows this backend holding the claims ``held`` (id, attempts).
+
+        Read while no claim was outstanding, after every row this backend held
+        beyond :meth:`known_ids` went back to the queue. A running or settling
+        item whose claim is not among them is *lost*: its row was requeued
+        meanwhile (another backend's sweep found this one stale), taken by
+        another backend, or its claim never became durable (an immediate
+        database restart, a fail-over). It leaves the bookkeeping without a
+        decision: its handler is to be cancelled, and nothing of it is settled
+        or written, so nothing is written over the row's new holder.
+
+        Returns:
+            The lost claims, in the order they were claimed.
+
+        Raises:
+            DispatchUsageError: a claim is outstanding; nothing changed.
+        """
+        if self._plan is not None:
+            raise DispatchUsageError("recheck() while a claim is outstanding")
+        held_keys = set(held)
+        lost = [key for key in (*self._running, *self._settling) if key not in held_keys]
+        for key in lost:
+            if key in self._running:
+                self._stop_running(key)
+            else:
+                del self._settling[key]
+            self._unwritten.discard(key)
+        self._counts["lost"] += len(lost)
+        return lost
 
     # -- running ---------------------------------------------------------------------------
 
@@ -869,6 +936,8 @@ class DispatchCore:
             failed=c["failed"],
             fenced=c["fenced"],
             returned=c["returned"],
+            lost=c["lost"],
+            reclaimed=c["reclaimed"],
             settling=len(self._settling),
             pending_outcomes=self.pending,
             unwritten=len(self._unwritten),

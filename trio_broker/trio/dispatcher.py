@@ -25,9 +25,13 @@ Tasks, all in one nursery (:meth:`Dispatcher.serve`):
   reserve the claim plan keeps for interactive work).
 - **writer**: records outcomes, batched, in one statement each
   (:meth:`Store.finish`), retrying until the database takes them.
-- **heartbeat**: every ``heartbeat_interval`` it marks this backend alive and
-  requeues the rows of backends silent for ``stale_after`` (any survivor does
-  this for a dispatcher that was killed).
+- **heartbeat**: every ``heartbeat_interval`` it marks this backend alive,
+  re-checks its own claims (rows held under its id that it does not know go back
+  to the queue; items whose row it no longer holds, requeued by another node's
+  sweep or lost by a database restart, are cancelled and their outcome
+  discarded: :meth:`DispatchCore.recheck <trio_broker.core.dispatch.DispatchCore.recheck>`),
+  and requeues the rows of backends silent for ``stale_after`` (any survivor
+  does this for a dispatcher that was killed).
 
 One verdict per item. Every decision about an item is the sans-IO
 :class:`~trio_broker.core.dispatch.DispatchCore`'s, taken once, when its
@@ -99,7 +103,7 @@ import trio
 
 from trio_broker.core.admission import AdmissionConfig, ClaimPlan, InstanceLoad
 from trio_broker.core.callers import CallerAnswer, answer_caller
-from trio_broker.core.dispatch import Backoff, Decision, DispatchConfig, DispatchCore
+from trio_broker.core.dispatch import Backoff, Decision, DispatchConfig, DispatchCore, Key
 from trio_broker.core.errors import RetryLater, StoreUnavailable
 from trio_broker.trio.host import cpu_count
 from trio_broker.trio.store import ClaimRequest, Outcome, QueueItem, Store
@@ -248,7 +252,13 @@ class DispatcherStatistics:
         completed, requeued, failed: outcomes recorded.
         fenced: outcomes that no longer counted (the row was requeued meanwhile).
         returned: rows returned to the queue (reconciliation after a lost claim
-            reply, and shutdown).
+            reply, rows held unknown to this dispatcher found by a heartbeat's
+            re-check, and shutdown).
+        lost: items whose row a heartbeat's re-check found no longer held by
+            this backend (requeued by another node's sweep, claimed by another
+            backend, a claim a database restart lost): cancelled, no outcome.
+        reclaimed: rows a claim returned that this dispatcher already ran under
+            the same claim (its first commit was lost): not started twice.
         stale_requeued: rows of stale backends this dispatcher's sweeps requeued.
         store_errors: database calls that failed.
         pending_outcomes: outcomes known but not yet written.
@@ -276,6 +286,8 @@ class DispatcherStatistics:
     failed: int
     fenced: int
     returned: int
+    lost: int
+    reclaimed: int
     stale_requeued: int
     store_errors: int
     pending_outcomes: int
@@ -340,6 +352,10 @@ class Dispatcher:
         self._changed = trio.Event()
         self._counters = dict.fromkeys(("ticks", "stale_requeued", "store_errors"), 0)
         self._store_down = False
+        # a claim and a re-check of the claims never overlap (see _recheck)
+        self._claim_lock = trio.Lock()
+        self._scopes: dict[Key, trio.CancelScope] = {}
+        self._lost: set[Key] = set()
 
     # -- public API ------------------------------------------------------------------------
 
@@ -397,6 +413,8 @@ class Dispatcher:
             failed=core.failed,
             fenced=core.fenced,
             returned=core.returned,
+            lost=core.lost,
+            reclaimed=core.reclaimed,
             stale_requeued=c["stale_requeued"],
             store_errors=c["store_errors"],
             pending_outcomes=core.pending_outcomes,
@@ -420,12 +438,13 @@ class Dispatcher:
             deadline = trio.current_time() + self.config.tick_interval
             self._counters["ticks"] += 1
             try:
-                if core.needs_reconcile:
-                    await self._return_unknown()
-                plan = self._plan()
-                if plan.total:
-                    items = await self._claim(plan)
-                    self._start(nursery, items)
+                async with self._claim_lock:
+                    if core.needs_reconcile:
+                        await self._return_unknown()
+                    plan = self._plan()
+                    if plan.total:
+                        items = await self._claim(plan)
+                        self._start(nursery, items)
             except StoreUnavailable as exc:
                 self._store_failed("claim", exc)
                 deadline = trio.current_time() + backoff.failed()
@@ -469,41 +488,64 @@ class Dispatcher:
             log.info("returned %d rows claimed by a claim whose reply was lost", returned)
 
     def _start(self, nursery: trio.Nursery, items: Sequence[QueueItem]) -> None:
-        self._core.claimed(items)
-        for item in items:
+        fresh = self._core.claimed(items)
+        if len(fresh) < len(items):
+            log.info(
+                "%d claimed rows are claims this process already runs (their first "
+                "commit was lost): not started twice",
+                len(items) - len(fresh),
+            )
+        for item in fresh:
+            self._scopes[item.id, item.attempts] = trio.CancelScope()
             nursery.start_soon(self._run_item, item, self._actions[item.action])
 
     # -- running ---------------------------------------------------------------------------
 
     async def _run_item(self, item: QueueItem, action: Action) -> None:
-        core = self._core
-        failure: BaseException | None = None
+        key = (item.id, item.attempts)
         settled = False
         try:
-            try:
-                if action.exec_bound:
-                    await action.handler(item)
-                else:
-                    async with self._local_slots:
-                        await action.handler(item)
-            except* Exception as group:
-                failure = group
-            decision = core.finished(item, failure)  # the one decision; its slot is free
-            self._claim_wanted.set()
-            if action.settle is not None:
-                await self._settle(action.settle, item, decision)
-            core.settled(decision)
-            settled = True
-            if decision.verdict.kind == "fail":
-                log.info("item %d (%s) failed: %s", item.id, item.action, decision.verdict.error)
-            self._outcome_ready.set()
+            # the scope a heartbeat's re-check cancels when the row is no longer ours
+            with self._scopes[key]:
+                settled = await self._run_and_settle(item, action)
         finally:
-            # cancelled (shutdown) before its decision was settled: no outcome, the row
-            # is returned
-            if not settled:
-                core.abandoned(item)
+            del self._scopes[key]
+            if key in self._lost:
+                # the row is another holder's now: no decision of this run counts
+                self._lost.discard(key)
+            elif not settled:
+                # cancelled (shutdown) before its decision was settled: no outcome,
+                # the row is returned
+                self._core.abandoned(item)
             self._claim_wanted.set()
             self._notify()
+
+    async def _run_and_settle(self, item: QueueItem, action: Action) -> bool:
+        """Run the handler, decide, settle; whether the decision is queued for writing."""
+        core = self._core
+        key = (item.id, item.attempts)
+        failure: BaseException | None = None
+        try:
+            if action.exec_bound:
+                await action.handler(item)
+            else:
+                async with self._local_slots:
+                    await action.handler(item)
+        except* Exception as group:
+            failure = group
+        if key in self._lost:
+            return False
+        decision = core.finished(item, failure)  # the one decision; its slot is free
+        self._claim_wanted.set()
+        if action.settle is not None:
+            await self._settle(action.settle, item, decision)
+        if key in self._lost:
+            return False
+        core.settled(decision)
+        if decision.verdict.kind == "fail":
+            log.info("item %d (%s) failed: %s", item.id, item.action, decision.verdict.error)
+        self._outcome_ready.set()
+        return True
 
     async def _settle(self, settle: Settle, item: QueueItem, decision: Decision) -> None:
         """Hand the decision to the action's hook; again after a back-off while the
@@ -597,6 +639,7 @@ class Dispatcher:
                         "backend %s was swept as stale: its rows went back to the queue",
                         self.config.backend_id,
                     )
+                await self._recheck()
                 requeued = await self._store.requeue_stale(self.config.stale_after)
             except StoreUnavailable as exc:
                 self._store_failed("heartbeat", exc)
@@ -607,6 +650,39 @@ class Dispatcher:
                 self._counters["stale_requeued"] += requeued
                 self._claim_wanted.set()
             self._notify()
+
+    async def _recheck(self) -> None:
+        """Compare the claims this dispatcher knows with the ones the database shows.
+
+        Rows held but unknown (a claim or an outcome whose commit a database
+        restart lost) go back to the queue; items whose row is no longer held
+        (requeued by a sweep, taken by another backend, a claim that was lost)
+        are cancelled without an outcome. Under the claim lock: no claim's reply
+        is outstanding, so every row held is either known or truly unknown.
+        """
+        core = self._core
+        async with self._claim_lock:
+            reconciling = core.needs_reconcile
+            returned, held = await self._store.recheck_claims(
+                self.config.backend_id, keep=core.known_ids()
+            )
+            if reconciling:
+                core.reconciled(returned)
+            else:
+                core.returned(returned)
+            lost = core.recheck(held)
+        if returned:
+            log.warning("returned %d rows this backend held without knowing them", returned)
+        for key in lost:
+            self._lost.add(key)
+            self._scopes[key].cancel()
+        if lost:
+            log.warning(
+                "%d items' rows are no longer held by this backend (requeued or taken "
+                "meanwhile): their handlers are cancelled, their outcomes discarded",
+                len(lost),
+            )
+            self._claim_wanted.set()
 
     # -- shutdown --------------------------------------------------------------------------
 

@@ -74,6 +74,7 @@ __all__ = [
     "ConnectionInput",
     "CoreDriver",
     "DrivenCore",
+    "FrameTooBig",
     "Transport",
 ]
 
@@ -91,6 +92,19 @@ CLOSE_TIMEOUT: Final = 2.0
 """Seconds the close of one connection (its closing handshake) may take."""
 
 
+class FrameTooBig(Exception):
+    """What :meth:`Transport.receive` may raise for a frame announced (by its header)
+    larger than the limit, before its payload came: the driver closes with 1009.
+
+    Attributes:
+        size: the announced size in bytes.
+    """
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"a frame of {size} bytes was announced")
+        self.size = size
+
+
 class Transport(Protocol):
     """One websocket, as the driver needs it."""
 
@@ -103,7 +117,11 @@ class Transport(Protocol):
         ...
 
     async def receive(self) -> str | bytes | None:
-        """The next frame, text or binary; ``None`` once the connection is closed."""
+        """The next frame, text or binary; ``None`` once the connection is closed.
+
+        Raises:
+            FrameTooBig: a frame's header announced more bytes than the limit.
+        """
         ...
 
     async def close(self, code: int, reason: str) -> None:
@@ -339,15 +357,20 @@ class CoreDriver(Generic[E]):
     async def _read(self, conn_id: int, transport: Transport, link: _Link) -> None:
         limit = self._max_frame_bytes
         while True:
-            data = await transport.receive()
-            if data is None:
-                return
-            size = len(data) if isinstance(data, bytes) else _utf8_size(data, limit)
+            try:
+                data = await transport.receive()
+            except FrameTooBig as exc:
+                data, size = None, exc.size
+            else:
+                if data is None:
+                    return
+                size = len(data) if isinstance(data, bytes) else _utf8_size(data, limit)
             if size > limit:
                 log.info("connection %d sent a %d-byte frame: closing it", conn_id, size)
                 if link.close_with is None:
                     link.close_with = (p.CLOSE_TOO_BIG, "frame too big")
                 return
+            assert data is not None
             # self.core is looked up on every frame, as on every tick: tests may
             # wrap the core's methods to count what it is fed.
             self.core.receive_text(conn_id, data, now=trio.current_time())

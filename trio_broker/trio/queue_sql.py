@@ -50,6 +50,7 @@ __all__ = [
     "FAIL_ID",
     "FINISH",
     "HEARTBEAT",
+    "HELD",
     "ITEM_BY_ID",
     "ITEM_COLUMNS",
     "LIVE_BACKENDS",
@@ -312,6 +313,10 @@ ROWS_OF: Final = sql.SQL(
     "SELECT {} FROM broker_queue WHERE status = 'claimed' AND claimed_by = %s ORDER BY id"
 ).format(ITEM_COLUMNS)
 """The rows one backend holds."""
+HELD: Final = sql.SQL(
+    "SELECT id, attempts FROM broker_queue WHERE status = 'claimed' AND claimed_by = %s"
+)
+"""The claims one backend holds, as ``(id, attempts)``."""
 
 
 def positions_query(with_actions: bool) -> sql.Composed:

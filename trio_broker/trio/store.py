@@ -638,6 +638,33 @@ class Store:
 
         return await self.call(run, kind="return_claimed")
 
+    async def recheck_claims(
+        self, backend_id: str, *, keep: Iterable[int] = ()
+    ) -> tuple[int, set[tuple[int, int]]]:
+        """Return the rows ``backend_id`` holds but does not know; read the claims it holds.
+
+        In one transaction: every row ``backend_id`` holds except ``keep`` is made
+        claimable again at once (a claim or an outcome whose commit was lost left
+        it there), then the claims still held are read.
+
+        Args:
+            backend_id: whose rows.
+            keep: ids of the items the backend knows it runs.
+
+        Returns:
+            How many rows were returned, and the ``(id, attempts)`` of every row
+            ``backend_id`` still holds.
+        """
+        keep_ids = list(keep)
+
+        def run(conn: Connection) -> tuple[int, set[tuple[int, int]]]:
+            with conn.transaction():
+                returned = conn.execute(queue_sql.RETURN_CLAIMED, (backend_id, keep_ids)).rowcount
+                held = {(row[0], row[1]) for row in conn.execute(queue_sql.HELD, (backend_id,))}
+            return returned, held
+
+        return await self.call(run, kind="recheck_claims")
+
     # -- backends --------------------------------------------------------------------------
 
     async def register_backend(self, backend_id: str, name: str) -> None:

@@ -28,6 +28,7 @@ and the CPU is the limit.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 from collections.abc import Sequence
 from typing import Final
@@ -45,7 +46,10 @@ from wsproto.events import (
     Request,
     TextMessage,
 )
+from wsproto.frame_protocol import Frame, MessageDecoder, Opcode
 from wsproto.utilities import LocalProtocolError, RemoteProtocolError
+
+from trio_broker.trio.driver import FrameTooBig
 
 __all__ = [
     "RECEIVE_BYTES",
@@ -74,6 +78,24 @@ class HandshakeRefused(Exception):
         self.status = status
 
 
+class _TextKeepsBadBytes(MessageDecoder):
+    """wsproto's message decoder, except that a text message's bytes that are not
+    UTF-8 become lone surrogates (``surrogateescape``) instead of failing the whole
+    websocket: the protocol answers such a frame with ``bad_frame`` (a lone surrogate
+    is never UTF-8, docs/PROTOCOL.md) and the connection stays open."""
+
+    def process_frame(self, frame: Frame) -> Frame:
+        if frame.opcode is Opcode.TEXT and self.opcode is None:
+            # open the message with a decoder of our own; the base class then treats
+            # this first part like the continuation parts that follow it
+            self.opcode = Opcode.TEXT
+            self.decoder = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
+            frame = Frame(
+                Opcode.CONTINUATION, frame.payload, frame.frame_finished, frame.message_finished
+            )
+        return super().process_frame(frame)
+
+
 class WebsocketConnection:
     """One open websocket: a driver :class:`~trio_broker.trio.driver.Transport`.
 
@@ -82,7 +104,12 @@ class WebsocketConnection:
         connection: wsproto's connection, past its handshake.
         max_message_bytes: a message that grows beyond this many bytes (text:
             characters) is returned as soon as it has, unfinished, so that the
-            driver closes the connection (1009) without buffering the rest.
+            driver closes the connection (1009) without buffering the rest; a
+            frame whose header announces more raises
+            :class:`~trio_broker.trio.driver.FrameTooBig` before its payload came.
+
+    A text frame that is not UTF-8 arrives with its bad bytes as lone surrogates
+    (the protocol's ``bad_frame``) instead of closing the websocket.
     """
 
     __slots__ = ("_conn", "_limit", "_send_lock", "_stream")
@@ -92,6 +119,7 @@ class WebsocketConnection:
         self._conn = connection
         self._limit = max_message_bytes
         self._send_lock = trio.StrictFIFOLock()
+        connection._proto._message_decoder = _TextKeepsBadBytes()
 
     @property
     def stream(self) -> _Stream:
@@ -161,8 +189,15 @@ class WebsocketConnection:
                 elif isinstance(event, CloseConnection):
                     await self._answer_close(event)
                     return None
+            self._check_announced()
             if not await self._feed():
                 return None
+
+    def _check_announced(self) -> None:
+        """Raise FrameTooBig when the frame being read announces more than the limit."""
+        header = self._conn._proto._frame_decoder.header
+        if header is not None and header.payload_len > self._limit:
+            raise FrameTooBig(header.payload_len)
 
     async def _feed(self) -> bool:
         """Read the stream once into wsproto; False at its end (or when it broke)."""
