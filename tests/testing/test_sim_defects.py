@@ -33,12 +33,6 @@ MIXED_FLEET = (
     "took the other pod), its preview steps fail unknown_service at every claim and fail for "
     "good after unknown_service_attempts claims, long before the re-probe (core/client.py)"
 )
-TURN_HOLD = (
-    "the turn hold judges a connection owed the turn by the grant of the job that ended, not "
-    "by its latest grant: a connection with two jobs running gets a turn of the rotation and "
-    "then a held slot while another connection's fitting want waits (core/broker.py "
-    "_maybe_hold, core/book.py turn_comes_first), against the bound of book.py's Aging"
-)
 GROW_TIMER = (
     "pool growth compares now - last_grow < pool_grow_interval but wakes at last_grow + "
     "pool_grow_interval; where the two disagree in floating point the grow timer fires, "
@@ -50,9 +44,6 @@ KNOWN_DEFECTS: dict[str, Callable[[Violation], bool]] = {
     MIXED_FLEET: lambda v: (
         (v.kind == "liveness" and "offers 'preview'" in v.message and "after" in v.message)
         or (v.kind == "pool" and "'preview'" in v.message)
-    ),
-    TURN_HOLD: lambda v: (
-        v.kind == "round_robin" and not v.message.endswith("; 0 of those grants by a turn hold")
     ),
     GROW_TIMER: lambda v: v.kind == "timer",
 }
@@ -82,7 +73,7 @@ def test_two_fylrs_on_a_mixed_fleet_do_every_step_shrunk_trace() -> None:
 @pytest.mark.xfail(strict=True, reason=MIXED_FLEET)
 def test_two_fylrs_on_a_mixed_fleet_do_every_step_seed_0() -> None:
     """Seed 0 of the shipped mixed-fleet-2 scenario keeps every check (it found the defect)."""
-    others = (KNOWN_DEFECTS[TURN_HOLD], KNOWN_DEFECTS[GROW_TIMER])
+    others = (KNOWN_DEFECTS[GROW_TIMER],)
     result = simulate(
         SCENARIOS["mixed-fleet-2"](),
         0,
@@ -92,7 +83,12 @@ def test_two_fylrs_on_a_mixed_fleet_do_every_step_seed_0() -> None:
     assert result.violations == ()
 
 
-# -- the turn hold ------------------------------------------------------------------------------
+# -- the turn hold (fixed) ------------------------------------------------------------------------
+#
+# The turn hold judged a connection owed the turn by the grant of the job that ended, not by
+# its latest grant: a connection with two jobs running got a turn of the rotation and then a
+# held slot while another connection's fitting want waited, against the bound of book.py's
+# Aging. It judges by the connection's latest grant at the priority now (WantBook.last_grant).
 
 
 def _broker() -> tuple[Broker, int, int]:
@@ -125,7 +121,6 @@ def _end(broker: Broker, start: StartJob) -> list[tuple[int, p.Offer]]:
     return _offers(broker)
 
 
-@pytest.mark.xfail(strict=True, reason=TURN_HOLD)
 def test_a_connection_served_by_the_rotation_is_not_also_held_a_slot() -> None:
     """Two slots, connections X and Y at one priority. Y's first job runs; X's runs and
     X keeps two wants; Y parks one. X's job ends: X's second want takes the slot. That
@@ -147,7 +142,6 @@ def test_a_connection_served_by_the_rotation_is_not_also_held_a_slot() -> None:
     assert [(c, o.job_id) for c, o in _end(broker, y1)] == [(x, "x3")]
 
 
-@pytest.mark.xfail(strict=True, reason=TURN_HOLD)
 def test_the_turn_hold_keeps_the_round_robin_bound_shrunk_trace() -> None:
     """Three clients calling one execserver of four slots: no connection is passed over more
     than C - 1 times between two of its turns (the shrunk trace of one-execserver seed 4)."""

@@ -41,6 +41,8 @@ class BookModel:
     rotation: dict[int, list[int]] = field(default_factory=dict)
     # priority -> connection -> the grant that put it where it is in the rotation
     served: dict[int, dict[int, int]] = field(default_factory=dict)
+    # (connection, priority) -> its latest grant there, until it closes
+    latest: dict[tuple[int, int], int] = field(default_factory=dict)
     grants: int = 0
     seq: int = 0
 
@@ -60,6 +62,7 @@ class BookModel:
         rotation = self.rotation[priority]
         if granted:
             self.grants += 1
+            self.latest[(conn, priority)] = self.grants
         if not self.holds(conn, priority):
             rotation.remove(conn)
             self.served[priority].pop(conn, None)
@@ -114,14 +117,21 @@ class BookModel:
     def fitting_priority(self, fitting: set[str]) -> int | None:
         return max((w[3] for w in self.wants if w[2] in fitting), default=None)
 
-    def turn_comes_first(self, conn: int, priority: int, since: int) -> bool:
+    def turn_comes_first(self, conn: int, priority: int) -> bool:
         waiting = self.rotation.get(priority, [])
         served = self.served.get(priority, {})
+        since = self.latest.get((conn, priority))
         return (
-            bool(waiting)
+            since is not None
+            and bool(waiting)
             and conn not in waiting
             and all(c in served and served[c] > since for c in waiting)
         )
+
+    def close(self, conn: int) -> None:
+        for want in [w for w in self.wants if w[0] == conn]:
+            self._take(want, granted=False)
+        self.latest = {k: n for k, n in self.latest.items() if k[0] != conn}
 
 
 class BookMachine(RuleBasedStateMachine):
@@ -203,8 +213,7 @@ class BookMachine(RuleBasedStateMachine):
         expected.sort(key=lambda w: (-w[3], w[4]))
         got = [self._shape(w) for w in self.book.remove_connection(conn)]
         assert got == expected, f"{got} != {expected}"
-        for want in expected:
-            self.model.remove(want[0], want[1])
+        self.model.close(conn)
 
     def fitting(self, data: st.DataObject) -> set[str]:
         return data.draw(st.sets(st.sampled_from(self.services)))
@@ -257,13 +266,13 @@ class BookMachine(RuleBasedStateMachine):
         fitting = self.fitting(data)
         assert self.book.fitting_priority(fitting) == self.model.fitting_priority(fitting)
 
-    @rule(data=st.data(), back=st.integers(0, 6))
-    def query_turn(self, data: st.DataObject, back: int) -> None:
+    @rule(data=st.data())
+    def query_turn(self, data: st.DataObject) -> None:
         conn = self.draw(data, range(self.connections))
         priority = self.draw(data, self.priorities)
-        since = max(0, self.model.grants - back)
-        got = self.book.turn_comes_first(conn, priority, since)
-        assert got == self.model.turn_comes_first(conn, priority, since)
+        assert self.book.last_grant(conn, priority) == self.model.latest.get((conn, priority))
+        got = self.book.turn_comes_first(conn, priority)
+        assert got == self.model.turn_comes_first(conn, priority)
 
 
 def book_machine(
