@@ -161,7 +161,7 @@ class AdmissionMachine(RuleBasedStateMachine):
 
 
 def admission_machine(
-    config: AdmissionConfig = AdmissionConfig(cpus=2),
+    config: AdmissionConfig | None = None,
     *,
     steps: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 1.5, 3.0),
 ) -> type[AdmissionMachine]:
