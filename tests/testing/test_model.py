@@ -155,3 +155,9 @@ TestTurnHolds = turn_hold_machine(
     priorities=(0, 1, 2),
 ).TestCase
 TestTurnHolds.settings = _budget(150, 50)
+
+# Aging with per-connection FIFO: several wants of one connection lift together
+# (bursts parked at one instant) or one after another, and every pick, rotation
+# and position is checked at the lifted priorities against the plain model.
+TestBookAging = book_machine(priorities=(-2, -1, 0, 2, 5), aging=1.0).TestCase
+TestBookAging.settings = _budget(200, 50)
