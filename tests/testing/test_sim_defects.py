@@ -33,19 +33,12 @@ MIXED_FLEET = (
     "took the other pod), its preview steps fail unknown_service at every claim and fail for "
     "good after unknown_service_attempts claims, long before the re-probe (core/client.py)"
 )
-GROW_TIMER = (
-    "pool growth compares now - last_grow < pool_grow_interval but wakes at last_grow + "
-    "pool_grow_interval; where the two disagree in floating point the grow timer fires, "
-    "grows nothing and asks for the same instant again: a mock clock spins for ever "
-    "(core/_client_pool.py ConnectionPool.grow)"
-)
 
 KNOWN_DEFECTS: dict[str, Callable[[Violation], bool]] = {
     MIXED_FLEET: lambda v: (
         (v.kind == "liveness" and "offers 'preview'" in v.message and "after" in v.message)
         or (v.kind == "pool" and "'preview'" in v.message)
     ),
-    GROW_TIMER: lambda v: v.kind == "timer",
 }
 """Each known defect, and how its violations look."""
 
@@ -73,13 +66,7 @@ def test_two_fylrs_on_a_mixed_fleet_do_every_step_shrunk_trace() -> None:
 @pytest.mark.xfail(strict=True, reason=MIXED_FLEET)
 def test_two_fylrs_on_a_mixed_fleet_do_every_step_seed_0() -> None:
     """Seed 0 of the shipped mixed-fleet-2 scenario keeps every check (it found the defect)."""
-    others = (KNOWN_DEFECTS[GROW_TIMER],)
-    result = simulate(
-        SCENARIOS["mixed-fleet-2"](),
-        0,
-        record=False,
-        tolerate=lambda v: any(matches(v) for matches in others),
-    )
+    result = simulate(SCENARIOS["mixed-fleet-2"](), 0, record=False)
     assert result.violations == ()
 
 
@@ -148,7 +135,12 @@ def test_the_turn_hold_keeps_the_round_robin_bound_shrunk_trace() -> None:
     assert replay(trace("turn-hold")).violations == ()
 
 
-# -- the pool's growth timer -----------------------------------------------------------------
+# -- the pool's growth timer (fixed) ---------------------------------------------------------
+#
+# Pool growth compared now - last_grow < pool_grow_interval but woke at last_grow +
+# pool_grow_interval; where the two disagreed in floating point the grow timer fired, grew
+# nothing and asked for the same instant again: a mock clock spun for ever. The pool compares
+# now with the sum the timer asks for now (core/_client_pool.py ConnectionPool.grow).
 
 
 def _hello(instance: str) -> p.Hello:
@@ -165,7 +157,6 @@ def _hello(instance: str) -> p.Hello:
     )
 
 
-@pytest.mark.xfail(strict=True, reason=GROW_TIMER)
 def test_growth_due_at_its_timer_grows() -> None:
     """A job waits for a service no connection announced; the balanced address grew at
     0.002 s and may grow again 2 s later. At the timer, 2.002 s, it dials (the floating
@@ -199,7 +190,6 @@ def test_growth_due_at_its_timer_grows() -> None:
     assert dials() or core.next_deadline() != due
 
 
-@pytest.mark.xfail(strict=True, reason=GROW_TIMER)
 def test_no_core_asks_for_the_instant_it_was_woken_at_shrunk_trace() -> None:
     """Twenty fylrs on a mixed fleet: no core's timer asks for the instant it fired at
     again (the shrunk trace of a mixed-fleet-20 seed)."""
