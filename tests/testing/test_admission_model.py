@@ -11,7 +11,7 @@ from trio_broker.testing.admission import admission_machine
 
 # TRIO_BROKER_MODEL_SCALE (default 1) scales the budget, as in test_model.py
 _SCALE = float(os.environ.get("TRIO_BROKER_MODEL_SCALE", "1"))
-_STEPS = settings(max_examples=max(5, round(200 * _SCALE)), stateful_step_count=40)
+_STEPS = settings(max_examples=max(5, round(60 * _SCALE)), stateful_step_count=40)
 
 TestAdmissionDefaults = admission_machine(AdmissionConfig(cpus=2)).TestCase
 TestAdmissionDefaults.settings = _STEPS

@@ -10,7 +10,7 @@ from trio_broker.testing.client_timers import client_timers_machine
 
 # TRIO_BROKER_MODEL_SCALE (default 1) scales the budget, as in test_model.py
 _SCALE = float(os.environ.get("TRIO_BROKER_MODEL_SCALE", "1"))
-_STEPS = settings(max_examples=max(5, round(150 * _SCALE)), stateful_step_count=40)
+_STEPS = settings(max_examples=max(5, round(60 * _SCALE)), stateful_step_count=40)
 
 TestClientTimers = client_timers_machine().TestCase
 TestClientTimers.settings = _STEPS

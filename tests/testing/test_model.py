@@ -119,7 +119,7 @@ TestTurnHoldAging = broker_machine(
     turn_hold=0.25,
     time_steps=(0.0, 0.1, 0.2, 0.5, 1.0, 3.0),
 ).TestCase
-TestTurnHoldAging.settings = _STEPS
+TestTurnHoldAging.settings = _budget(60, 40)
 
 # Fractional shares and sizes where rounding matters: floor(0.3 * 5) = 1 and
 # floor(0.45 * 7) = 3 unknown slots (ceil or round would admit 2 and 3 or 4):
@@ -133,7 +133,7 @@ TestFractionalShares = broker_machine(
         max_slots={"a": 0, "b": 2, "c": 0},
     ),
 ).TestCase
-TestFractionalShares.settings = _STEPS
+TestFractionalShares.settings = _budget(40, 40)
 
 TestFractionalSharesAging = broker_machine(
     PoolConfig(
@@ -146,7 +146,7 @@ TestFractionalSharesAging = broker_machine(
     ),
     priorities=(-1, 0, 1, 2),
 ).TestCase
-TestFractionalSharesAging.settings = _STEPS
+TestFractionalSharesAging.settings = _budget(40, 40)
 
 # Clients with several jobs in flight at several priorities, served by the rotation
 # while older jobs run: who is owed the turn, and what a lift does to a hold.
@@ -154,10 +154,10 @@ TestTurnHolds = turn_hold_machine(
     PoolConfig(size=3, unknown_share=1.0, max_slots={"s": 0}, priority_aging=1.0),
     priorities=(0, 1, 2),
 ).TestCase
-TestTurnHolds.settings = _budget(150, 50)
+TestTurnHolds.settings = _budget(80, 50)
 
 # Aging with per-connection FIFO: several wants of one connection lift together
 # (bursts parked at one instant) or one after another, and every pick, rotation
 # and position is checked at the lifted priorities against the plain model.
 TestBookAging = book_machine(priorities=(-2, -1, 0, 2, 5), aging=1.0).TestCase
-TestBookAging.settings = _budget(200, 50)
+TestBookAging.settings = _budget(100, 50)
