@@ -622,6 +622,182 @@ def _campaign(
     return outcomes
 
 
+# -- deliberate bugs and the budgets that find them -----------------------------------------
+#
+# Each bug: (name, what, [(file, old text, new text) or (file, git revision)], the test
+# classes that should catch it). ``--bugs`` puts one at a time into a private copy and runs
+# each test class at rising ``TRIO_BROKER_MODEL_SCALE`` (fixed examples, the mutation
+# profile): the smallest scale that kills it is the budget it needs.
+
+_BEFORE_29 = "2d8d082"  # main before the turn-hold and growth-timer fixes
+_M = "tests/testing/test_model.py::"
+BUGS: list[tuple[str, str, list[tuple[str, ...]], list[str]]] = [
+    (
+        "turn-hold-ended-grant",
+        "the turn hold judged by the ended job's grant (the old core)",
+        [("trio_broker/core/book.py", _BEFORE_29), ("trio_broker/core/broker.py", _BEFORE_29)],
+        [_M + "TestTurnHolds", _M + "TestTurnHoldAging", _M + "TestRoundRobin"],
+    ),
+    (
+        "hold-kept-after-lift",
+        "a lift above a held priority (or of the holder's want to it) leaves the hold",
+        [
+            (
+                "trio_broker/core/broker.py",
+                "and self.book.age(now) and self._holds:",
+                "and self.book.age(now) and self._holds and False:",
+            )
+        ],
+        [_M + "TestTurnHolds", _M + "TestTurnHoldAging"],
+    ),
+    (
+        "aging-ties-reversed",
+        "lifts due at one instant applied newest first (FIFO through aging)",
+        [
+            (
+                "trio_broker/core/book.py",
+                "heapq.heappush(heap, (due, self._seq, want))",
+                "heapq.heappush(heap, (due, -self._seq, want))",
+            )
+        ],
+        [_M + "TestBookAging", _M + "TestAgingBound", _M + "TestTurnHolds"],
+    ),
+    (
+        "aging-wait-reset",
+        "a lift restarts the want's wait (parked_at reset to now)",
+        [
+            (
+                "trio_broker/core/book.py",
+                "priority, want.base, want.parked_at)",
+                "priority, want.base, now)",
+            )
+        ],
+        [_M + "TestBookAging", _M + "TestAgingBound", _M + "TestTurnHolds"],
+    ),
+    (
+        "unknown-share-rounded-up",
+        "unknown_share rounded up (ceil) in what is admitted and reported",
+        [
+            (
+                "trio_broker/core/pool.py",
+                "return max(1, math.floor(self.unknown_share * self.size))",
+                "return max(1, math.ceil(self.unknown_share * self.size))",
+            )
+        ],
+        [_M + "TestFractionalShares", _M + "TestFractionalSharesAging", _M + "TestMemoryBudget"],
+    ),
+    (
+        "capacity-rounded",
+        "capacity reports round(unknown_share * size) while admission floors it",
+        [
+            (
+                "trio_broker/core/pool.py",
+                "result = min(result, config.unknown_cap)",
+                "result = min(result, max(1, round(config.unknown_share * config.size)))",
+            )
+        ],
+        [_M + "TestFractionalShares", _M + "TestFractionalSharesAging", _M + "TestMemoryBudget"],
+    ),
+    (
+        "grow-timer-difference",
+        "growth compares now - last_grow with the interval (the old pool)",
+        [("trio_broker/core/_client_pool.py", _BEFORE_29)],
+        ["tests/testing/test_client_timers.py"],
+    ),
+    (
+        "deadline-reset-on-refusal",
+        "a refused JOB restarts the job's connect_timeout",
+        [
+            (
+                "trio_broker/core/client.py",
+                "        self._jobs.wait(job, now=self._now)\n",
+                "        self._jobs.wait(job, now=self._now)\n"
+                "        job.deadline = self._now + self.config.connect_timeout\n",
+            )
+        ],
+        ["tests/testing/test_client_timers.py"],
+    ),
+    (
+        "rise-judged-by-fewest",
+        "the at-least-one rise judged by the fewest waiting jobs, not the most",
+        [
+            (
+                "trio_broker/core/admission.py",
+                "1 if most == 0 else 0",
+                "1 if least == 0 else 0",
+            )
+        ],
+        ["tests/testing/test_admission_model.py", "tests/testing/test_dispatch_model.py"],
+    ),
+    (
+        "fall-by-all-waiting",
+        "the rise falls by every waiting job at once instead of by one",
+        [
+            (
+                "trio_broker/core/admission.py",
+                "self._rise = max(0, self._rise - 1)",
+                "self._rise = max(0, self._rise - least)",
+            )
+        ],
+        ["tests/testing/test_admission_model.py", "tests/testing/test_dispatch_model.py"],
+    ),
+    (
+        "interval-strict",
+        "an adjustment only strictly after adapt_interval",
+        [
+            (
+                "trio_broker/core/admission.py",
+                "now - self._adjusted >= config.adapt_interval",
+                "now - self._adjusted > config.adapt_interval",
+            )
+        ],
+        ["tests/testing/test_admission_model.py", "tests/testing/test_dispatch_model.py"],
+    ),
+]
+_LADDER = (0.05, 0.1, 0.2, 0.5, 1.0, 3.0)
+
+
+def _plant(base: Path, changes: list[tuple[str, ...]]) -> None:
+    for change in changes:
+        target = base / change[0]
+        if len(change) == 2:
+            shown = subprocess.run(
+                ["git", "show", f"{change[1]}:{change[0]}"],
+                cwd=ROOT,
+                capture_output=True,
+                check=True,
+            )
+            target.write_bytes(shown.stdout)
+            continue
+        text = target.read_text()
+        if text.count(change[1]) != 1:
+            raise SystemExit(f"{change[0]}: the bug's text is not there exactly once: {change[1]}")
+        target.write_text(text.replace(change[1], change[2]))
+
+
+def ladder(names: list[str], timeout: float) -> str:
+    """Each bug against each of its tests: the smallest scale that kills it."""
+    rows = ["| bug | test | smallest scale that kills it |", "| --- | --- | --- |"]
+    for name, what, changes, tests in BUGS:
+        if names and name not in names:
+            continue
+        base = _workspace()
+        try:
+            _plant(base, changes)
+            for test in tests:
+                found = "not at 3"
+                for scale in _LADDER:
+                    outcome = _pytest(base, [test], timeout, str(scale))
+                    if outcome in ("failed", "timeout"):
+                        found = f"{scale:g}"
+                        break
+                rows.append(f"| `{name}` ({what}) | `{test.split('::')[-1]}` | {found} |")
+                print(rows[-1], flush=True)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+    return "\n".join(rows)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("modules", nargs="*", help=f"any of {', '.join(MODULES)}")
@@ -659,7 +835,18 @@ def main() -> int:
         " reset, a rounding direction, an order reversed) or all (default); mutant"
         " numbers are per choice",
     )
+    parser.add_argument(
+        "--bugs",
+        nargs="*",
+        help="run the deliberate bugs (all, or these names) at rising budgets instead",
+    )
     args = parser.parse_args()
+    if args.bugs is not None:
+        table = ladder(args.bugs, args.timeout)
+        print(table)
+        if args.report:
+            args.report.write_text(table + "\n")
+        return 0
     chosen = list(MODULES) if args.all else (args.modules or ["book"])
     unknown = [m for m in chosen if m not in MODULES]
     if unknown:
