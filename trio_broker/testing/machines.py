@@ -691,8 +691,12 @@ class TurnHoldMachine(DifferentialMachine):
 
     @rule(data=st.data())
     def advance(self, data: st.DataObject) -> None:
+        """Time passes; the broker is woken only when it asks to be (aging arms no
+        timer, so a lift may fall due with no input until the next WANT or end)."""
         self.now += data.draw(st.sampled_from(self.time_steps), label="dt")
-        self.step(lambda: self.real.tick(now=self.now), lambda: self.ref.tick(self.now))
+        due = self.real.next_deadline()
+        if due is not None and due <= self.now:
+            self.step(lambda: self.real.tick(now=self.now), lambda: self.ref.tick(self.now))
         self._redeem_all()
 
 
