@@ -569,6 +569,44 @@ def _job(
     return {"passed": "survived", "failed": "killed"}.get(outcome, outcome)
 
 
+def _job_untraced(
+    base: Path, mutant: Mutant, source: str, timeout: float, scale: str
+) -> tuple[str, int]:
+    """Run the module's guard phases in order against the mutant (no selection)."""
+    target = base / MODULES[mutant.module][0]
+    original = target.read_text()
+    target.write_text(source)
+    try:
+        for count, phase in enumerate(MODULES[mutant.module][1], 1):
+            outcome = _pytest(base, list(phase), timeout, scale)
+            if outcome != "passed":
+                return {"failed": "killed"}.get(outcome, outcome), count
+        return "survived", len(MODULES[mutant.module][1])
+    finally:
+        target.write_text(original)
+
+
+def untraced(
+    module: str, todo: list[tuple[Mutant, str]], timeout: float, scale: str
+) -> dict[Mutant, str]:
+    """Each mutant against the whole guard, phase after phase (``--no-trace``)."""
+    base = _workspace()
+    outcomes: dict[Mutant, str] = {}
+    try:
+        text = (base / MODULES[module][0]).read_text().splitlines()
+        for mutant, source in todo:
+            outcome, phases = _job_untraced(base, mutant, source, timeout, scale)
+            outcomes[mutant] = outcome
+            print(
+                f"{module}#{mutant.index} line {mutant.line} {mutant.function}: {mutant.what}"
+                f" [{phases} phases]: {outcome}  | {text[mutant.line - 1].strip()}",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return outcomes
+
+
 def _rank(function: str, first: list[str]) -> int:
     return next((i for i, name in enumerate(first) if name in function), len(first))
 
@@ -836,6 +874,12 @@ def main() -> int:
         " numbers are per choice",
     )
     parser.add_argument(
+        "--no-trace",
+        action="store_true",
+        help="run every mutant against the module's whole guard, phase after phase,"
+        " without the traced run that selects tests (worth it for a few mutants)",
+    )
+    parser.add_argument(
         "--bugs",
         nargs="*",
         help="run the deliberate bugs (all, or these names) at rising budgets instead",
@@ -876,7 +920,10 @@ def main() -> int:
                 print(f"{module}#{m.index} line {m.line} {m.function}: {m.what}")
             continue
         try:
-            outcomes = _campaign(module, todo, bases, args.timeout, args.scale)
+            if args.no_trace:
+                outcomes = untraced(module, todo, args.timeout, args.scale)
+            else:
+                outcomes = _campaign(module, todo, bases, args.timeout, args.scale)
         finally:
             for base in bases:
                 shutil.rmtree(base, ignore_errors=True)
