@@ -133,17 +133,14 @@ class AdmissionMachine(RuleBasedStateMachine):
         """An execserver is lost or drains."""
         self.loads.pop(instance, None)
 
-    @rule(
-        data=st.data(),
-        waiting=st.sampled_from([0, 0, 0, 1, 2, 3, 5, 8]),
-        deep=st.booleans(),
-        times=st.integers(1, 4),
-    )
-    def observe(self, data: st.DataObject, waiting: int, deep: bool, times: int) -> None:
-        """The dispatcher decides a claim (once or a few times, time moving between)."""
+    @rule(data=st.data(), deep=st.booleans(), times=st.integers(1, 4))
+    def observe(self, data: st.DataObject, deep: bool, times: int) -> None:
+        """The dispatcher decides a claim (once or a few times, time moving between,
+        its jobs waiting at the execservers coming and going)."""
         loads = [self.loads[name] for name in sorted(self.loads)]
         for _ in range(times):
             self.now += data.draw(st.sampled_from(self.steps), label="dt")
+            waiting = data.draw(st.sampled_from([0, 0, 0, 1, 2, 3, 5, 8]), label="waiting")
             got = self.real.update(self.now, loads, waiting=waiting, queue_deep=deep)
             expected = self.model.update(self.now, loads, waiting, deep)
             note(f"t={self.now} waiting={waiting} deep={deep}: {got}")
