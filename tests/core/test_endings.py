@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import get_args
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -141,7 +142,7 @@ def test_a_receipt_means_nothing_a_retry_or_a_failure(
     got = receipt(status, stderr_line=stderr_line, stdout_bytes=stdout_bytes)
     failure = receipt_failure(got, stdout=stdout, what="the step")
     whole = stdout is None or output_whole(got, stdout)
-    assert interrupted(got) == (status in ("stopped", "cancelled"))
+    assert interrupted(got) == (status in ("stopped", "cancelled"))  # no older sentence here
     if interrupted(got):
         assert isinstance(failure, JobStopped)
         assert str(failure).startswith(f"the step was {status}: ")
@@ -154,3 +155,38 @@ def test_a_receipt_means_nothing_a_retry_or_a_failure(
     else:
         assert failure is None
     assert decisive_line(got)
+
+
+@pytest.mark.parametrize(
+    ("status", "error", "temporary"),
+    [
+        ("stopped", "the in-pipe at http://10.0.0.1:7100 could not be reached (DNS failure)", True),
+        ("stopped", "drain_timeout of 60s expired", True),
+        ("cancelled", "cancelled by the client", True),
+        ("failed", "exit status 3", False),
+        ("timed_out", "timed out after 30m", False),
+        ("stalled", "no progress for 5m", False),
+        ("out_of_memory", "over its memory limit", False),
+        ("error", "missing parameter 'text'", False),
+        # an older execserver's sentence for an in-pipe it could not open
+        ("error", "missing input: cannot read the in-pipe at http://h:1: ConnectError", True),
+        ("error", "missing input: the in-pipe at http://h:1 answered 404", True),
+    ],
+)
+def test_each_ending_is_temporary_or_permanent_by_its_cause(
+    status: p.Status, error: str, temporary: bool
+) -> None:
+    """The network's and the execserver's faults are retried later; the work's fail it."""
+    got = receipt(status, error=error)
+    failure = receipt_failure(got, what="the step")
+    assert isinstance(failure, JobStopped if temporary else JobFailed)
+    verdict = judge(failure, retry_delay=60.0)
+    assert (verdict.kind, verdict.delay) == (("requeue", 60.0) if temporary else ("fail", 0.0))
+    if temporary:
+        assert str(failure) == f"the step was {'stopped' if status == 'error' else status}: {error}"
+
+
+def test_an_older_sentence_counts_only_without_a_process() -> None:
+    """A command's own ``error`` receipt never passes for an unreachable pipe."""
+    ran = attrs.evolve(receipt("error", error="missing input: x"), exit_code=1)
+    assert isinstance(receipt_failure(ran), JobFailed)

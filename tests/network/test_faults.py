@@ -28,7 +28,7 @@ import random
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import httpx
@@ -591,3 +591,62 @@ async def pipe_cut_mid_stream(
     finally:
         await events.aclose()
     return version, receipt, made, expected
+
+
+CUT = 5.0
+"""Seconds the execservers at least cannot reach the fylr's pipes in the cut test."""
+
+
+@pytest.mark.parametrize(("how", "cause"), [("reset", "connection refused"), ("drop", "timed out")])
+async def test_a_cut_of_the_pipe_path_requeues_every_step_and_every_file_ends_done(
+    network: Network, shared_dir: Path, how: Literal["drop", "reset"], cause: str
+) -> None:
+    """For at least 5 s neither execserver can open a connection to the fylr's listener (a
+    rule in their own output that refuses the connections, or drops them until each pipe's
+    connect times out), while the broker connections, which the fylr opened, stay up: every
+    job that starts meanwhile ends ``stopped`` naming the pipe and the cause, its step is
+    requeued after retry_delay, and once the path is back every file ends done with the
+    right bytes; nothing failed."""
+    ping = FAST_PING
+    contents = {f"c{n}.txt": text(n, 200 + n) for n in range(8)}
+    async with (
+        running_execservers(
+            network, lambda _: {"sha256": {"argv": ["sha256sum"]}}, ping, 2
+        ) as execs,
+        running_fylr(network, shared_dir / "state", SHA_CLASS, ping, execs) as fleet,
+    ):
+        for name in EXECSERVERS:
+            network.block(name, "fylr", FYLR_PORT, how=how)
+        cut_at = trio.current_time()
+        try:
+            with trio.fail_after(WAIT):
+                ids = {name: await put(fleet.fylr, name, data) for name, data in contents.items()}
+                # every step met the cut at least once (it is requeued a second later)
+                await until(
+                    fleet.fylr_page, lambda p: p["steps"].get("produce.requeued", 0) >= len(ids)
+                )
+            await trio.sleep_until(cut_at + CUT)  # the cut lasts its whole length
+        finally:
+            dropped = sum(network.unblock(name, "fylr", FYLR_PORT) for name in EXECSERVERS)
+        assert dropped > 0
+        with trio.fail_after(WAIT):
+            documents = {name: await ended(fleet.fylr, file_id) for name, file_id in ids.items()}
+        for name, document in documents.items():
+            assert document["status"] == "done", (name, document)
+            assert document["versions"]["sha256"]["status"] == "done", (name, document)
+            assert await download(fleet.fylr, ids[name], "sha256") == sha256_line(contents[name])
+        page = await fleet.fylr_page()
+        assert page["steps"].get("produce.error", 0) == 0
+        assert page["queue"]["failed"] == 0
+        stopped = [
+            job["receipt"]["error"]
+            for jobs in (await receipts(fleet)).values()
+            for job in jobs
+            if job["receipt"]["status"] == "stopped"
+        ]
+        assert stopped
+        address = network["fylr"].address
+        for error in stopped:
+            assert error.startswith(
+                f"the in-pipe at http://{address}:{FYLR_PORT} could not be reached ({cause}):"
+            ), error

@@ -13,6 +13,12 @@ Faults, all inside the namespaces:
   switch between two hosts. Packets vanish: no RST, no ICMP, so only the
   protocol's own liveness can tell.
 - :meth:`Network.set_loss`: ``numgen random mod 100 < N drop`` on the switch.
+- :meth:`Network.block`: an nftables rule in the *output* hook of one host's
+  namespace, for its packets to one host and port: the cut of one direction of
+  one service, while the connections the other host opens towards it keep
+  working. ``drop`` loses the packets silently (a ``connect`` waits for its
+  timeout); ``reset`` answers each with a TCP reset, so a ``connect`` is
+  refused at once (a firewall that rejects, a service that is not there).
 - :meth:`Network.delay`: the kernel here has no ``netem``, so a delaying TCP
   relay of this test process sits on the path. An nftables ``redirect`` in the
   dialling host's namespace sends its new connections to one host and port into
@@ -55,7 +61,7 @@ import socket
 import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Final, TypeVar
+from typing import Final, Literal, TypeVar
 
 import attrs
 import pytest
@@ -439,6 +445,44 @@ class Network:
         """Undo the :meth:`partition` of ``a`` and ``b`` made with the same ``port``."""
         self._partitions.discard((frozenset((a, b)), port))
         self._switch_rules()
+
+    def block(
+        self, source: str, target: str, port: int, *, how: Literal["drop", "reset"] = "drop"
+    ) -> None:
+        """Cut, in ``source``'s own output, every packet it sends to ``target:port``.
+
+        Connections ``source`` opens to that port time out (``drop``) or are
+        refused at once (``reset``); ``target``'s connections to ``source`` are
+        untouched. Undone by :meth:`unblock`.
+        """
+        verdict = "drop" if how == "drop" else "reject with tcp reset"
+        host, peer = self.hosts[source], self.hosts[target]
+        table = f"tbblock_{port}_{peer.address.replace('.', '_')}"
+        _run(
+            ["ip", "netns", "exec", host.netns, _nft(), "-f", "-"],
+            stdin=f"""table ip {table} {{
+  counter blocked {{ }}
+  chain output {{
+    type filter hook output priority 0; policy accept;
+    ip daddr {peer.address} tcp dport {port} counter name blocked {verdict}
+  }}
+}}
+""",
+        )
+
+    def unblock(self, source: str, target: str, port: int) -> int:
+        """Undo :meth:`block`; returns how many packets it dropped."""
+        host, peer = self.hosts[source], self.hosts[target]
+        table = f"tbblock_{port}_{peer.address.replace('.', '_')}"
+        nft = ["ip", "netns", "exec", host.netns, _nft()]
+        listing = json.loads(_run([*nft, "-j", "list", "counter", "ip", table, "blocked"]))
+        dropped = 0
+        for item in listing["nftables"]:
+            counter = item.get("counter")
+            if counter and counter.get("name") == "blocked":
+                dropped = int(counter["packets"])
+        _run([*nft, "delete", "table", "ip", table])
+        return dropped
 
     def set_loss(self, percent: int) -> None:
         """Drop ``percent`` % of all packets on the switch, at random (0 stops it)."""

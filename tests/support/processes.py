@@ -81,6 +81,7 @@ async def open_fylr_process(
     ready_within: float = 120.0,
     stop_within: float = 60.0,
     prefix: Sequence[str] = (),
+    stderr: Path | None = None,
 ) -> AsyncIterator[DaemonProcess]:
     """Run ``trio-broker fylr`` in a subprocess until the block ends.
 
@@ -96,6 +97,8 @@ async def open_fylr_process(
         stop_within: at the end, seconds to wait after SIGTERM before SIGKILL.
         prefix: an argv prefix the command runs under (see
             :func:`open_execserver_process`).
+        stderr: a file that gets the daemon's log (appended); ``None``: this
+            process's stderr.
 
     Yields:
         The process and its bound address. If it is still running when the block
@@ -108,6 +111,7 @@ async def open_fylr_process(
         ready_within=ready_within,
         stop_within=stop_within,
         prefix=prefix,
+        stderr=stderr,
     ) as daemon:
         yield daemon
 
@@ -121,8 +125,12 @@ async def _open_daemon_process(
     ready_within: float,
     stop_within: float,
     prefix: Sequence[str],
+    stderr: Path | None = None,
 ) -> AsyncIterator[DaemonProcess]:
-    with tempfile.TemporaryDirectory(prefix="trio-broker-daemon-") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="trio-broker-daemon-") as tmp,
+        contextlib.ExitStack() as files,
+    ):
         if isinstance(config, str) and "\n" in config:
             path = Path(tmp) / f"{command}.yml"
             path.write_text(config)
@@ -130,9 +138,11 @@ async def _open_daemon_process(
             path = Path(config)
         ready = Path(tmp) / "ready"
         os.mkfifo(ready)
+        log = None if stderr is None else files.enter_context(stderr.open("ab"))
         process = await trio.lowlevel.open_process(
             [*prefix, sys.executable, "-m", "trio_broker_daemons", "--log-level", log_level,
              command, "--config", str(path), "--ready-file", str(ready)],
+            stderr=log,
         )  # fmt: skip
         try:
             with trio.fail_after(ready_within):

@@ -588,25 +588,50 @@ async def test_command_dying_after_10_mb_aborts_the_out_pipe(
     assert not any(sink.data)
 
 
-async def test_missing_input_runs_nothing(jobs_dir: Path, served: Served) -> None:
-    """An in-pipe that answers 404 or refuses the connection: status error, no process."""
+async def test_an_unreachable_input_runs_nothing_and_stops_the_job(
+    jobs_dir: Path, served: Served
+) -> None:
+    """An in-pipe that answers 404, refuses the connection or names no known host: nothing
+    runs and the job ends stopped (the network's fault, run again later), naming the cause."""
     runner = make_runner(jobs_dir, {"cat": ("cat",)})
     unknown = served.base + "/pipe/" + "B" * 22
     receipt = await run_job(runner, "cat", stdin_url=unknown)
-    assert receipt.status == "error"
-    assert receipt.error == f"missing input: the in-pipe at {served.base} answered 404"
+    assert receipt.status == "stopped"
+    assert receipt.error == (
+        f"the in-pipe at {served.base} answered 404: it is not the pipe's owner, or the owner"
+        " gave the job up"
+    )
     assert (receipt.exit_code, receipt.peak_memory, receipt.stdin_bytes) == (None, None, 0)
     with trio.socket.socket() as closed:  # bound but not listening: connections are refused
         await closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
         receipt = await run_job(runner, "cat", stdin_url=f"http://127.0.0.1:{port}/pipe/x")
-    assert receipt.status == "error"
+    assert receipt.status == "stopped"
     assert receipt.error is not None
     assert receipt.error.startswith(
-        f"missing input: cannot read the in-pipe at http://127.0.0.1:{port}: ConnectError"
+        f"the in-pipe at http://127.0.0.1:{port} could not be reached (connection refused):"
+        " ConnectError"
     )
     assert "/pipe/" not in receipt.error  # the id is a credential: never in a receipt
     assert receipt.exit_code is None
+    # .invalid never resolves (RFC 6761)
+    receipt = await run_job(runner, "cat", stdin_url="http://no-such-host.invalid:81/pipe/x")
+    assert receipt.status == "stopped"
+    assert (receipt.error or "").startswith(
+        "the in-pipe at http://no-such-host.invalid:81 could not be reached (DNS failure):"
+    )
+
+
+async def test_an_in_pipe_whose_tls_fails_stops_the_job(jobs_dir: Path, served: Served) -> None:
+    """An https in-pipe on a plain listener: the handshake fails, a TLS failure, stopped."""
+    runner = make_runner(jobs_dir, {"cat": ("cat",)})
+    url = served.base.replace("http://", "https://") + "/pipe/" + "C" * 22
+    receipt = await run_job(runner, "cat", stdin_url=url)
+    assert receipt.status == "stopped"
+    host_port = served.base.removeprefix("http://")
+    assert (receipt.error or "").startswith(
+        f"the in-pipe at https://{host_port} could not be reached (TLS failure):"
+    )
 
 
 async def test_input_breaking_mid_stream_stops_the_job(jobs_dir: Path, served: Served) -> None:

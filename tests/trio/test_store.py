@@ -12,6 +12,8 @@ import attrs
 import psycopg
 import pytest
 import trio
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from trio_broker_daemons.fylr.pgcluster import PgCluster
 
 from trio_broker.trio.dispatcher import Action, Dispatcher, DispatcherConfig
@@ -602,3 +604,68 @@ async def test_live_backends_are_those_with_a_recent_heartbeat(store: Store) -> 
     assert await store.live_backends(3600) == ["b1", "b2", "old"]
     await store.unregister_backend("b1")
     assert await store.live_backends(60) == ["b2"]
+
+
+# -- fail-over ---------------------------------------------------------------------------------
+
+
+def _database_setting(dsn: str, value: str) -> None:
+    """Make the test's database read-only for new sessions (``on``) or writable again, and
+    end its current sessions (as a fail-over does)."""
+    name = conninfo_to_dict(dsn)["dbname"]
+    admin = make_conninfo(dsn, dbname="postgres")
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("ALTER DATABASE {} SET default_transaction_read_only = {}").format(
+                sql.Identifier(str(name)), sql.SQL(value)
+            )
+        )
+        conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = %s AND pid <> pg_backend_pid()",
+            (name,),
+        )
+
+
+async def test_a_read_only_server_is_unavailable_and_its_connections_are_replaced(
+    pg_dsn: str,
+) -> None:
+    """A server that became read-only (a standby after a fail-over) is StoreUnavailable, not
+    an internal error; once a writable server is back, the next calls succeed: the
+    connections that met the read-only one were closed, not kept in the pool."""
+    async with open_store(pg_dsn, pool_size=2) as store:
+        await store.enqueue_many(items(1))
+        await trio.to_thread.run_sync(_database_setting, pg_dsn, "on")
+        read_only = 0
+        with trio.fail_after(WAIT):
+            while read_only < 3:  # the broken connections first, then read-only ones
+                with pytest.raises(StoreUnavailable) as caught:
+                    await store.enqueue_many(items(1, prefix="g"))
+                if "read-only" in str(caught.value):
+                    read_only += 1
+        await trio.to_thread.run_sync(_database_setting, pg_dsn, "off")
+        with trio.fail_after(WAIT):
+            while True:
+                try:
+                    await store.enqueue_many(items(1, prefix="h"))
+                    break
+                except StoreUnavailable:
+                    await trio.lowlevel.checkpoint()  # the terminated sessions, once each
+        assert (await store.counts()).ready == 2
+
+
+async def test_a_multi_host_dsn_finds_the_writable_server(pg_dsn: str) -> None:
+    """``host=a,b port=p,q target_session_attrs=read-write``: the first host is down, the
+    store connects to the second."""
+    params = conninfo_to_dict(pg_dsn)
+    host = str(params.get("host") or "127.0.0.1")
+    port = str(params.get("port") or 5432)
+    dsn = make_conninfo(
+        pg_dsn,
+        host=f"127.0.0.1,{host}",
+        port=f"{_closed_port()},{port}",
+        target_session_attrs="read-write",
+    )
+    async with open_store(dsn, pool_size=1) as store:
+        await store.enqueue_many(items(2))
+        assert (await store.counts()).ready == 2

@@ -25,8 +25,12 @@ table of its reasons, and :func:`run_failure` the exception a caller gets:
 **A receipt.** Three rules read the receipt of a job that ran:
 
 - *interrupted* (:func:`interrupted`): the execserver stopped the job (it drained,
-  or a stream of the job broke: ``stopped``) or its client cancelled it
-  (``cancelled``). Neither is a verdict on the job: run it again, later or elsewhere.
+  a stream of the job broke, or its in-pipe could not be reached: ``stopped``) or
+  its client cancelled it (``cancelled``). Neither is a verdict on the job: run
+  it again, later or elsewhere. So is the receipt of an older execserver for an
+  in-pipe it could not open: status ``error``, no ``exit_code``, an error
+  beginning ``missing input: `` (:data:`LEGACY_UNREACHABLE`); it reads as
+  ``stopped`` (``PROTOCOL.md``, Decision S36).
 - *whole output* (:func:`output_whole`): a job whose stdout streamed into an
   out-pipe delivered it whole only when the pipe saw the end of the stream
   (``done``), or when there was nothing to stream (the pipe was never opened,
@@ -66,6 +70,7 @@ from trio_broker.core.errors import (
 from trio_broker.core.protocol import Receipt
 
 __all__ = [
+    "LEGACY_UNREACHABLE",
     "RUN_FAILURES",
     "JobFailed",
     "PipeState",
@@ -94,6 +99,17 @@ RUN_FAILURES: Final[Mapping[FailReason, type[BrokerError] | None]] = {
 
 _INTERRUPTED: Final = frozenset({"stopped", "cancelled"})
 
+LEGACY_UNREACHABLE: Final = "missing input: "
+"""How an older execserver's ``error`` receipt for an unreachable in-pipe begins."""
+
+
+def _legacy_unreachable(receipt: Receipt) -> bool:
+    return (
+        receipt.status == "error"
+        and receipt.exit_code is None
+        and (receipt.error or "").startswith(LEGACY_UNREACHABLE)
+    )
+
 
 def run_failure(failed: Failed) -> BrokerError | None:
     """The exception the caller of a job gets for its ``Failed`` effect (:data:`RUN_FAILURES`).
@@ -106,8 +122,9 @@ def run_failure(failed: Failed) -> BrokerError | None:
 
 
 def interrupted(receipt: Receipt) -> bool:
-    """Whether the job was interrupted before a verdict: ``stopped`` or ``cancelled``."""
-    return receipt.status in _INTERRUPTED
+    """Whether the job was interrupted before a verdict: ``stopped`` or ``cancelled``
+    (or an older execserver's unreachable in-pipe)."""
+    return receipt.status in _INTERRUPTED or _legacy_unreachable(receipt)
 
 
 def output_whole(receipt: Receipt, stdout: PipeState) -> bool:
@@ -181,7 +198,8 @@ def receipt_failure(
         an ``ok`` one whose stream was cut; ``JobFailed`` for any other ending.
     """
     if interrupted(receipt):
-        return JobStopped(f"{what} was {receipt.status}: {decisive_line(receipt)}")
+        status = "stopped" if receipt.status == "error" else receipt.status
+        return JobStopped(f"{what} was {status}: {decisive_line(receipt)}")
     if receipt.status != "ok":
         return JobFailed(receipt)
     if stdout is not None and not output_whole(receipt, stdout):

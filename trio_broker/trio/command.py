@@ -11,8 +11,9 @@ only: it reads ``/proc`` (:mod:`trio_broker.trio.procgroup`).
 Starting a job: the job object is read (:class:`~trio_broker.core.job.JobSpec`), its
 ``params`` fill the template, its pipes are opened (:mod:`trio_broker.trio.pipe_io`),
 and only then does the command start. Anything refused on the way (an unknown
-service, a bad job object, a missing parameter, a missing input, a program that
-cannot run) ends the job ``error`` and runs nothing.
+service, a bad job object, a missing parameter, a program that cannot run) ends
+the job ``error`` and runs nothing; an in-pipe that cannot be reached ends it
+``stopped`` (the network's fault: it is run again later) and runs nothing.
 
 Ending a job:
 
@@ -78,10 +79,10 @@ from trio_broker.trio import procgroup
 from trio_broker.trio.pipe_io import (
     PIPE_FINISH_TIMEOUT,
     InPipe,
-    MissingInput,
     OutPipe,
     PipeConnector,
     PipeFault,
+    PipeUnreachable,
     PipeUrls,
     StdoutReader,
     open_pipes,
@@ -731,8 +732,8 @@ class CommandRunner:
         async with contextlib.AsyncExitStack() as stack:
             try:
                 in_pipe, out_pipe = await open_pipes(stack, self._connector, urls)
-            except MissingInput as exc:
-                return start.error(str(exc))
+            except PipeUnreachable as exc:  # the network's fault, not the input's
+                return start.ended("stopped", str(exc))
             try:
                 process = await trio.lowlevel.open_process(
                     argv,

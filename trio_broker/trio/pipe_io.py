@@ -7,9 +7,14 @@ opens them here before it starts the command and pumps the bytes through them
 while it runs. Every byte moves with back-pressure, so memory stays bounded
 whatever the size:
 
-* ``stdin_url``: its ``GET`` is sent before the command starts. A refusal (404,
-  connection refused, any answer but 200) is :class:`MissingInput`: the job ends
-  ``error`` (``missing input: …``) and nothing runs. Then each chunk of the body
+* ``stdin_url``: its ``GET`` is sent before the command starts. An in-pipe that
+  cannot be reached (connection refused or reset, a name that does not resolve,
+  a failed TLS handshake, no answer within the connect timeout) or answers
+  anything but 200 is :class:`PipeUnreachable`: nothing runs and the job ends
+  ``stopped`` with a sentence naming the listener and the cause (``the in-pipe
+  at http://h:p could not be reached (connection refused): …``). The callback
+  base or the network to it failed, not the input, so the client runs it again
+  later (``PROTOCOL.md``, Decision S36). Then each chunk of the body
   is written to the command's stdin, and its end closes stdin. A command that
   stops reading its stdin is not a failure (the rest is not read). A body that
   breaks off in mid-stream (an incomplete chunked body, a reset) is a
@@ -54,6 +59,7 @@ id is the pipe's credential.
 from __future__ import annotations
 
 import contextlib
+import socket
 import ssl
 from collections.abc import AsyncIterator
 from typing import Final
@@ -72,6 +78,7 @@ __all__ = [
     "OutPipe",
     "PipeConnector",
     "PipeFault",
+    "PipeUnreachable",
     "PipeUrls",
     "StdoutReader",
     "open_pipes",
@@ -98,13 +105,56 @@ _OUTPUT_DRAIN_TIMEOUT = 2.0
 being sent (a stray process outside the group may hold it open)."""
 
 
-class MissingInput(Exception):
-    """The in-pipe could not be opened; the text is the receipt's error."""
+class PipeUnreachable(Exception):
+    """The in-pipe could not be opened; the text is the ``stopped`` receipt's error."""
+
+
+MissingInput = PipeUnreachable
+"""The former name of :class:`PipeUnreachable`."""
+
+_CAUSES: Final[tuple[tuple[type[BaseException], str], ...]] = (
+    (ssl.SSLError, "TLS failure"),
+    (socket.gaierror, "DNS failure"),
+    (ConnectionRefusedError, "connection refused"),
+    (ConnectionResetError, "connection reset"),
+    (httpx.TimeoutException, "timed out"),
+    (TimeoutError, "timed out"),
+)
+"""What an in-pipe's connection failure is called, the first match of its chain."""
+
+
+def _exceptions(exc: BaseException) -> list[BaseException]:
+    """An exception, its causes and contexts, and the members of the groups among them."""
+    found: list[BaseException] = []
+    todo = [exc]
+    while todo:
+        current = todo.pop(0)
+        if any(current is seen for seen in found):
+            continue
+        found.append(current)
+        if isinstance(current, BaseExceptionGroup):
+            todo.extend(current.exceptions)
+        todo.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+    return found
+
+
+def unreachable_cause(exc: BaseException) -> str:
+    """The cause of a failed connection, as a receipt names it (``connection refused``…)."""
+    chain = _exceptions(exc)
+    for kind, cause in _CAUSES:
+        if any(isinstance(e, kind) for e in chain):
+            return cause
+    return "no answer"
 
 
 def _describe(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _refusal(where: str, status: int) -> str:
+    why = ": it is not the pipe's owner, or the owner gave the job up" if status == 404 else ""
+    return f"the in-pipe at {where} answered {status}{why}"
 
 
 def _listener(url: httpx.URL) -> str:
@@ -221,7 +271,7 @@ async def open_pipes(
         once stdout outgrows the buffer); ``None`` for a pipe the job has not.
 
     Raises:
-        MissingInput: the in-pipe refused or could not be reached.
+        PipeUnreachable: the in-pipe could not be reached, or refused.
     """
     if not urls.any:
         return None, None
@@ -234,11 +284,12 @@ async def open_pipes(
                 http.stream("GET", urls.stdin, timeout=_PIPE_TIMEOUT)
             )
         except httpx.HTTPError as exc:
-            raise MissingInput(
-                f"missing input: cannot read the in-pipe at {where}: {_describe(exc)}"
+            raise PipeUnreachable(
+                f"the in-pipe at {where} could not be reached ({unreachable_cause(exc)}):"
+                f" {_describe(exc)}"
             ) from None
         if body.status_code != 200:
-            raise MissingInput(f"missing input: the in-pipe at {where} answered {body.status_code}")
+            raise PipeUnreachable(_refusal(where, body.status_code))
         in_pipe = InPipe(body, where)
     out_pipe = None if urls.stdout is None else OutPipe(http, urls.stdout)
     return in_pipe, out_pipe

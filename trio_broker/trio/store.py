@@ -61,11 +61,14 @@ Values. The rows the store returns and the requests it takes (:class:`QueueItem`
 :class:`NewItem`, :class:`Outcome` …) are frozen values of
 :mod:`trio_broker.trio.store_values`, imported from here.
 
-Failures. A broken connection or an unreachable server makes the call raise
-:class:`StoreUnavailable` (the pool replaces broken connections; the call may or
-may not have taken effect). Callers retry after a short back-off; fencing and
-``return_claimed(keep=…)`` make every retry safe, so nothing is lost or done
-twice across a database restart.
+Failures. A broken connection, an unreachable server or a server that has
+become read-only (a standby after a fail-over: SQLSTATE 25006) makes the call
+raise :class:`StoreUnavailable` (the pool replaces broken connections, and
+closes one that met a read-only server, so that the next one is dialled
+afresh: with a libpq multi-host DSN and ``target_session_attrs=read-write`` it
+finds the new primary; the call may or may not have taken effect). Callers
+retry after a short back-off; fencing and ``return_claimed(keep=…)`` make every
+retry safe, so nothing is lost or done twice across a database restart.
 """
 
 from __future__ import annotations
@@ -378,8 +381,16 @@ class Store:
     def _call_sync(self, fn: Callable[[Connection], T]) -> T:
         try:
             with self._pool.connection() as conn:
-                return fn(conn)
-        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+                try:
+                    return fn(conn)
+                except psycopg.errors.ReadOnlySqlTransaction:
+                    conn.close()  # a standby now (fail-over): the pool dials afresh
+                    raise
+        except (
+            psycopg.OperationalError,
+            psycopg.InterfaceError,
+            psycopg.errors.ReadOnlySqlTransaction,
+        ) as exc:
             with self._check_lock:
                 self._unavailable += 1
             self._check_pool()

@@ -11,10 +11,13 @@ users read, shared by ``trio-broker position`` and the progress display of
     sunset.jpg #12 metadata: 3 running, 7 waiting, you are number 11, roughly 4 minutes
 
 The position is the hard number; the time is only ever written as "roughly",
-since it is the execserver's mean runtime times the rounds ahead. Exit status of
-the command: 0 when the file was found, 1 when it is unknown, the fylr could
-not be reached or refused the token (a fylr with tokens needs the ``read``
-token, or the ``upload`` or ``operator`` one: ``--token-file``).
+since it is the execserver's mean runtime times the rounds ahead. A fylr that
+cannot be reached (it restarts) or answers 503 is asked again with a back-off,
+:data:`RETRIES` times (:mod:`trio_broker_daemons.commands.retry`). Exit status
+of the command: 0 when the file was found, 1 when it is unknown, the fylr could
+still not be reached after the repeats, or it refused the token (a fylr with
+tokens needs the ``read`` token, or the ``upload`` or ``operator`` one:
+``--token-file``).
 """
 
 from __future__ import annotations
@@ -26,10 +29,14 @@ import httpx
 import trio
 
 from trio_broker_daemons.commands.credentials import auth_headers, refusal_hint
+from trio_broker_daemons.commands.retry import get_retrying
 
 __all__ = ["eta_text", "main", "queue_text", "waiting_steps"]
 
 REQUEST_TIMEOUT: Final = 30.0
+RETRIES: Final = 6
+"""Repeats of a request the fylr did not answer (or answered 503): about 30 s of
+back-off, a restart's length, before the command gives up."""
 
 
 def eta_text(seconds: float | None) -> str | None:
@@ -73,7 +80,8 @@ def waiting_steps(document: Mapping[str, Any]) -> list[tuple[str, Mapping[str, A
 
 async def _fetch(server: str, file_id: int, token: str | None) -> httpx.Response:
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT, headers=auth_headers(token)) as http:
-        return await http.get(f"{server.rstrip('/')}/api/v1/eas/{file_id}")
+        url = f"{server.rstrip('/')}/api/v1/eas/{file_id}"
+        return await get_retrying(http, url, timeout=REQUEST_TIMEOUT, retries=RETRIES)
 
 
 def main(server: str, file_id: int, *, token: str | None = None) -> int:

@@ -25,7 +25,13 @@ A fylr answers 503 while its database is unavailable (or it is stopping, or
 its storage failed); :func:`upload` and :func:`follow` then try again, at most
 :data:`RETRIES` times per request, after the answer's ``Retry-After`` (at most
 :data:`RETRY_AFTER_MAX` seconds) or else an exponential back-off
-(:func:`retry_delay`). An upload is sent again whole.
+(:func:`retry_delay`, :mod:`trio_broker_daemons.commands.retry`). An upload is
+sent again whole; one that cannot reach the fylr at all is reported at once (a
+wrong ``--server``). :func:`follow`, once the file is uploaded, also repeats a
+request whose connection failed in any way, with the same back-off: ``--wait``
+follows a file through a fylr restart. A fylr that
+answers an upload before reading its body (413 over ``max_upload_size``, 503
+while stopping) closes the connection, so the command gets the answer at once.
 
 ``--server`` is ``host:port`` (``http://`` is assumed) or a URL with its scheme
 (:func:`server_url`); ``--priority`` a band name or a number
@@ -55,6 +61,13 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 
 from trio_broker_daemons.commands.credentials import auth_headers, refusal_hint
 from trio_broker_daemons.commands.position import queue_text, waiting_steps
+from trio_broker_daemons.commands.retry import (
+    RETRIES,
+    RETRY_AFTER_MAX,
+    RETRY_STATUSES,
+    get_retrying,
+    retry_delay,
+)
 
 __all__ = [
     "FINISHED",
@@ -84,30 +97,6 @@ WAIT: Final = 20.0
 REQUEST_TIMEOUT: Final = 60.0
 PRIORITY_BANDS: Final = {"background": -2, "normal": 0, "interactive": 2, "synchronous": 4}
 """The priority bands of the queue; ``band + 1`` is the band's "high" variant."""
-RETRIES: Final = 8
-"""How often one request is repeated after a 503 answer."""
-RETRY_AFTER_MAX: Final = 60.0
-"""The longest wait before a repeat, whatever ``Retry-After`` asks."""
-BACKOFF_FIRST: Final = 0.5
-"""The first back-off without ``Retry-After``, doubled for every further attempt."""
-RETRY_STATUSES: Final = frozenset({503})
-
-
-def retry_delay(attempt: int, retry_after: str | None) -> float:
-    """Seconds to wait before repeating a request that was answered 503.
-
-    Args:
-        attempt: how many repeats were made before this one (0 for the first).
-        retry_after: the answer's ``Retry-After`` header, if any (seconds; an
-            HTTP date or anything else unreadable is ignored).
-
-    Returns:
-        ``Retry-After`` when given, else ``BACKOFF_FIRST × 2^attempt``; never
-        more than :data:`RETRY_AFTER_MAX`.
-    """
-    if retry_after is not None and retry_after.strip().isdigit():
-        return min(float(retry_after.strip()), RETRY_AFTER_MAX)
-    return min(BACKOFF_FIRST * 2.0 ** max(0, attempt), RETRY_AFTER_MAX)
 
 
 def parse_priority(text: str) -> int:
@@ -368,12 +357,11 @@ async def follow(
             per ``wait`` seconds instead of one per change.
 
     Raises:
-        UploadError: the file is unknown, the fylr could not be reached, or it
+        UploadError: the file is unknown, or the fylr could not be reached or
             answered 503 more than :data:`RETRIES` times in a row.
     """
     url = f"{_base(server)}/api/v1/eas/{file_id}"
     last: Mapping[str, Any] | None = None
-    unavailable = 0
     try:
         while True:
             # while a step waits for a slot its position moves without the file changing
@@ -385,19 +373,14 @@ async def follow(
             if until_ended:
                 params["until"] = "ended"
             try:
-                response = await http.get(url, params=params, timeout=wait + 30.0)
+                response = await get_retrying(http, url, params=params, timeout=wait + 30.0)
             except httpx.HTTPError as exc:
                 raise UploadError(f"cannot reach {server}: {type(exc).__name__}: {exc}") from None
-            if response.status_code in RETRY_STATUSES and unavailable < RETRIES:
-                await trio.sleep(retry_delay(unavailable, response.headers.get("retry-after")))
-                unavailable += 1
-                continue
             if response.status_code != 200:
                 raise UploadError(
                     f"file {file_id}: the fylr answered {response.status_code}: "
                     f"{_error_of(response)}{refusal_hint(response.status_code, 'upload or read')}"
                 )
-            unavailable = 0
             document: dict[str, Any] = response.json()
             if document != last and on_change is not None:
                 on_change(document)

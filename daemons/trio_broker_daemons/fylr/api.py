@@ -88,7 +88,7 @@ from starlette.types import Receive, Scope, Send
 from trio_broker.trio.store import StoreUnavailable
 from trio_broker_daemons.fylr import metrics, topology
 from trio_broker_daemons.fylr.access import Access, Role
-from trio_broker_daemons.fylr.config import FileClass
+from trio_broker_daemons.fylr.config import FileClass, is_version_name
 from trio_broker_daemons.fylr.files import FileRow
 from trio_broker_daemons.fylr.guard import FylrGate, access_of, guarded, route, undeclared
 from trio_broker_daemons.fylr.position import add_queue_positions
@@ -183,6 +183,17 @@ def unavailable(error: str) -> Response:
     return JSONResponse(
         {"error": error}, status_code=503, headers={"retry-after": str(RETRY_AFTER)}
     )
+
+
+def _early(response: Response) -> Response:
+    """An answer before the request's body was read: the connection closes after it.
+
+    The sender may still be writing a body nobody reads; left open, its write would
+    block until a timeout and it would never see the answer. Closed, its write
+    fails and it reads the answer (as HTTP clients do after a failed write).
+    """
+    response.headers["connection"] = "close"
+    return response
 
 
 async def _store_unavailable(request: Request, exc: Exception) -> Response:
@@ -307,22 +318,22 @@ class FileApi:
         if problem is None and not PRIORITY_MIN <= priority <= PRIORITY_MAX:
             problem = f"priority: expected a 32-bit signed integer, got {priority}"
         if state.stopping:
-            return unavailable("the server is shutting down")
+            return _early(unavailable("the server is shutting down"))
         if problem is not None:
             state.count("uploads_refused")
-            return JSONResponse({"error": problem}, status_code=400)
+            return _early(JSONResponse({"error": problem}, status_code=400))
         limit = state.config.max_upload_size
         declared = request.headers.get("content-length", "")
         if limit is not None and declared.isdigit() and int(declared) > limit:
             state.count("uploads_refused")
-            return JSONResponse({"error": f"the file is larger than {limit} bytes"}, 413)
+            return _early(JSONResponse({"error": f"the file is larger than {limit} bytes"}, 413))
         try:
             stored = await self.storage.write_stream(
                 "original", _RequestBody(request.receive), max_size=limit
             )
         except FileTooLarge as exc:
             state.count("uploads_refused")
-            return JSONResponse({"error": str(exc)}, status_code=413)
+            return _early(JSONResponse({"error": str(exc)}, status_code=413))
         except _UploadInterrupted:
             state.count("uploads_aborted")
             log.info("upload interrupted", extra=fields(filename=filename))
@@ -438,8 +449,8 @@ class FileApi:
         """``GET /api/v1/eas/download/<id>/<version>``: a stored original or version."""
         file_id = _file_id(request.path_params["file_id"])
         name = request.path_params["version"]
-        if file_id is None:
-            return _not_found()
+        if file_id is None or not (name == "original" or is_version_name(name)):
+            return _not_found()  # a NUL, a space, …: no version has such a name
         if name == "original":
             row = await self.files.get(file_id)
             if row is None or row.kind != "original":

@@ -56,7 +56,11 @@ from trio_broker.trio.dispatcher import Action, Dispatcher, DispatcherConfig, se
 from trio_broker.trio.listener import listener_config, serve_app
 from trio_broker.trio.store import Store, describe_dsn, open_store
 from trio_broker_daemons.fylr.api import build_app
-from trio_broker_daemons.fylr.brokercheck import broker_ssl_context, check_execservers
+from trio_broker_daemons.fylr.brokercheck import (
+    CallbackCheck,
+    broker_ssl_context,
+    check_execservers,
+)
 from trio_broker_daemons.fylr.config import FylrConfig, new_backend_id
 from trio_broker_daemons.fylr.files import fylr_migrations
 from trio_broker_daemons.fylr.metrics import inspect_document
@@ -197,8 +201,13 @@ async def _open_database(config: FylrConfig) -> AsyncIterator[tuple[str, str]]:
 async def _maybe_client(
     config: FylrConfig, state: FylrState, port: int
 ) -> AsyncIterator[BrokerClient | None]:
+    callbacks = CallbackCheck(config, state.backend_id)
+    state.callback_warnings = lambda: callbacks.warnings
     if not config.execservers:
-        yield None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(callbacks.serve, None)
+            yield None
+            nursery.cancel_scope.cancel()
         return
     context = broker_ssl_context(config)
     async with (
@@ -214,6 +223,8 @@ async def _maybe_client(
     ):
         # a wrong token or an untrusted certificate is one clear log line, not a silence
         nursery.start_soon(check_execservers, config, context)
+        # a callback base that misses this fylr is one warning, not a silence
+        nursery.start_soon(callbacks.serve, client)
         yield client
         nursery.cancel_scope.cancel()
 

@@ -1,4 +1,5 @@
-"""The fylr's TLS context for ``wss://`` execservers, and a startup check of each address.
+"""The fylr's TLS context for ``wss://`` execservers, a startup check of each address,
+and the check that its callback base leads back to it.
 
 The broker client keeps redialling an execserver that refuses it, quietly: a
 wrong token or an untrusted certificate would look like an execserver that is
@@ -18,6 +19,20 @@ later; the client dials it again). The check runs only when there is something
 to get wrong: ``wss://`` addresses or a broker token. Otherwise it would be one
 more connection to a balancer, whose round-robin then hands the fylr's broker
 connections to other replicas than it would have.
+
+**The callback base** (:class:`CallbackCheck`). The execservers open a job's
+pipes at the callback base the broker connection registered: ``callback_own_url``,
+else ``http://<the connection's source address>:<listen port>``. On a host with
+several addresses the connection may leave from an address the listener does not
+serve, and then no pipe can be opened: every job ends ``stopped`` and is run
+again, for ever. The fylr therefore asks itself, at start-up (``callback_own_url``)
+and for every new broker connection (the base it registered), for ``GET
+<base>/whoami``, and expects its own ``backend_id``. A base that does not answer,
+answers something else or names another fylr is one warning line per base
+(``callback base http://10.0.0.5:7200 does not lead back to this fylr: it does not
+answer (connection refused); …``) naming the fix, ``callback_own_url`` or
+``listen``, and the same sentence is among the fylr's ``warnings`` on the
+topology page until a later check of that base succeeds.
 """
 
 from __future__ import annotations
@@ -28,9 +43,17 @@ import ssl
 import httpx
 import trio
 
+from trio_broker.trio.client import BrokerClient, LinkState
+from trio_broker.trio.pipe_io import unreachable_cause
 from trio_broker_daemons.fylr.config import FylrConfig, split_broker_address
 
-__all__ = ["broker_problem", "broker_ssl_context", "check_execservers"]
+__all__ = [
+    "CallbackCheck",
+    "broker_problem",
+    "broker_ssl_context",
+    "callback_problem",
+    "check_execservers",
+]
 
 log = logging.getLogger("trio_broker_daemons.fylr")
 
@@ -108,3 +131,77 @@ async def check_execservers(config: FylrConfig, context: ssl.SSLContext | None) 
     async with trio.open_nursery() as nursery:
         for address in config.execservers:
             nursery.start_soon(one, address)
+
+
+async def callback_problem(base: str, backend_id: str) -> str | None:
+    """Why ``base`` does not lead back to the fylr ``backend_id`` (``None``: it does)."""
+    try:
+        async with httpx.AsyncClient(timeout=CHECK_TIMEOUT, trust_env=False) as http:
+            response = await http.get(base.rstrip("/") + "/whoami")
+    except httpx.HTTPError as exc:
+        return f"it does not answer ({unreachable_cause(exc)}: {type(exc).__name__})"
+    if response.status_code != 200:
+        return f"it answers HTTP {response.status_code}"
+    try:
+        found = response.json().get("backend_id")
+    except (ValueError, AttributeError):
+        found = None
+    if found != backend_id:
+        return f"it answers as backend {found!r}, not {backend_id!r}"
+    return None
+
+
+class CallbackCheck:
+    """Checks that each callback base this fylr registers leads back to it (module docstring).
+
+    Args:
+        config: the fylr's configuration (``listen``, ``callback_own_url``).
+        backend_id: what its ``/whoami`` answers.
+    """
+
+    def __init__(self, config: FylrConfig, backend_id: str) -> None:
+        self._config = config
+        self._backend_id = backend_id
+        self._problems: dict[str, str] = {}
+        self._seen_conns: set[int] = set()
+
+    @property
+    def warnings(self) -> list[str]:
+        """One sentence per callback base that does not lead back, for the topology page."""
+        return list(self._problems.values())
+
+    async def check(self, base: str) -> None:
+        """Ask ``base`` once; log a warning the first time it fails, forget it once it works."""
+        problem = await callback_problem(base, self._backend_id)
+        if problem is None:
+            self._problems.pop(base, None)
+            return
+        sentence = (
+            f"callback base {base} does not lead back to this fylr: {problem}; the execservers"
+            " cannot open its pipes, so its jobs end stopped and are run again. Set"
+            " callback_own_url to a URL of this fylr that the execservers reach, or make"
+            f" listen ({self._config.listen}) serve the address its broker connections"
+            " leave from"
+        )
+        if base not in self._problems:
+            log.warning(sentence)
+        self._problems[base] = sentence
+
+    def _new_links(self, client: BrokerClient) -> list[LinkState]:
+        return [link for link in client.links() if link.conn not in self._seen_conns]
+
+    async def serve(self, client: BrokerClient | None) -> None:
+        """Check ``callback_own_url`` now, then each new broker connection's base; until
+        cancelled."""
+        if self._config.callback_own_url is not None:
+            await self.check(self._config.callback_own_url)
+        if client is None:
+            return
+        while True:
+            await client.wait_until(lambda: bool(self._new_links(client)))
+            links = self._new_links(client)
+            self._seen_conns.update(link.conn for link in links)
+            bases = {link.callback_base for link in links if link.callback_base is not None}
+            async with trio.open_nursery() as nursery:
+                for base in sorted(bases):
+                    nursery.start_soon(self.check, base)

@@ -220,6 +220,7 @@ __all__ = [
     "MetadataConfig",
     "ParamValue",
     "VersionConfig",
+    "is_version_name",
     "job_limits",
     "new_backend_id",
     "split_broker_address",
@@ -434,12 +435,17 @@ def _extensions(value: object) -> tuple[str, ...]:
     return tuple(result)
 
 
+def is_version_name(text: str) -> bool:
+    """Whether ``text`` could name a version (what the configuration accepts)."""
+    return 1 <= len(text) <= MAX_NAME_CHARS and _VERSION_NAME.fullmatch(text) is not None
+
+
 def _version_name(value: object) -> str:
     if type(value) is not str or not 1 <= len(value) <= MAX_NAME_CHARS:
         raise ConfigError(
             f"expected version names of 1 to {MAX_NAME_CHARS} characters, got {show(value)}"
         )
-    if not _VERSION_NAME.fullmatch(value):
+    if not is_version_name(value):
         raise ConfigError(
             f"expected version names of letters, digits, '_', '.' and '-', got {show(value)}"
         )

@@ -33,6 +33,17 @@ main configuration includes; nothing goes through a shell. A server still
 running from an earlier start (its owner was killed) is adopted: its port and
 socket come from ``postmaster.pid``.
 
+One owner. :func:`open_pg_cluster` (the fylr's embedded database) first locks
+the folder (:class:`ClusterOwner`: an exclusive ``flock`` on ``<folder>/owner``,
+held for the life of the process and released by the kernel however it ends,
+``kill -9`` included). A second process on the same folder, another fylr with
+the same ``state_dir``, does not get the lock and refuses to start with one
+line naming the process that holds it (:class:`PgClusterBusy`); it never
+touches the server. The owner stops the server when it is done only if it is
+its own: one it started, or one that the last owner started (the lock file
+records the postmaster's pid) and left running when it was killed. A server
+that somebody else started on the folder is used and left running.
+
 Everything here blocks (it runs once at start-up); :func:`open_pg_cluster` runs
 it in a worker thread for trio code.
 """
@@ -40,6 +51,8 @@ it in a worker thread for trio code.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import logging
 import os
 import pwd
 import re
@@ -59,7 +72,9 @@ from psycopg.conninfo import make_conninfo
 
 __all__ = [
     "DEFAULT_SEARCH",
+    "ClusterOwner",
     "PgCluster",
+    "PgClusterBusy",
     "PgClusterError",
     "PostgresNotFound",
     "find_pg_bin",
@@ -73,7 +88,11 @@ DEFAULT_SEARCH: tuple[str, ...] = ("/usr/lib/postgresql/*/bin",)
 SUPERUSER = "postgres"
 """The cluster's superuser role (and the system user it runs as under root)."""
 
+log = logging.getLogger("trio_broker_daemons.fylr.pgcluster")
+
 CONF_NAME = "trio_broker.conf"
+OWNER_NAME = "owner"
+"""The lock file of the folder's owner (:class:`ClusterOwner`)."""
 START_TIMEOUT = 60
 STOP_TIMEOUT = 60
 SOCKET_PATH_MAX = 107
@@ -86,6 +105,10 @@ class PgClusterError(RuntimeError):
 
 class PostgresNotFound(PgClusterError):
     """No PostgreSQL server binaries (``initdb``, ``pg_ctl``) were found."""
+
+
+class PgClusterBusy(PgClusterError):
+    """Another process owns the cluster's folder (:class:`ClusterOwner`)."""
 
 
 def _version_key(path: Path) -> tuple[int, ...]:
@@ -178,6 +201,8 @@ class PgCluster:
         self._socket_dir: Path | None = None
         self._own_socket_dir: Path | None = None
         self._runas: pwd.struct_passwd | None = None
+        self.adopted = False
+        """Whether :meth:`start` found the server running (it did not start it)."""
 
     # -- paths and identity ------------------------------------------------------------
 
@@ -234,6 +259,15 @@ class PgCluster:
         )
 
     @property
+    def postmaster_pid(self) -> int | None:
+        """The server's process id (``postmaster.pid``), ``None`` when it is not running."""
+        try:
+            first = (self.data_dir / "postmaster.pid").read_text().split("\n", 1)[0]
+            return int(first)
+        except (OSError, ValueError):
+            return None
+
+    @property
     def running(self) -> bool:
         """Whether a server runs on the data directory right now."""
         if not (self.data_dir / "postmaster.pid").exists():
@@ -261,7 +295,9 @@ class PgCluster:
             self._initdb()
         if (self.data_dir / "postmaster.pid").exists() and self.running:
             self._adopt()
+            self.adopted = True
             return self
+        self.adopted = False
         attempts = 1 if self._fixed_port is not None else 3
         for attempt in range(attempts):
             port = self._fixed_port or self._port or free_port()
@@ -501,6 +537,102 @@ class PgCluster:
         return "\n".join(text.splitlines()[-lines:])
 
 
+class ClusterOwner:
+    """The one owner of a cluster's folder: an exclusive lock on ``<folder>/owner``.
+
+    The lock file also records the owner's process id (for the message of a
+    second process) and the pid of the server a fylr started (so that the next
+    owner knows a server left running by a killed predecessor for a fylr's own).
+
+    Args:
+        folder: the cluster's folder (created if missing).
+    """
+
+    def __init__(self, folder: str | os.PathLike[str]) -> None:
+        self.folder = Path(folder).absolute()
+        self.path = self.folder / OWNER_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock, or say who holds it.
+
+        Raises:
+            PgClusterBusy: another process holds it (the text names its pid).
+            PgClusterError: the lock file cannot be made.
+        """
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise PgClusterError(f"cannot lock {self.path}: {exc.strerror or exc}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = self._recorded(fd, "pid")
+            os.close(fd)
+            who = "another process" if holder is None else f"process {holder}"
+            raise PgClusterBusy(
+                f"the private PostgreSQL in {self.folder} is in use by {who} (another fylr"
+                " with the same state_dir): stop it, or give each fylr a state_dir of its own"
+            ) from None
+        self._fd = fd
+
+    def started_by_owner(self, postmaster_pid: int | None) -> bool:
+        """Whether the server of ``postmaster_pid`` was started by an owner of this folder."""
+        assert self._fd is not None, "acquire() first"
+        return postmaster_pid is not None and self._recorded(self._fd, "postmaster") == (
+            postmaster_pid
+        )
+
+    def record(self, postmaster_pid: int | None) -> None:
+        """Write this process's pid and the pid of the server it owns (``None``: none)."""
+        assert self._fd is not None, "acquire() first"
+        text = f"pid {os.getpid()}\npostmaster {postmaster_pid or '-'}\n".encode()
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, text, 0)
+
+    def release(self) -> None:
+        """Give the folder up (closing the file drops the lock). Idempotent."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    @staticmethod
+    def _recorded(fd: int, key: str) -> int | None:
+        try:
+            text = os.pread(fd, 256, 0).decode("ascii", "replace")
+        except OSError:
+            return None
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name == key and value.isdigit():
+                return int(value)
+        return None
+
+
+def _start_owned(cluster: PgCluster, owner: ClusterOwner) -> bool:
+    """Lock the folder, start (or adopt) the server; whether it is this owner's to stop."""
+    owner.acquire()
+    try:
+        cluster.start()
+    except BaseException:
+        owner.release()
+        raise
+    pid = cluster.postmaster_pid
+    ours = not cluster.adopted or owner.started_by_owner(pid)
+    if cluster.adopted:
+        log.info(
+            "adopted the PostgreSQL server running in %s (pid %s): %s",
+            cluster.folder,
+            pid,
+            "a killed fylr started it, it is stopped at the end"
+            if ours
+            else "somebody else started it, it is left running",
+        )
+    owner.record(pid if ours else None)
+    return ours
+
+
 @contextlib.asynccontextmanager
 async def open_pg_cluster(
     folder: str | os.PathLike[str],
@@ -509,7 +641,8 @@ async def open_pg_cluster(
     port: int | None = None,
     settings: Mapping[str, str] | None = None,
 ) -> AsyncIterator[PgCluster]:
-    """Start a :class:`PgCluster` in a worker thread; stop it when the block ends.
+    """Own a :class:`PgCluster` and start it in a worker thread; stop it at the end if it
+    is this process's (see *One owner* in the module docstring).
 
     Args:
         folder, bin_dir, port, settings: as for :class:`PgCluster`.
@@ -518,13 +651,19 @@ async def open_pg_cluster(
         The started cluster.
 
     Raises:
+        PgClusterBusy: another process owns the folder.
         PostgresNotFound: no server binaries.
         PgClusterError: it could not be started.
     """
     cluster = PgCluster(folder, bin_dir=bin_dir, port=port, settings=settings)
-    await trio.to_thread.run_sync(cluster.start)
+    owner = ClusterOwner(folder)
+    ours = await trio.to_thread.run_sync(_start_owned, cluster, owner)
     try:
         yield cluster
     finally:
         with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(cluster.stop)
+            try:
+                if ours:
+                    await trio.to_thread.run_sync(cluster.stop)
+            finally:
+                owner.release()

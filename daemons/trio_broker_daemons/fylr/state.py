@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Final
 
 import attrs
@@ -60,7 +60,7 @@ The receipt's statuses first, the words of the execserver's ``jobs_total``
 (a local step too); a job that ended otherwise gives its receipt's status
 (``failed``, ``timed_out``, ``stalled``, ``out_of_memory``, …); ``error`` the
 step failed for good without its command's verdict, like a receipt's ``error``
-(a service nobody offers, a missing input, a failed source version). Then the
+(a service nobody offers, a bad job object, a failed source version). Then the
 ends without a verdict: ``requeued`` (it runs again later), ``replayed``
 (nothing was left to do: a second run) and ``resync`` (the configuration
 changed under a produce; a sync replaces it).
@@ -145,6 +145,8 @@ class FylrState:
         self.pipes = PipeRegistry(backend_id)
         self.client: BrokerClient | None = None
         self.dispatcher: Dispatcher | None = None
+        self.callback_warnings: Callable[[], list[str]] = list
+        """The callback check's warnings (see ``brokercheck.CallbackCheck``)."""
         self.base_url = ""
         self.stopping = False
         self.stop_requested = trio.Event()

@@ -220,7 +220,10 @@ class Topology:
             },
             "addresses": [],
             "links": [],
-            "warnings": _callback_warnings(config.callback_own_url, config.execserver_addresses),
+            "warnings": [
+                *_callback_warnings(config.callback_own_url, config.execserver_addresses),
+                *state.callback_warnings(),
+            ],
         }
         if stats.dispatcher is not None:
             d = stats.dispatcher
