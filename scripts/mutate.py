@@ -53,7 +53,7 @@ _BROKER_MODELS = (_MODEL, "-k", "not Race")
 _CLIENT_TESTS = (
     ("tests/core/test_client.py", "tests/core/test_client_rules.py"),
     ("tests/core/test_figures.py",),
-    ("tests/testing/test_client_timers.py",),
+    ("tests/testing/test_client_timers.py", "tests/testing/test_sim_defects.py", "-k", "not fylrs"),
     (_MODEL, "-k", "Race"),
 )
 

@@ -157,11 +157,9 @@ def _hello(instance: str) -> p.Hello:
     )
 
 
-def test_growth_due_at_its_timer_grows() -> None:
+def _grown_at_0_002() -> tuple[ClientCore, Callable[[], list[int]]]:
     """A job waits for a service no connection announced; the balanced address grew at
-    0.002 s and may grow again 2 s later. At the timer, 2.002 s, it dials (the floating
-    point of 2.002 - 0.002 is just under 2: the timer must not wake for the same instant
-    again)."""
+    0.002 s and may grow again 2 s later (the timer's instant, 2.002)."""
     config = ClientConfig(
         backend_id="c",
         name="c",
@@ -184,10 +182,28 @@ def test_growth_due_at_its_timer_grows() -> None:
     (second,) = dials()
     core.connected(second, peer_addr="lb:80", now=0.002)
     core.receive(second, _hello("pod-b"), now=0.002)
+    assert core.next_deadline() == 0.002 + 2.0
+    return core, dials
+
+
+def test_growth_due_at_its_timer_grows() -> None:
+    """At the timer, 2.002 s, the pool dials (the floating point of 2.002 - 0.002 is just
+    under 2: the timer must not wake for the same instant again)."""
+    core, dials = _grown_at_0_002()
     due = core.next_deadline()
-    assert due == 0.002 + 2.0
+    assert due is not None
     core.tick(now=due)
     assert dials() or core.next_deadline() != due
+
+
+def test_growth_is_not_due_a_moment_before_its_instant() -> None:
+    """Half a microsecond before 2.002 nothing grows yet (an input then, not the timer)."""
+    core, dials = _grown_at_0_002()
+    due = core.next_deadline()
+    assert due is not None
+    core.tick(now=due - 5e-7)
+    assert dials() == []
+    assert core.next_deadline() == due
 
 
 def test_no_core_asks_for_the_instant_it_was_woken_at_shrunk_trace() -> None:
