@@ -211,3 +211,35 @@ def test_no_core_asks_for_the_instant_it_was_woken_at_shrunk_trace() -> None:
     again (the shrunk trace of a mixed-fleet-20 seed)."""
     result = replay(trace("grow-timer"), tolerate=lambda v: v.kind != "timer")
     assert result.violations == ()
+
+
+def test_growth_wakes_for_the_address_that_may_grow_first() -> None:
+    """Two balanced addresses, grown at 0.002 and at 1.0: the growth timer asks for the
+    first of their next instants, 2.002, not the last."""
+    config = ClientConfig(
+        backend_id="c",
+        name="c",
+        version="1",
+        addresses=("lb:80", "lb2:80"),
+        pool_grow_interval=2.0,
+        ping_interval=1e6,
+        ping_timeout=2e6,
+    )
+    core = ClientCore(config, now=0.0)
+
+    def dials() -> list[int]:
+        return [effect.conn for effect in core.effects() if isinstance(effect, Dial)]
+
+    first, other = dials()
+    core.connected(first, peer_addr="lb:80", now=0.0)
+    core.receive(first, _hello("pod-a"), now=0.0)
+    core.submit("j", "b", {}, now=0.002)  # probes: lb:80 grows (lb2:80 is still dialling)
+    (grown,) = dials()
+    core.connected(grown, peer_addr="lb:80", now=0.002)
+    core.receive(grown, _hello("pod-b"), now=0.002)
+    core.connected(other, peer_addr="lb2:80", now=1.0)
+    core.receive(other, _hello("pod-c"), now=1.0)  # lb2:80 grows at 1.0
+    (grown,) = dials()
+    core.connected(grown, peer_addr="lb2:80", now=1.0)
+    core.receive(grown, _hello("pod-d"), now=1.0)
+    assert core.next_deadline() == 0.002 + 2.0
