@@ -243,3 +243,32 @@ def test_growth_wakes_for_the_address_that_may_grow_first() -> None:
     core.connected(grown, peer_addr="lb2:80", now=1.0)
     core.receive(grown, _hello("pod-d"), now=1.0)
     assert core.next_deadline() == 0.002 + 2.0
+
+
+def test_growth_waits_a_whole_retry_tick_to_the_microsecond() -> None:
+    """A job of a service the pool offers waits from 0.002 s: the pool grows at 1.002 s
+    (a retry tick later), not half a microsecond before."""
+    config = ClientConfig(
+        backend_id="c",
+        name="c",
+        version="1",
+        addresses=("lb:80",),
+        retry_tick=1.0,
+        ping_interval=1e6,
+        ping_timeout=2e6,
+    )
+    core = ClientCore(config, now=0.0)
+
+    def dials() -> list[int]:
+        return [effect.conn for effect in core.effects() if isinstance(effect, Dial)]
+
+    (first,) = dials()
+    core.connected(first, peer_addr="lb:80", now=0.0)
+    core.receive(first, _hello("pod-a"), now=0.0)
+    core.submit("j", "a", {}, now=0.002)
+    due = core.next_deadline()
+    assert due == 0.002 + 1.0
+    core.tick(now=due - 5e-7)
+    assert dials() == []
+    core.tick(now=due)
+    assert len(dials()) == 1
