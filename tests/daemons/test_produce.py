@@ -254,6 +254,7 @@ def test_api_status_table() -> None:
     """Every internal state maps to the API status of the published table, by kind."""
     assert {state: pr.api_status(state) for state in pr.STATES} == {
         "new": "processing",  # queued for its first step
+        "copy": "processing",  # registered by URL, not fetched yet
         "metadata": "processing",
         "sync": "sync",
         "produce": "sync",  # its versions being made
@@ -262,6 +263,7 @@ def test_api_status_table() -> None:
     }
     assert {state: pr.api_status(state, "version") for state in pr.STATES} == {
         "new": "pending",
+        "copy": "processing",
         "metadata": "processing",
         "sync": "sync",
         "produce": "processing",
@@ -294,6 +296,10 @@ def test_transitions() -> None:
     pr.check_transition("original", "metadata", "new")  # requeued
     pr.check_transition("original", "new", "sync")  # no metadata step
     pr.check_transition("original", "done", "sync")  # re-sync
+    for copied in ("new", "sync"):  # a remote file copied in goes on as an upload
+        pr.check_transition("original", "copy", copied)
+    pr.check_transition("original", "error", "copy")  # a failed copy requeued
+    pr.check_transition("original", "produce", "sync")  # left on its remote: checked again
     version: list[pr.FileState] = ["new", "produce", "done"]
     for old, new in itertools.pairwise(version):
         pr.check_transition("version", old, new)

@@ -20,6 +20,10 @@ serves; its handlers (:class:`FileApi`) work on the process's
     clients and tests follow a file's progress without polling. With
     ``until=ended`` it answers only once the file has ended (or after ``S``):
     a client that shows no progress asks once per ``S``, not once per change.
+``PUT /eas/rput?url=URL&priority=N[&leave_on_remote=1][&filename=NAME]``
+    register a file at a remote URL, copied in or left there
+    (:mod:`~trio_broker_daemons.fylr.remote_api`); 201 with its document, 400
+    for a bad query or a URL the blocklist refuses.
 ``POST /api/v1/eas/<id>/sync``
     sync an original again (202); 409 while it waits for its metadata step.
 ``GET /api/v1/eas/download/<id>/<version>``
@@ -59,6 +63,7 @@ from trio_broker_daemons.fylr.config import FileClass
 from trio_broker_daemons.fylr.files import FileRow
 from trio_broker_daemons.fylr.position import add_queue_positions
 from trio_broker_daemons.fylr.produce import api_status, class_of
+from trio_broker_daemons.fylr.remote_api import RemoteApi, add_remote
 from trio_broker_daemons.fylr.state import FylrState
 from trio_broker_daemons.fylr.storage import FileReader, FileTooLarge, StoredFile
 from trio_broker_daemons.fylr.worker import OCTET_STREAM
@@ -199,10 +204,12 @@ def file_document(row: FileRow, versions: Sequence[FileRow], *, base: str = "") 
         one), ``filename``, ``class``, ``filesize``, ``hash`` (``{"sha256": …}``),
         ``mimetype``, ``metadata``, ``error``, ``priority``, timestamps, ``url``
         (its download, once stored); an original has ``versions`` (name → the
-        same members), a version ``version``, ``source`` and ``original``.
+        same members), a version ``version``, ``source`` and ``original``. An
+        original's ``remote`` is ``None`` here (:func:`add_remote` fills it).
     """
     document = _row_document(row, base)
     if row.kind == "original":
+        document["remote"] = None
         document["versions"] = {
             cast(str, version.version): {
                 **_row_document(version, base),
@@ -342,6 +349,7 @@ class FileApi:
             return _not_found()
         row, versions = found
         document = file_document(row, versions, base=self.state.base_url)
+        await add_remote(self.state, document, row)
         await add_queue_positions(self.state, document, row, versions)
         return JSONResponse(document)
 
@@ -429,9 +437,15 @@ def build_app(state: FylrState) -> Starlette:
         The file API, health, inspection and metrics, the pipes and ``/whoami``.
     """
     api = FileApi(state)
+    remote = RemoteApi(
+        state,
+        document=lambda row: file_document(row, [], base=state.base_url),
+        unavailable=unavailable,
+    )
     return Starlette(
         routes=[
             Route("/eas/put", api.upload, methods=["PUT"]),
+            Route("/eas/rput", remote.rput, methods=["PUT"]),
             Route("/api/v1/eas/download/{file_id}/{version}", api.download, methods=["GET"]),
             Route("/api/v1/eas/{file_id}/sync", api.resync, methods=["POST"]),
             Route("/api/v1/eas/{file_id}", api.get_file, methods=["GET"]),

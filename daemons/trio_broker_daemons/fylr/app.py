@@ -57,6 +57,7 @@ from trio_broker_daemons.fylr.config import FylrConfig, new_backend_id
 from trio_broker_daemons.fylr.files import fylr_migrations
 from trio_broker_daemons.fylr.metrics import inspect_document
 from trio_broker_daemons.fylr.pgcluster import open_pg_cluster
+from trio_broker_daemons.fylr.remote_steps import CopyStep
 from trio_broker_daemons.fylr.state import FylrState, FylrStatistics
 from trio_broker_daemons.fylr.storage import Storage
 from trio_broker_daemons.fylr.topology import topology_of
@@ -227,6 +228,9 @@ async def serve_fylr(
     ``PUT /eas/put?filename=NAME&priority=N``
         the body is the file; 201 with the file's document (``id`` …), 400 for
         a bad query, 413 over ``max_upload_size``.
+    ``PUT /eas/rput?url=URL&priority=N[&leave_on_remote=1][&filename=NAME]``
+        a file at a remote URL, copied in (the ``copy`` step) or left there;
+        201 with its document, 400 for a bad query or a refused URL.
     ``GET /api/v1/eas/<id>[?wait=S]``
         the file's document (:func:`file_document`); 404 for an unknown id.
     ``POST /api/v1/eas/<id>/sync``
@@ -281,7 +285,7 @@ async def serve_fylr(
                 try:
                     async with _maybe_client(config, state, port) as client:
                         state.client = client
-                        actions = FileWorker(state).actions()
+                        actions = [*FileWorker(state).actions(), *CopyStep(state).actions()]
                         async with trio.open_nursery() as work:
                             dispatcher: Dispatcher = await work.start(
                                 _dispatcher_task(store, actions, config, backend_id, client)

@@ -111,6 +111,8 @@ from trio_broker_daemons.fylr.produce import (
     version_metadata,
     wanted_versions,
 )
+from trio_broker_daemons.fylr.remote import RemoteSourceFailed
+from trio_broker_daemons.fylr.remote_files import RemotePipeSource
 from trio_broker_daemons.fylr.state import FylrState
 from trio_broker_daemons.fylr.storage import FileReader, Storage, StoredFile
 from trio_broker_daemons.runtime.logfmt import fields
@@ -160,6 +162,17 @@ class _StoredSource:
         self._closed = True
         if self._reader is not None:
             await self._reader.aclose()
+
+
+REMOTE_GONE: Final = "the remote no longer answers"
+"""How the error of an original left on its remote starts when its URL failed at sync."""
+
+
+def _reason(verdict: Verdict) -> str:
+    """A failed step's reason for its file: a remote's own line, else the row's text."""
+    if isinstance(verdict.cause, RemoteSourceFailed):
+        return str(verdict.cause)
+    return cast(str, verdict.error)
 
 
 def service_notice(service: str, offered: Collection[str]) -> str:
@@ -225,7 +238,10 @@ class FileWorker:
         config = self.state.config
         class_name = class_of(original.filename, config)
         file_class = self.state.file_class(class_name)
-        assert original.sha256 is not None
+        if original.sha256 is None or (
+            original.storage_key is None and config.rput.reference_steps != "all"
+        ):  # left on its remote, and no versions are made of such files
+            return class_name, {}
         hashes = wanted_versions(file_class, original.sha256)
         wanted: dict[str, WantedVersion] = {}
         for name, produce_hash in hashes.items():
@@ -254,21 +270,27 @@ class FileWorker:
         service: str,
         params: Mapping[str, Any],
         *,
-        source_key: str,
+        source_key: str | None,
         sink: Sink,
         priority: int,
         subject: str,
+        original_id: int | None = None,
         job_id: str | None = None,
         limits: Mapping[str, str] | None = None,
     ) -> tuple[p.Receipt, OutPipe]:
         """Run a body-mode job: ``source_key`` on its stdin, its stdout into ``sink``;
         ``limits`` are the recipe's own ``timeout``/``stall_timeout`` (:func:`job_limits`).
+        ``source_key`` ``None`` reads the URL of the original ``original_id``,
+        which is left on its remote (:meth:`RemoteSources.pipe_source
+        <trio_broker_daemons.fylr.remote_files.RemoteSources.pipe_source>`).
 
         Raises:
             FileNotFoundError: the stored input is gone while the storage folder is
                 there (a hard failure, not a retry).
             RetryLater: the storage folder could not be reached, or reading the
-                input failed during the job (the job's result is dropped).
+                input failed during the job (the job's result is dropped); or
+                the remote answered with a temporary failure.
+            RemoteSourceFailed: the remote input failed for good.
             UnknownService: no connected execserver offers ``service``; its text
                 is :func:`service_notice` (the closest offered name).
             NoExecserver, NoSlot, JobLost, ClientClosed: see :meth:`BrokerClient.run`.
@@ -276,17 +298,11 @@ class FileWorker:
         client = self.state.client
         if client is None:
             raise NoExecserver("no execserver is configured")
-        try:
-            present = await self.storage.exists(source_key)
-        except OSError as exc:
-            raise self.storage_failed(exc) from exc
-        if not present:
-            if not await self.storage.available():
-                raise self.storage_failed(
-                    FileNotFoundError(f"the storage folder {self.storage.root} is unreachable")
-                )
-            raise FileNotFoundError(f"the stored input {source_key} is missing")
-        source = _StoredSource(self.storage, source_key)
+        source: _StoredSource | RemotePipeSource
+        if source_key is None:
+            source = await self.state.remote.pipe_source(cast(int, original_id))
+        else:
+            source = await self._stored_source(source_key)
         try:
             stdin = client.pipe_in(source)
             stdout = client.pipe_out(sink)
@@ -304,9 +320,25 @@ class FileWorker:
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(_CLEANUP_TIMEOUT):
                 await source.aclose()
-        if source.error is not None:
+        if isinstance(source, RemotePipeSource):
+            await self.state.remote.after_pipe(cast(int, original_id), source)
+        elif source.error is not None:
             raise self.storage_failed(source.error) from source.error
         return receipt, stdout
+
+    async def _stored_source(self, key: str) -> _StoredSource:
+        """An in-pipe source of a stored file, once it is known to be there."""
+        try:
+            present = await self.storage.exists(key)
+        except OSError as exc:
+            raise self.storage_failed(exc) from exc
+        if not present:
+            if not await self.storage.available():
+                raise self.storage_failed(
+                    FileNotFoundError(f"the storage folder {self.storage.root} is unreachable")
+                )
+            raise FileNotFoundError(f"the stored input {key} is missing")
+        return _StoredSource(self.storage, key)
 
     def storage_failed(self, exc: BaseException) -> RetryLater:
         """The outcome of a storage error: temporary, the step runs again after the
@@ -342,7 +374,6 @@ class FileWorker:
         mimetype: str | None = None
         error: str | None = None
         if step is not None:
-            assert row.storage_key is not None
             output = bytearray()
 
             async def keep(chunk: bytes) -> None:
@@ -355,6 +386,7 @@ class FileWorker:
                 step.params,
                 limits=job_limits(step),
                 source_key=row.storage_key,
+                original_id=file_id,
                 sink=keep,
                 priority=row.priority,
                 subject=f"{row.filename} #{file_id} metadata",
@@ -384,6 +416,7 @@ class FileWorker:
         """The ``sync`` action: version rows in line with the configuration."""
         state = self.state
         file_id = int(item.file_ref)
+        await state.remote.check_reference(file_id)  # a file left on its remote: still there?
         result = await self.files.sync(file_id, self.decide)
         if result is None:
             state.step(ACTION_SYNC, "replayed")
@@ -506,6 +539,7 @@ class FileWorker:
                         recipe.params,
                         limits=job_limits(recipe),
                         source_key=start.source_key,
+                        original_id=original.id,
                         sink=sink,
                         priority=original.priority,
                         subject=f"{original.filename} #{original.id} {version.version}",
@@ -555,8 +589,12 @@ class FileWorker:
         elif item.action == ACTION_PRODUCE:
             await self._version_failed(file_id, verdict)
         elif item.action == ACTION_METADATA:
-            await self.files.fail_original(file_id, f"metadata: {verdict.error}")
+            await self.files.fail_original(file_id, f"metadata: {_reason(verdict)}")
             self.state.step(ACTION_METADATA, "error")
+            self.state.changed(file_id)
+        elif isinstance(verdict.cause, RemoteSourceFailed):  # the URL of a reference is gone
+            await self.files.fail_original(file_id, f"{REMOTE_GONE}: {verdict.cause}")
+            self.state.step(item.action, "error")
             self.state.changed(file_id)
         else:  # a sync: its original stays in sync, for the row's requeue to run it again
             self.state.step(item.action, "error")
@@ -599,7 +637,7 @@ class FileWorker:
         (a failed job's decisive line, its receipt in the metadata), its dependents too."""
         cause = verdict.cause
         job = cause if isinstance(cause, JobFailed) else None
-        error = job.line if job is not None else cast(str, verdict.error)
+        error = job.line if job is not None else _reason(verdict)
         row = await self.files.get(version_id)
         if row is None or row.produce_hash is None:  # removed by a sync meanwhile
             self.state.step(ACTION_PRODUCE, "replayed")
