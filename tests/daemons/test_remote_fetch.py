@@ -8,8 +8,9 @@ resolver on a DNS server the test runs is ``tests/network/test_remote_names.py``
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Literal
 
 import httpx
 import pytest
@@ -167,10 +168,12 @@ async def test_a_name_that_does_not_resolve_is_named() -> None:
         await fetcher(Zone({})).check(httpx.URL("http://nowhere.test/x"))
 
 
-@pytest.mark.parametrize("faults", [["drop"], ["cut"]])
-async def test_broken_connections_surface_as_transport_errors(faults: Sequence[str]) -> None:
+@pytest.mark.parametrize("fault", ["drop", "cut"])
+async def test_broken_connections_surface_as_transport_errors(
+    fault: Literal["drop", "cut"],
+) -> None:
     """A dropped or cut answer is an httpx transport error (the step judges it temporary)."""
     async with servers("127.0.0.1") as [(server, port)]:
-        server.script("/f", Reply(body=b"x" * 10000, fault=faults[0]))  # type: ignore[arg-type]
+        server.script("/f", Reply(body=b"x" * 10000, fault=fault))
         with pytest.raises(httpx.TransportError):
             await body(fetcher(), f"http://127.0.0.1:{port}/f")

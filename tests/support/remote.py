@@ -18,7 +18,6 @@ put servers where the blocklist does or does not allow them.
 from __future__ import annotations
 
 import email.utils
-import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final, Literal
 
@@ -31,7 +30,6 @@ __all__ = [
     "Reply",
     "RequestSeen",
     "answer",
-    "chaotic",
     "http_date",
     "open_listener",
     "requests_of",
@@ -211,28 +209,6 @@ async def serve_remote(
             stream = await listener.accept()
             server.connections += 1
             nursery.start_soon(_serve_one, stream, server)
-
-
-def chaotic(
-    files: Mapping[str, bytes], rng: random.Random, *, unavailable: float, dropped: float
-) -> Callable[[str], Reply | None]:
-    """A chooser for :attr:`RemoteServer.chooser`: each request of a known path is answered
-    503 (``Retry-After: 1``) with probability ``unavailable``, cut or dropped with
-    probability ``dropped``, else with the file; an unknown path is left to the script.
-    """
-
-    def choose(path: str) -> Reply | None:
-        body = files.get(path)
-        if body is None:
-            return None
-        roll = rng.random()
-        if roll < unavailable:
-            return answer(b"busy\n", 503, retry_after="1")
-        if roll < unavailable + dropped:
-            return Reply(body=body, fault=rng.choice(("drop", "cut")))
-        return answer(body)
-
-    return choose
 
 
 def requests_of(server: RemoteServer, paths: Sequence[str]) -> int:
