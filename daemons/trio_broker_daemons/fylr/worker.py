@@ -26,6 +26,20 @@ which also queues the next step:
     straight into storage. A receipt ``ok`` whose output arrived whole stores it
     (``done``). The original is ``done`` when every version has ended.
 
+An original left on its remote (``PUT /eas/rput?…&leave_on_remote=1``) has no
+stored bytes: its ``metadata`` step and the ``produce`` steps of versions made
+from it read its URL through the fylr (:meth:`RemoteSources.pipe_source
+<trio_broker_daemons.fylr.remote_files.RemoteSources.pipe_source>` as the
+in-pipe's source; the execserver never sees the URL), and its ``sync`` first
+checks that the URL still answers (:meth:`RemoteSources.check_reference
+<trio_broker_daemons.fylr.remote_files.RemoteSources.check_reference>`). What
+the remote did ends the step as :mod:`~trio_broker_daemons.fylr.remote` says: a
+``RetryLater`` with the delay its answer asked for, or a
+:class:`~trio_broker_daemons.fylr.remote.RemoteSourceFailed`, after which a
+failed ``sync`` ends its original ``error`` (``the remote no longer answers:
+…``). The ``copy`` step of a file copied in is
+:mod:`~trio_broker_daemons.fylr.remote_steps`'.
+
 One verdict per step. A handler does its step's work and raises when the work
 cannot end well; it never judges what it raised. What a receipt means is the
 library's (:func:`trio_broker.core.endings.receipt_failure`): a job the execserver
@@ -56,8 +70,10 @@ The dispatcher decides once, by the outcome table of
   the reason (for a failed job its receipt's decisive line, and the receipt in
   its metadata), and so do the versions made from it; for a metadata step the
   original ends ``error`` (``metadata: <reason>``); a failed ``sync`` leaves its
-  original in ``sync``. The queue row stays ``failed`` with its reason, its
-  attempts and, for a failed job, the receipt's status and decisive line in
+  original in ``sync``, unless the URL of an original left on its remote failed
+  (then the original ends ``error`` with the reason). The queue row stays
+  ``failed`` with its reason, its attempts and, for a failed job, the
+  receipt's status and decisive line in
   ``last_error`` (:mod:`~trio_broker_daemons.fylr.failed`): once the input or
   the recipe is fixed, ``trio-broker fylr requeue --failed`` (or ``POST
   /inspect/system/fylr/requeue``) puts the row back and its file back where the
