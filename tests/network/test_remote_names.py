@@ -39,6 +39,7 @@ def fylr_config(host: Host, state_dir: Path) -> str:
             "state_dir": str(state_dir),
             "database_pool": 4,
             "execservers": [],
+            "insecure_open_api": True,  # no tokens, beyond loopback: a test host of its own
             "retry_delay": "1s",
             "heartbeat_interval": "0.5s",
             "stale_after": "2s",
