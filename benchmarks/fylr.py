@@ -264,7 +264,10 @@ def compare(before: Path, files: int, slots: int, rounds: int) -> None:
             executable = str(python) if tree != REPOSITORY and python.exists() else sys.executable
             command = [executable, str(tree / "benchmarks" / "fylr.py")]
             command += ["--files", str(files), "--slots", str(slots)]
-            result = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+            # in the tree's own folder: ``python -m`` puts the working folder first on the path
+            result = subprocess.run(
+                command, env=env, cwd=tree, capture_output=True, text=True, check=True
+            )
             print(f"-- round {round_ + 1}, {label} ({tree})")
             print(result.stdout.rstrip())
             figures: dict[str, float] = {}

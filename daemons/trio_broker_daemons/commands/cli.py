@@ -235,7 +235,69 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _global_options(position, top=False)
     _global_options(top, top=False)
+    _simulate_parser(commands)
     return parser
+
+
+def _seeds(text: str) -> range:
+    from trio_broker_daemons.commands.simulate import parse_seeds
+
+    try:
+        return parse_seeds(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _simulate_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    simulate = commands.add_parser(
+        "simulate",
+        help="simulate a fleet on the real cores: find defects by seed, plan capacity",
+        description=(
+            "Run SCENARIO (a shipped one, see --list, or a YAML/JSON file) for each seed in "
+            "virtual time, on the library's real cores, and check its invariants. Prints "
+            "every violation with its seed and a shrunk trace that replays it (exit 1), "
+            "or the capacity report: throughput, slot use, waits per priority, shares, "
+            "the queue over time; and the same for a what-if fleet."
+        ),
+    )
+    simulate.add_argument("scenario", nargs="?", metavar="SCENARIO", help="a name or a file")
+    simulate.add_argument(
+        "--seeds", type=_seeds, default=range(10), metavar="A..B", help="seeds (default 0..9)"
+    )
+    simulate.add_argument(
+        "--jobs", type=_count, default=None, metavar="N", help="processes (default: the CPUs)"
+    )
+    simulate.add_argument(
+        "--add-execservers", type=_count, default=0, metavar="N",
+        help="what if: N more execservers like the last one",
+    )  # fmt: skip
+    simulate.add_argument(
+        "--slots", type=_count, default=None, metavar="N", help="what if: N slots each"
+    )
+    simulate.add_argument(
+        "--clients", type=_count, default=None, metavar="N", help="what if: N clients"
+    )
+    simulate.add_argument(
+        "--trace-out", metavar="FILE", help="write the shrunk trace of a failing seed here"
+    )
+    simulate.add_argument(
+        "--replay", action="store_true", help="SCENARIO is a trace file: run it as it is"
+    )
+    simulate.add_argument("--list", action="store_true", help="list the shipped scenarios")
+    simulate.add_argument(
+        "--dump", action="store_true", help="print SCENARIO as JSON (to start a file of your own)"
+    )
+    _global_options(simulate, top=False)
 
 
 DAEMON_MODULES: Final = frozenset({"yaml", "rich", "psycopg", "psycopg_pool"})
@@ -281,6 +343,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from trio_broker_daemons.commands import simulate
+
+    if args.list:
+        return simulate.list_scenarios()
+    if args.scenario is None:
+        print("trio-broker simulate: give a SCENARIO (or --list)", file=sys.stderr)
+        return 2
+    if args.dump:
+        return simulate.dump_scenario(args.scenario)
+    if args.slots == 0 or args.clients == 0:
+        print("trio-broker simulate: --slots and --clients need at least 1", file=sys.stderr)
+        return 2
+    return simulate.main(
+        args.scenario,
+        seeds=args.seeds,
+        jobs=args.jobs or None,
+        add_execservers=args.add_execservers,
+        slots=args.slots,
+        clients=args.clients,
+        trace_out=args.trace_out,
+        replay_trace=args.replay,
+    )
+
+
 def _run(args: argparse.Namespace) -> int:
     from trio_broker_daemons.runtime.logfmt import configure_logging
 
@@ -300,6 +387,8 @@ def _run(args: argparse.Namespace) -> int:
         from trio_broker_daemons.commands.top import main as top_main
 
         return top_main(server, once=args.once, token=args.fylr_token)
+    if args.command == "simulate":
+        return _simulate(args)
     if args.command == "upload":
         # the progress bars are the upload's output: by default only warnings are logged
         configure_logging(args.log_level or "warning", args.log_format)
