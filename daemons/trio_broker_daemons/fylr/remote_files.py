@@ -464,24 +464,35 @@ class RemoteSources:
             OSError: the storage folder failed (the caller's temporary reason).
         """
         limit = self.config.max_upload_size
+        async with self._answer(url, passing=(OSError,)) as response:
+            declared = response.headers.get("content-length", "")
+            if limit is not None and declared.isdigit() and int(declared) > limit:
+                raise RemoteProblem(Failure(f"the remote file is larger than {limit} bytes"))
+            stored = await self.storage.write_stream(
+                "original", response.aiter_raw(), max_size=limit
+            )
+            kind = response.headers.get("content-type", "").split(";", 1)[0].strip()
+            return stored, kind or None
+
+    @contextlib.asynccontextmanager
+    async def _answer(
+        self, url: str, *, passing: tuple[type[Exception], ...] = ()
+    ) -> AsyncIterator[httpx.Response]:
+        """The 2xx answer of ``url``; what else the remote did, as a :class:`RemoteProblem`.
+
+        A :class:`RemoteProblem` and exceptions of the ``passing`` types (raised
+        by the fetch or by the caller's body) go through as they are; any other
+        becomes the :class:`RemoteProblem` :meth:`judge_exception` says.
+        """
         try:
             async with self.fetcher.get(httpx.URL(url)) as response:
                 judged = self.judge_response(response)
                 if judged is not None:
                     raise RemoteProblem(judged)
-                declared = response.headers.get("content-length", "")
-                if limit is not None and declared.isdigit() and int(declared) > limit:
-                    raise RemoteProblem(Failure(f"the remote file is larger than {limit} bytes"))
-                stored = await self.storage.write_stream(
-                    "original", response.aiter_raw(), max_size=limit
-                )
-                kind = response.headers.get("content-type", "").split(";", 1)[0].strip()
-                return stored, kind or None
-        except RemoteProblem:
-            raise
-        except OSError:
-            raise
+                yield response
         except Exception as exc:
+            if isinstance(exc, (RemoteProblem, *passing)):
+                raise
             raise RemoteProblem(self.judge_exception(exc)) from exc
 
     # -- references: in-pipes and the check at sync -------------------------------------------
@@ -533,25 +544,17 @@ class RemoteSources:
 
     async def _probe(self, url: str, *, identify: bool) -> tuple[int | None, str | None]:
         limit = self.config.max_upload_size
-        try:
-            async with self.fetcher.get(httpx.URL(url)) as response:
-                judged = self.judge_response(response)
-                if judged is not None:
-                    raise RemoteProblem(judged)
-                if not identify:
-                    return None, None
-                digest = hashlib.sha256()
-                size = 0
-                async for chunk in response.aiter_raw():
-                    size += len(chunk)
-                    if limit is not None and size > limit:
-                        raise FileTooLarge(limit)
-                    digest.update(chunk)
-                return size, digest.hexdigest()
-        except RemoteProblem:
-            raise
-        except Exception as exc:
-            raise RemoteProblem(self.judge_exception(exc)) from exc
+        async with self._answer(url) as response:
+            if not identify:
+                return None, None
+            digest = hashlib.sha256()
+            size = 0
+            async for chunk in response.aiter_raw():
+                size += len(chunk)
+                if limit is not None and size > limit:
+                    raise FileTooLarge(limit)
+                digest.update(chunk)
+            return size, digest.hexdigest()
 
 
 class RemoteProblem(Exception):
