@@ -10,7 +10,10 @@ a fresh temporary state folder:
    (``trio-broker fylr``), which starts its own private PostgreSQL cluster in
    the state folder;
 3. uploads every sample at mixed priorities (background, normal, interactive)
-   and shows each file's progress until it has ended;
+   and shows each file's progress until it has ended; registers one more by
+   its URL (``PUT /eas/rput``), served on loopback by the demo itself, which
+   the fylr copies in (the demo opens the blocklist for ``127.0.0.1`` alone:
+   a fylr refuses loopback addresses by default);
 4. prints each file's versions, checks them against what the example
    configuration promises (a broken image's picture versions fail with the
    converter's message, everything else is ``done``), and where to look;
@@ -53,10 +56,14 @@ from trio_broker_daemons.commands.upload import FileOutcome, follow, upload_file
 from trio_broker_daemons.fylr.pgcluster import PgCluster, PostgresNotFound, find_pg_bin
 
 from tests.support.processes import open_execserver_process, open_fylr_process
+from tests.support.remote import RemoteServer, answer, open_listener, serve_remote
 
 EXAMPLES = Path(__file__).resolve().parent
 TIMEOUT = 300.0
 """Seconds the uploads and their processing may take before the demo gives up."""
+
+REMOTE_NAME = "remote-sunset.jpg"
+"""The file the demo serves itself and registers by its URL (the bytes of ``sunset.jpg``)."""
 
 PRIORITIES = {
     "sunset.jpg": 0,
@@ -81,6 +88,7 @@ EXPECTED: dict[str, dict[str, str]] = {
     "broken.png": {"preview": "failed", "preview_small": "failed", "sha256": "done",
                    "thumbnail": "failed"},
     "archive.bin": {},
+    "remote-sunset.jpg": dict.fromkeys(IMAGE_VERSIONS, "done"),
 }  # fmt: skip
 """Each sample's versions and their API status, as the example configurations promise."""
 
@@ -126,6 +134,8 @@ def write_configs(state: Path) -> tuple[Path, Path]:
     )
     # the copy lives elsewhere: its operator token stays the file beside the example
     fylr["tokens"]["operator_file"] = str(operator_token_file())
+    # the demo's own file server is on loopback, which the blocklist refuses: open it
+    fylr["rput"] = {**fylr.get("rput", {}), "allowed_hosts": ["127.0.0.1"]}
     fylr_path = state / "fylr.yml"
     fylr_path.write_text(yaml.safe_dump(fylr, sort_keys=False), encoding="utf-8")
     return execserver_path, fylr_path
@@ -199,6 +209,8 @@ async def run(state: Path, keep: bool) -> int:
             files = [(path, PRIORITIES[path.name]) for path in samples]
             started = time.monotonic()
             outcomes = await upload_files(base, files, wait=True, console=console, timeout=TIMEOUT)
+            sunset = next(path for path in samples if path.name == "sunset.jpg")
+            outcomes.append(await register_remote(base, sunset))
             elapsed = time.monotonic() - started
             say(f"{len(outcomes)} files uploaded and followed to their end in {elapsed:.1f}s:")
             for outcome in outcomes:
@@ -277,6 +289,31 @@ async def modified_original(base: str, outcomes: Sequence[FileOutcome]) -> list[
         and versions == dict.fromkeys(IMAGE_VERSIONS, "done")
     )
     return [] if promised else [f"modified original: {document}"]
+
+
+async def register_remote(base: str, source: Path) -> FileOutcome:
+    """Serve ``source`` on loopback, register it by its URL, follow it until it has ended."""
+    server = RemoteServer()
+    data = await trio.Path(source).read_bytes()
+    server.script(f"/{REMOTE_NAME}", answer(data, content_type="image/jpeg"))
+    path = source.with_name(REMOTE_NAME)
+    async with trio.open_nursery() as nursery, httpx.AsyncClient(timeout=30) as http:
+        port = await nursery.start(serve_remote, await open_listener("127.0.0.1"), server)
+        url = f"http://127.0.0.1:{port}/{REMOTE_NAME}"
+        say(f"registering {url} by its URL: PUT {base}/eas/rput?url=...")
+        response = await http.put(f"{base}/eas/rput", params={"url": url, "priority": 2})
+        if response.status_code != 201:
+            nursery.cancel_scope.cancel()
+            return FileOutcome(
+                path=path, priority=2, error=f"answered {response.status_code}: {response.text}"
+            )
+        with trio.move_on_after(TIMEOUT):
+            document = await follow(http, base, response.json()["id"])
+            say(f"{REMOTE_NAME}: copied in from {url} ({len(server.requests)} request)")
+            nursery.cancel_scope.cancel()
+            return FileOutcome(path=path, priority=2, document=document)
+        nursery.cancel_scope.cancel()
+        return FileOutcome(path=path, priority=2, error=f"not ended within {TIMEOUT:g} s")
 
 
 def summarize(page: Mapping[str, Any], exec_page: Mapping[str, Any]) -> None:

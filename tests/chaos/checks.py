@@ -10,7 +10,9 @@ class's versions, each version's service, params and source. For every upload:
   versions (and those made from them) are ``failed`` with the converter's error,
   its checksum ``done``; a valid image's metadata has its size, a corrupt one's
   error is the converter's;
-- the original downloads byte-identical through every fylr; every ``done``
+- the original downloads byte-identical through every fylr (one left on its
+  remote has no stored bytes: its recorded size and SHA-256 are the sample's,
+  read from the remote at its sync); every ``done``
   version downloads with its recorded size and SHA-256 and is valid: an image
   decodes in the promised format and fits the promised box without being
   enlarged, keeping the aspect of its source (the EXIF orientation applied), a
@@ -130,7 +132,9 @@ async def check_file(
     """Every violation of one original and its versions (downloads through ``urls``)."""
     where = f"{sample.name} (file {row.id})"
     problems = _original_problems(sample, row)
-    for url in urls:
+    if sample.way == "reference":
+        problems += _reference_problems(sample, row)
+    for url in urls if sample.way != "reference" else ():
         data, problem = await _download(http, url, row.id, "original", row)
         if problem:
             problems.append(f"{where}: original through {url}: {problem}")
@@ -176,6 +180,17 @@ async def check_file(
         invalid = _invalid(recipe, data, source, sample)
         if invalid:
             problems.append(f"{where}: version {name} is invalid: {invalid}")
+    return problems
+
+
+def _reference_problems(sample: Sample, row: FileRecord) -> list[str]:
+    """An original left on its remote: nothing stored, its bytes identified as the sample's."""
+    where = f"{sample.name} (file {row.id})"
+    problems = []
+    if row.storage_key is not None:
+        problems.append(f"{where}: left on its remote, but stored as {row.storage_key}")
+    if (row.size, row.sha256) != (len(sample.data), hashlib.sha256(sample.data).hexdigest()):
+        problems.append(f"{where}: identified as {row.size} bytes {row.sha256}, not the sample")
     return problems
 
 

@@ -7,7 +7,8 @@
   behind a real HAProxy), running the example converter and coreutils as
   ``examples/execserver.yml`` configures them;
 - two fylrs on one database and one storage folder (one ``state_dir``), with the
-  classes and versions of ``examples/fylr.yml``.
+  classes and versions of ``examples/fylr.yml`` (its ``rput`` with ``127.0.0.1``
+  let through the blocklist, for the run's remote file server).
 
 Every daemon listens on a port fixed for the whole run, so a restarted one is
 found at the same address (the fylrs dial ``exec-a`` and the balancer by
@@ -228,6 +229,8 @@ def fylr_mapping(
         heartbeat_interval="0.5s",
         stale_after="5s",
     )
+    # the run's remote file server is on loopback: open the blocklist for it alone
+    document["rput"] = {**document.get("rput", {}), "allowed_hosts": ["127.0.0.1"]}
     return document
 
 

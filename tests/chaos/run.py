@@ -8,7 +8,10 @@ writes the workload of :mod:`tests.chaos.samples` and runs, in one nursery:
 
 - **two uploaders**, each sending its half of the samples (at its own pace,
   decided by the seed) to its own fylr through the upload API, and to the other
-  fylr when that one does not answer;
+  fylr when that one does not answer; a share of the samples (``remote``) is
+  registered by URL instead (``PUT /eas/rput``: copied in, or left on its
+  remote), served by a file server on loopback that answers 503 and drops or
+  cuts connections on purpose (:mod:`tests.chaos.remote`);
 - **two followers**, each following its uploader's files through
   ``GET /api/v1/eas/<id>?wait=S`` on the fylrs in turn (as a client would);
 - **the chaos schedule** (:func:`schedule`): ``kill -9`` of a fylr or an
@@ -63,6 +66,7 @@ from tests.chaos.installation import (
     open_chaos_installation,
     restart_database,
 )
+from tests.chaos.remote import RemoteFiles, open_remote_files
 from tests.chaos.samples import Sample, make_workload
 
 __all__ = ["ChaosPlan", "ChaosReport", "Event", "run_chaos", "schedule"]
@@ -97,6 +101,8 @@ class ChaosPlan:
         down: the range of seconds a killed daemon stays down.
         end_within: seconds everything may take to end after the last upload
             and event.
+        remote: the share of samples registered by URL (a third of them left
+            on their remote).
     """
 
     seed: int
@@ -110,6 +116,7 @@ class ChaosPlan:
     gap: tuple[float, float] = (2.0, 5.0)
     down: tuple[float, float] = (0.3, 3.0)
     end_within: float = 300.0
+    remote: float = 0.2
 
 
 SHORT: Final = ChaosPlan(
@@ -204,6 +211,9 @@ class ChaosReport:
     workdir: Path
     files: int = 0
     corrupt: int = 0
+    copied: int = 0
+    referenced: int = 0
+    remote_answers: str = ""
     uploads_retried: int = 0
     kills: list[str] = attrs.Factory(list)
     restarts: int = 0
@@ -225,6 +235,8 @@ class ChaosReport:
             f" {self.database_restarts} database restarts, {self.drains} drains,"
             f" {self.checksums} checksum runs,"
             f" {len(self.violations)} violations, {self.duration:.1f} s",
+            f"  by URL: {self.copied} copied in, {self.referenced} left on the remote;"
+            f" the remote: {self.remote_answers or 'not asked'}",
         ]
         lines += [f"  VIOLATION {v}" for v in self.violations]
         lines += [f"  note: {n}" for n in self.notes]
@@ -236,9 +248,11 @@ async def run_chaos(plan: ChaosPlan, workdir: Path) -> ChaosReport:
     """Run one chaos soak in ``workdir`` (created; logs and samples stay there)."""
     started = time.monotonic()
     report = ChaosReport(plan=plan, workdir=workdir)
-    samples = make_workload(plan.seed, plan.files, max_side=plan.max_side)
+    samples = make_workload(plan.seed, plan.files, max_side=plan.max_side, remote=plan.remote)
     report.files = len(samples)
     report.corrupt = sum(s.kind == "corrupt" for s in samples)
+    report.copied = sum(s.way == "copy" for s in samples)
+    report.referenced = sum(s.way == "reference" for s in samples)
     folder = workdir / "samples"
     folder.mkdir(parents=True, exist_ok=True)
     for sample in samples:
@@ -246,13 +260,17 @@ async def run_chaos(plan: ChaosPlan, workdir: Path) -> ChaosReport:
     token = secrets.token_hex(8)
     try:
         async with (
+            open_remote_files(samples, plan.seed) as remote,
             open_chaos_installation(workdir, token) as inst,
             httpx.AsyncClient(timeout=60.0) as http,
         ):
-            run = _Run(plan, inst, http, samples, folder, report)
-            await run.workload()
-            await run.check()
-            await run.stop()
+            run = _Run(plan, inst, http, samples, folder, report, remote)
+            try:
+                await run.workload()
+                await run.check()
+                await run.stop()
+            finally:
+                report.remote_answers = remote.figures.describe()
         leftovers = job_processes(token)
         report.violations += [
             f"job process {p.pid} ({' '.join(_cmdline(p))[:120]}) is left after the run"
@@ -289,8 +307,10 @@ class _Run:
         samples: Sequence[Sample],
         folder: Path,
         report: ChaosReport,
+        remote: RemoteFiles,
     ) -> None:
         self.plan = plan
+        self.remote = remote
         self.inst = inst
         self.http = http
         self.samples = samples
@@ -369,9 +389,7 @@ class _Run:
                 await trio.sleep(0.2)  # both may be down for a moment: try the other next
                 continue
             try:
-                document = await upload(
-                    self.http, fylr.url, self.folder / sample.name, priority=sample.priority
-                )
+                document = await self._send(fylr, sample)
             except UploadError as exc:
                 last = str(exc)
                 if "answered 500" in last:
@@ -387,6 +405,31 @@ class _Run:
             f"{sample.name}: not uploaded after {UPLOAD_ATTEMPTS} attempts: {last}"
         )
         self.uploaded += 1  # counted for the progress all the same
+
+    async def _send(self, fylr: Daemon, sample: Sample) -> dict[str, Any]:
+        """Upload a sample, or register it by its URL (copied in, or left on the remote).
+
+        Raises:
+            UploadError: not accepted (the text says how the fylr answered).
+        """
+        if sample.way == "put":
+            return await upload(
+                self.http, fylr.url, self.folder / sample.name, priority=sample.priority
+            )
+        params: dict[str, str | int] = {
+            "url": self.remote.url(sample),
+            "priority": sample.priority,
+            "filename": sample.name,
+            "leave_on_remote": int(sample.way == "reference"),
+        }
+        try:
+            response = await self.http.put(f"{fylr.url}/eas/rput", params=params)
+        except httpx.HTTPError as exc:
+            raise UploadError(f"{sample.name}: {type(exc).__name__}: {exc}") from exc
+        if response.status_code != 201:
+            raise UploadError(f"{sample.name}: answered {response.status_code}: {response.text}")
+        document: dict[str, Any] = response.json()
+        return document
 
     async def _follower(self, index: int, samples: Sequence[Sample]) -> None:
         """Follow this uploader's files through the API, on the fylrs in turn."""

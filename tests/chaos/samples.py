@@ -5,7 +5,9 @@ same seed and count: JPEG with EXIF orientations, PNG with and without alpha,
 GIF, WebP, BMP and TIFF of varied sizes; texts of the ``text`` class; a few
 ``other`` files (no versions); one duplicate (the bytes of an earlier image
 under another name); and corrupt images (cut short, or not an image at all)
-whose picture versions the converter refuses.
+whose picture versions the converter refuses. A share of the samples is
+registered by URL instead of uploaded (:data:`Way`): copied in, or left on its
+remote, chosen by a stream of the seed of its own (the bytes stay the same).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from typing import Any, Final, Literal, TypeAlias
 import attrs
 from PIL import Image, ImageDraw
 
-__all__ = ["PRIORITIES", "Sample", "SampleKind", "make_workload"]
+__all__ = ["PRIORITIES", "Sample", "SampleKind", "Way", "make_workload"]
 
 SampleKind: TypeAlias = Literal["image", "corrupt", "text", "other"]
+Way: TypeAlias = Literal["put", "copy", "reference"]
+"""How a sample reaches the fylr: uploaded, copied in from a URL, or left on its remote."""
 
 PRIORITIES: Final = (-2, -1, 0, 1, 2, 3)
 """The priorities the uploads are spread over."""
@@ -46,6 +50,8 @@ class Sample:
         size: an image's stored width and height (before its EXIF orientation).
         shown: an image's width and height once its EXIF orientation is applied.
         duplicate_of: the name of the earlier sample with the same bytes, if any.
+        way: uploaded (``put``), or registered by URL and copied in (``copy``) or
+            left on its remote (``reference``).
     """
 
     name: str
@@ -55,6 +61,7 @@ class Sample:
     size: tuple[int, int] | None = None
     shown: tuple[int, int] | None = None
     duplicate_of: str | None = None
+    way: Way = "put"
 
 
 def _picture(width: int, height: int, rng: random.Random, alpha: bool) -> Image.Image:
@@ -174,13 +181,16 @@ def _text(index: int, rng: random.Random, max_bytes: int, priority: int) -> Samp
     return Sample(name=f"{index:04d}-text.{ext}", kind="text", data=data, priority=priority)
 
 
-def make_workload(seed: int, count: int, *, max_side: int = 1200) -> list[Sample]:
+def make_workload(
+    seed: int, count: int, *, max_side: int = 1200, remote: float = 0.0
+) -> list[Sample]:
     """``count`` samples (at least 8) for ``seed``, in upload order.
 
     Args:
         seed: decides every choice.
         count: how many uploads.
         max_side: the largest side of a generated image, in pixels.
+        remote: the share registered by URL (a third of them left on the remote).
 
     Returns:
         Roughly 60 % images, 25 % texts, 5 % ``other`` files, a corrupt image
@@ -220,4 +230,9 @@ def make_workload(seed: int, count: int, *, max_side: int = 1200) -> list[Sample
         duplicate_of=original.name,
     )
     samples.insert(position, duplicate)
+    ways = random.Random(f"chaos-ways-{seed}")
+    for index, sample in enumerate(samples):
+        if ways.random() < remote:
+            way: Way = "reference" if ways.random() < 1 / 3 else "copy"
+            samples[index] = attrs.evolve(sample, way=way)
     return samples

@@ -26,6 +26,7 @@ from tests.chaos.checks import (
     _expected_status,
     _invalid,
     _original_problems,
+    _reference_problems,
     check_rows,
 )
 from tests.chaos.installation import EXAMPLES
@@ -90,6 +91,19 @@ def test_the_workload_follows_the_seed() -> None:
             assert image.size == sample.size
             turned = image.getexif().get(0x0112) in (5, 6, 7, 8)
             assert sample.shown == (image.size[::-1] if turned else image.size)
+
+
+def test_the_way_of_each_sample_follows_the_seed_and_keeps_the_bytes() -> None:
+    """A share goes by URL (copied, or left on its remote), decided by its own stream of the
+    seed: the same seed gives the same ways, and the bytes are those of a workload without."""
+    plain = make_workload(4, 60, max_side=200)
+    mixed = make_workload(4, 60, max_side=200, remote=0.5)
+    assert [(s.name, s.data) for s in mixed] == [(s.name, s.data) for s in plain]
+    assert {s.way for s in plain} == {"put"}
+    ways = [s.way for s in mixed]
+    assert ways == [s.way for s in make_workload(4, 60, max_side=200, remote=0.5)]
+    assert {"put", "copy", "reference"} <= set(ways)
+    assert 15 <= ways.count("copy") + ways.count("reference") <= 45
 
 
 # -- the checks find what is wrong ---------------------------------------------------------------
@@ -168,6 +182,18 @@ def test_a_corrupt_image_fails_its_pictures_and_keeps_its_checksum() -> None:
         "sha256": "done",
     }
     assert {_expected_status(_sample(10, 10), name, versions) for name in versions} == {"done"}
+
+
+def test_an_original_left_on_its_remote_is_stored_nowhere_and_identified_as_the_sample() -> None:
+    sample = attrs.evolve(_sample(10, 10), way="reference")
+    digest = hashlib.sha256(sample.data).hexdigest()
+    assert _reference_problems(sample, _record(size=len(sample.data), sha256=digest)) == []
+    assert _reference_problems(
+        sample, _record(size=len(sample.data), sha256=digest, storage_key="originals/x")
+    ) == ["0000-image.png (file 1): left on its remote, but stored as originals/x"]
+    assert _reference_problems(sample, _record()) == [
+        "0000-image.png (file 1): identified as None bytes None, not the sample"
+    ]
 
 
 def test_renditions_are_checked_against_their_recipe_and_source() -> None:

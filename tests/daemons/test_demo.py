@@ -30,6 +30,9 @@ async def test_the_demo_runs_to_the_end_and_exits_0(tmp_path: Path) -> None:
     assert "broken.png (priority 0): done" in output
     assert "modified original of sunset.jpg (rotate 90, format png)" in output
     assert "sunset.png: done, derived from" in output
+    # one file registered by its URL, served on loopback by the demo, copied in
+    assert "remote-sunset.jpg: copied in from http://127.0.0.1:" in output
+    assert "remote-sunset.jpg (priority 2): done" in output
     assert "done, exit status 0" in output
     # the state folder is gone
     line = next(line for line in output.splitlines() if "state folder" in line)

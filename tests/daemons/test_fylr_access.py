@@ -49,6 +49,7 @@ MAY: dict[Role, set[str]] = {
 KNOWN_ROUTES: dict[str, Role] = {
     "/eas/put": Role.UPLOAD,
     "/eas/produce": Role.UPLOAD,
+    "/eas/rput": Role.UPLOAD,
     "/api/v1/eas/{file_id}": Role.READ,
     "/api/v1/eas/{file_id}/sync": Role.OPERATOR,
     "/api/v1/eas/download/{file_id}/{version}": Role.READ,

@@ -255,6 +255,7 @@ def test_api_status_table() -> None:
     assert {state: pr.api_status(state) for state in pr.STATES} == {
         "pending_produce": "processing",  # its own produce step (convert, modify) first
         "new": "processing",  # queued for its first step
+        "copy": "processing",  # registered by URL, not fetched yet
         "metadata": "processing",
         "sync": "sync",
         "produce": "sync",  # its versions being made
@@ -264,6 +265,7 @@ def test_api_status_table() -> None:
     assert {state: pr.api_status(state, "version") for state in pr.STATES} == {
         "pending_produce": "processing",  # never a version's; mapped anyway
         "new": "pending",
+        "copy": "processing",
         "metadata": "processing",
         "sync": "sync",
         "produce": "processing",
@@ -301,6 +303,10 @@ def test_transitions() -> None:
         pr.check_transition("original", old, new)
     pr.check_transition("original", "pending_produce", "sync")  # its class has no metadata step
     pr.check_transition("original", "error", "pending_produce")  # its failed produce retried
+    for copied in ("new", "sync"):  # a remote file copied in goes on as an upload
+        pr.check_transition("original", "copy", copied)
+    pr.check_transition("original", "error", "copy")  # a failed copy requeued
+    pr.check_transition("original", "produce", "sync")  # left on its remote: checked again
     version: list[pr.FileState] = ["new", "produce", "done"]
     for old, new in itertools.pairwise(version):
         pr.check_transition("version", old, new)

@@ -96,6 +96,7 @@ RELAY_BUFFER_CHUNKS: Final = 32
 
 _CLONE_NEWNET: Final = 0x40000000
 _NETNS_RUN: Final = Path("/run/netns")
+_NETNS_ETC: Final = Path("/etc/netns")
 _PREFIX: Final = "tb"
 _OWN_NAME: Final = re.compile(rf"{_PREFIX}(\d+)-\d+-[a-z0-9-]+")
 _counter = itertools.count(1)
@@ -373,6 +374,34 @@ class Host:
         """A TCP connection made from this host."""
         return await _dial_in(self.netns, address, port, mark=None)
 
+    async def udp(self, address: str, port: int) -> trio.socket.SocketType:
+        """A UDP socket bound to ``address:port`` in this host's namespace (a DNS server's)."""
+        with _inside(self.netns):
+            sock = trio.socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            await sock.bind((address, port))
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    @contextlib.contextmanager
+    def resolv_conf(self, text: str) -> Iterator[Path]:
+        """Give the processes run on this host (:attr:`prefix`) their own ``/etc/resolv.conf``.
+
+        ``ip netns exec`` mounts ``/etc/netns/<namespace>/resolv.conf`` over
+        ``/etc/resolv.conf`` for the command it runs; the file and its folder
+        are removed when the block ends. Nothing outside the namespace sees it.
+        """
+        folder = _NETNS_ETC / self.netns
+        folder.mkdir(parents=True, exist_ok=False)
+        path = folder / "resolv.conf"
+        try:
+            path.write_text(text, encoding="utf-8")
+            yield path
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
     def pids(self) -> list[int]:
         """The processes that run in this host's namespace."""
         return [int(pid) for pid in _run(["ip", "netns", "pids", self.netns]).split()]
@@ -565,7 +594,8 @@ def _existing() -> list[str]:
 
 
 def _delete_namespace(netns: str) -> None:
-    """Kill whatever still runs in a namespace of ours, then delete it."""
+    """Kill whatever still runs in a namespace of ours, then delete it (and its ``/etc/netns``)."""
+    shutil.rmtree(_NETNS_ETC / netns, ignore_errors=True)
     with contextlib.suppress(RuntimeError):
         for pid in _run(["ip", "netns", "pids", netns]).split():
             with contextlib.suppress(ProcessLookupError):

@@ -438,7 +438,7 @@ def _progress_of(document: Mapping[str, Any]) -> tuple[int, int | None, str]:
     if status in FINISHED:
         total = len(versions) + 1
         return total, total, status
-    if document.get("state") in ("new", "metadata", "sync"):
+    if document.get("state") in ("new", "copy", "metadata", "sync"):
         return 0, None, status
     ended = sum(1 for v in versions.values() if v.get("status") in FINISHED)
     return ended, len(versions) + 1, f"{status} ({ended}/{len(versions)} versions)"

@@ -39,6 +39,10 @@ Routes (role in brackets):
     clients and tests follow a file's progress without polling. With
     ``until=ended`` it answers only once the file has ended (or after ``S``):
     a client that shows no progress asks once per ``S``, not once per change.
+``PUT /eas/rput?url=URL&priority=N[&leave_on_remote=1][&filename=NAME]`` [upload]
+    register a file at a remote URL, copied in or left there
+    (:mod:`~trio_broker_daemons.fylr.remote_api`); 201 with its document, 400
+    for a bad query or a URL the blocklist refuses.
 ``POST /api/v1/eas/<id>/sync`` [operator]
     sync an original again (202); 409 while it waits for its metadata step.
 ``GET /api/v1/eas/download/<id>/<version>`` [read, or a signed link]
@@ -118,6 +122,7 @@ from trio_broker_daemons.fylr.local_actions import integrity_members
 from trio_broker_daemons.fylr.position import add_queue_positions
 from trio_broker_daemons.fylr.produce import api_status, class_of
 from trio_broker_daemons.fylr.ranges import plan_download
+from trio_broker_daemons.fylr.remote_api import RemoteApi, add_remote
 from trio_broker_daemons.fylr.state import FylrState
 from trio_broker_daemons.fylr.storage import FileReader, FileTooLarge, StoredFile, StoredKind
 from trio_broker_daemons.fylr.worker import OCTET_STREAM
@@ -290,10 +295,12 @@ def file_document(
         one), ``filename``, ``class``, ``filesize``, ``hash`` (``{"sha256": …}``),
         ``mimetype``, ``metadata``, ``error``, ``priority``, timestamps, ``url``
         (its download, once stored); an original has ``versions`` (name → the
-        same members), a version ``version``, ``source`` and ``original``.
+        same members), a version ``version``, ``source`` and ``original``. An
+        original's ``remote`` is ``None`` here (:func:`add_remote` fills it).
     """
     document = _row_document(row, base, sign)
     if row.kind == "original":
+        document["remote"] = None
         document["versions"] = {
             cast(str, version.version): {
                 **_row_document(version, base, sign),
@@ -454,6 +461,7 @@ class FileApi:
             return _not_found()
         row, versions = found
         document = self.document(row, versions)
+        await add_remote(self.state, document, row)
         await add_queue_positions(self.state, document, row, versions)
         return JSONResponse(document)
 
@@ -604,8 +612,10 @@ def build_app(state: FylrState, access: Access | None = None) -> Starlette:
         store_body=api.store_body,
         unavailable=unavailable,
     )
+    remote = RemoteApi(state, document=lambda row: api.document(row, []), unavailable=unavailable)
     routes = [
         *entry.routes(),  # /eas/put (uploads, manual versions), /eas/produce, local actions
+        route("/eas/rput", remote.rput, role=Role.UPLOAD, methods=("PUT",)),
         route(
             "/api/v1/eas/download/{file_id}/custom",
             api.custom_download,

@@ -72,6 +72,7 @@ from trio_broker_daemons.fylr.files import fylr_migrations
 from trio_broker_daemons.fylr.local_actions import LocalActions
 from trio_broker_daemons.fylr.metrics import inspect_document
 from trio_broker_daemons.fylr.pgcluster import open_pg_cluster
+from trio_broker_daemons.fylr.remote_steps import CopyStep
 from trio_broker_daemons.fylr.state import FylrState, FylrStatistics
 from trio_broker_daemons.fylr.storage import Storage
 from trio_broker_daemons.fylr.topology import topology_of
@@ -252,6 +253,9 @@ async def serve_fylr(
     ``PUT /eas/put?filename=NAME&priority=N``
         the body is the file; 201 with the file's document (``id`` …), 400 for
         a bad query, 413 over ``max_upload_size``.
+    ``PUT /eas/rput?url=URL&priority=N[&leave_on_remote=1][&filename=NAME]``
+        a file at a remote URL, copied in (the ``copy`` step) or left there;
+        201 with its document, 400 for a bad query or a refused URL.
     ``GET /api/v1/eas/<id>[?wait=S]``
         the file's document (:func:`file_document`); 404 for an unknown id.
     ``POST /api/v1/eas/<id>/sync``
@@ -372,9 +376,13 @@ def _log_open_roles(config: FylrConfig, url: str) -> None:
 
 def _actions(state: FylrState) -> list[Action]:
     """The dispatcher's actions: the file worker's steps (an original's own produce step
-    handled before a version's), and the local actions."""
+    handled before a version's), the local actions, and the copy of a remote source."""
     worker = FileWorker(state)
-    return [*OwnProduceStep(worker).wrap(worker.actions()), *LocalActions(worker).actions()]
+    return [
+        *OwnProduceStep(worker).wrap(worker.actions()),
+        *LocalActions(worker).actions(),
+        *CopyStep(state).actions(),
+    ]
 
 
 async def _heartbeat(state: FylrState) -> None:

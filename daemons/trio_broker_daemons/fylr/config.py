@@ -134,7 +134,8 @@ Top-level keys (:class:`FylrConfig`):
     It also paces the storage sweep (:mod:`~trio_broker_daemons.fylr.sweep`): a dead
     writer's leftovers go once 2 × ``stale_after`` old, swept every 10 × ``stale_after``.
 ``max_upload_size`` (null)
-    Largest upload accepted, bytes or a size string; null = no limit.
+    Largest upload accepted, bytes or a size string; null = no limit. A file
+    copied in from a remote URL (``PUT /eas/rput``) is held to it too.
 ``storage_locations`` ({})
     Further storage locations besides ``default`` (``state_dir/files``): a name
     (1 to 63 of ``a-z 0-9 _ -``, starting with a letter or digit, not
@@ -150,6 +151,14 @@ Top-level keys (:class:`FylrConfig`):
     with ``rotate`` (0, 90, 180, 270), ``crop`` (``x,y,w,h`` or empty) and
     ``format`` (an extension, or empty to keep the source's) laid over them.
     Null: modified originals are refused (501).
+``rput`` ({})
+    Remote sources (:class:`~trio_broker_daemons.fylr.remote.RputConfig`):
+    ``blocked_hosts`` (CIDR ranges, addresses and host names the fylr never
+    fetches from; default: loopback, link-local with the cloud metadata
+    address, private, unique-local, ``0.0.0.0/8`` and multicast; a list given
+    replaces it), ``allowed_hosts`` (ranges let through although blocked, ``[]``),
+    ``give_up_after`` (1h), ``timeout`` (30s), ``reference_steps`` (``none``,
+    ``metadata`` or ``all``: what is made of a file left on its remote).
 ``default_class`` (null)
     The class of files whose extension no class lists (and of files without one);
     null = such files have no class: no metadata step and no versions.
@@ -272,6 +281,7 @@ from trio_broker_daemons.config.structure import (
 )
 from trio_broker_daemons.config.values import ConfigError, parse_duration, show
 from trio_broker_daemons.fylr.access import Tokens, check_host_names, check_origins, hidden
+from trio_broker_daemons.fylr.remote import RputConfig
 
 __all__ = [
     "DEFAULT_FYLR_LISTEN",
@@ -994,6 +1004,7 @@ class FylrConfig:
     heartbeat_interval: _Positive = 10.0
     stale_after: _Positive = 45.0
     max_upload_size: _UploadLimit = None
+    rput: RputConfig = attrs.field(factory=RputConfig)
     default_class: _OptionalName = None
     classes: _Classes = attrs.field(factory=dict)
     custom_version_presets: _Presets = attrs.field(factory=dict)

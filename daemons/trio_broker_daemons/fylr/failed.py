@@ -27,8 +27,16 @@ state its step starts from:
     that had ended ``done`` goes back to ``produce``; an original whose own
     produce step (a conversion, a modification) had failed goes back to
     ``pending_produce``;
-``sync`` and any other action
+``copy``
+    the original goes back to ``copy`` (its error is cleared);
+``sync``
+    an original left on its remote whose URL had failed goes back to ``sync``
+    (any other stayed in ``sync``: only the row is requeued);
+any other action
     only the row is requeued.
+
+A file registered by URL also gets its remote's give-up clock started again
+(:func:`~trio_broker_daemons.fylr.remote_files.restart_give_up_in`).
 """
 
 from __future__ import annotations
@@ -40,7 +48,13 @@ import attrs
 from psycopg import Connection
 
 from trio_broker.trio.store import FailedItem, Store, failed_in, requeue_failed_in
-from trio_broker_daemons.fylr.files import ACTION_METADATA, ACTION_PRODUCE, source_failed
+from trio_broker_daemons.fylr.files import (
+    ACTION_METADATA,
+    ACTION_PRODUCE,
+    ACTION_SYNC,
+    source_failed,
+)
+from trio_broker_daemons.fylr.remote_files import ACTION_COPY, restart_give_up_in
 
 __all__ = ["FAILED_SHOWN", "RetriedItem", "failed_items", "retry_failed"]
 
@@ -135,6 +149,15 @@ def _reset_metadata(conn: Connection, file_id: int) -> None:
     )
 
 
+def _reset_original(conn: Connection, file_id: int, state: str) -> None:
+    """A failed original back to the state its step starts from (copy, sync)."""
+    conn.execute(
+        "UPDATE files SET status = %s, error = NULL, updated_at = now()"
+        " WHERE id = %s AND kind = 'original' AND status = 'error'",
+        (state, file_id),
+    )
+
+
 def _reset_produce(conn: Connection, version_id: int) -> None:
     conn.execute(  # an original's own produce step
         "UPDATE files SET status = 'pending_produce', error = NULL, updated_at = now()"
@@ -180,6 +203,10 @@ def _retry(conn: Connection, ids: Sequence[int] | None) -> list[RetriedItem]:
                 _reset_metadata(conn, file_id)
             elif file_id is not None and item.action == ACTION_PRODUCE:
                 _reset_produce(conn, file_id)
+            elif file_id is not None and item.action in (ACTION_COPY, ACTION_SYNC):
+                _reset_original(conn, file_id, item.action)
+            if file_id is not None:
+                restart_give_up_in(conn, file_id)
             retried.append(
                 RetriedItem(
                     id=item.id, action=item.action, file_ref=item.file_ref, error=item.reason

@@ -194,12 +194,14 @@ class ProduceStart:
     Attributes:
         version: the version row (now ``produce``).
         original: its original.
-        source_key: the storage key of the content to produce it from.
+        source_key: the storage key of the content to produce it from; ``None``
+            for a version made from an original left on its remote (its URL is
+            read instead).
     """
 
     version: FileRow
     original: FileRow
-    source_key: str
+    source_key: str | None
 
 
 @attrs.frozen(kw_only=True)
@@ -677,7 +679,7 @@ class FileStore:
                     if source.status != "done":
                         return "waiting"
                     key = source.storage_key
-                assert key is not None
+                    assert key is not None
                 started = _one(
                     conn,
                     "UPDATE files SET status = 'produce', updated_at = now() WHERE id = %s"
@@ -773,16 +775,21 @@ class FileStore:
                         sources.extend(names)
                 done = False
                 if original_status == "produce":
-                    # done once no version is left unfinished (original_done, in SQL)
-                    done = (
-                        conn.execute(
-                            "UPDATE files SET status = 'done', updated_at = now()"
-                            " WHERE id = %s AND NOT EXISTS (SELECT 1 FROM files"
-                            " WHERE parent_id = %s AND status NOT IN ('done', 'error'))",
-                            (parent_id, parent_id),
-                        ).rowcount
-                        == 1
-                    )
+                    # done once no version is left unfinished (original_done, in SQL);
+                    # an original left on its remote goes back to sync, which checks
+                    # that its URL still answers before it is done
+                    final = conn.execute(
+                        "UPDATE files SET status = CASE WHEN EXISTS (SELECT 1 FROM"
+                        " remote_sources r WHERE r.file_id = files.id AND r.leave_on_remote)"
+                        " THEN 'sync' ELSE 'done' END, updated_at = now()"
+                        " WHERE id = %s AND NOT EXISTS (SELECT 1 FROM files"
+                        " WHERE parent_id = %s AND status NOT IN ('done', 'error'))"
+                        " RETURNING status",
+                        (parent_id, parent_id),
+                    ).fetchone()
+                    done = final is not None and final[0] == "done"
+                    if final is not None and final[0] == "sync":
+                        _enqueue(conn, [(parent_id, ACTION_SYNC, priority)])
                 return VersionEnd(
                     applied=True,
                     original_id=parent_id,

@@ -42,6 +42,9 @@ state                original        version         meaning
 ``new``              ``processing``  ``pending``     original: stored, its first step
                                                      queued; version: row created by
                                                      sync, not yet begun
+``copy``             ``processing``  ``processing``  original: registered by URL, its
+                                                     copy step (the fetch into storage)
+                                                     queued or running
 ``metadata``         ``processing``  ``processing``  original: metadata job claimed
                                                      (running)
 ``sync``             ``sync``        ``sync``        original: metadata known, sync
@@ -58,7 +61,18 @@ The API collapses the states as the published file worker does: an original
 whose first step is queued or running is ``processing``, one whose versions are
 planned or being made is ``sync``; ``pending`` is a version that has not begun
 (its produce waits for a slot, or for its source version). A version is never
-in ``metadata`` or ``sync``; the table maps them anyway.
+in ``copy``, ``metadata`` or ``sync``; the table maps them anyway. An original
+being copied in from its URL (``copy``) reads ``processing``, as its first step
+does: its bytes are not here yet, so it cannot be downloaded (the published
+worker's ``pending_copy`` reads ``sync``, but there the bytes exist).
+
+**Remote sources** (``PUT /eas/rput``, :mod:`~trio_broker_daemons.fylr.remote`):
+an original copied in from a URL starts in ``copy`` (``copy → new`` or
+``sync`` once stored, as an upload would); one left on its remote has no stored
+bytes and starts at ``new`` or ``sync`` like an upload, its steps reading the
+URL. Its sync checks that the URL still answers; its versions' end takes it
+back to ``sync`` for that check before ``done`` (``produce → sync``), so an
+original left on a URL that vanished ends ``error``, with the reason.
 
 **Originals that are produced first** start in ``pending_produce`` with a
 queued ``produce`` step of their own: a class's *conversion* (``convert``: the
@@ -131,7 +145,7 @@ __all__ = [
 ]
 
 FileState: TypeAlias = Literal[
-    "pending_produce", "new", "metadata", "sync", "produce", "done", "error"
+    "pending_produce", "new", "copy", "metadata", "sync", "produce", "done", "error"
 ]
 """A file row's internal state (see the module docstring)."""
 ApiStatus: TypeAlias = Literal["pending", "processing", "sync", "done", "failed"]
@@ -143,6 +157,7 @@ Readiness: TypeAlias = Literal["ready", "waiting", "failed"]
 STATES: Final[tuple[FileState, ...]] = (
     "pending_produce",
     "new",
+    "copy",
     "metadata",
     "sync",
     "produce",
@@ -155,6 +170,7 @@ API_STATUS: Final[Mapping[FileKind, Mapping[FileState, ApiStatus]]] = {
     "original": {
         "pending_produce": "processing",
         "new": "processing",
+        "copy": "processing",
         "metadata": "processing",
         "sync": "sync",
         "produce": "sync",
@@ -164,6 +180,7 @@ API_STATUS: Final[Mapping[FileKind, Mapping[FileState, ApiStatus]]] = {
     "version": {
         "pending_produce": "processing",
         "new": "pending",
+        "copy": "processing",
         "metadata": "processing",
         "sync": "sync",
         "produce": "processing",
@@ -179,6 +196,8 @@ TRANSITIONS: Final[Mapping[FileKind, Mapping[FileState, frozenset[FileState]]]] 
         "pending_produce": frozenset({"new", "sync", "error"}),
         # claimed for metadata; no metadata step (straight to sync); failed
         "new": frozenset({"metadata", "sync", "error"}),
+        # copied in: metadata queued; no metadata step (straight to sync); failed
+        "copy": frozenset({"new", "sync", "error"}),
         # metadata known; requeued; failed
         "metadata": frozenset({"sync", "new", "error"}),
         # versions queued; nothing to produce; failed
@@ -187,8 +206,8 @@ TRANSITIONS: Final[Mapping[FileKind, Mapping[FileState, frozenset[FileState]]]] 
         "produce": frozenset({"done", "sync", "error"}),
         # synced again (configuration changed); processed again from the start
         "done": frozenset({"sync", "new"}),
-        # or its own produce step retried
-        "error": frozenset({"sync", "new", "pending_produce"}),
+        # or its own produce step retried, or a failed copy requeued by an operator
+        "error": frozenset({"sync", "new", "pending_produce", "copy"}),
     },
     "version": {
         # claimed for produce; its source failed

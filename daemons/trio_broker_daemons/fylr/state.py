@@ -11,8 +11,8 @@ HTTP API (:mod:`~trio_broker_daemons.fylr.api`), the queue worker
 its own; it holds:
 
 - the resources: the configuration, the queue store and the ``files`` table on
-  it, the stored files and their sweeper, the one-time pipes, and (once started)
-  the broker client and the dispatcher;
+  it, the stored files and their sweeper, the remote sources (``remote``), the
+  one-time pipes, and (once started) the broker client and the dispatcher;
 - the counters the HTTP side and the steps keep (:meth:`FylrState.count`,
   :meth:`FylrState.step`), read as a frozen :class:`FylrStatistics`;
 - change notification without polling: :meth:`FylrState.changed` wakes whoever
@@ -37,6 +37,7 @@ from trio_broker.trio.pipes import PipeRegistry, PipeStatistics
 from trio_broker.trio.store import Store
 from trio_broker_daemons.fylr.config import FileClass, FylrConfig
 from trio_broker_daemons.fylr.files import FileStore
+from trio_broker_daemons.fylr.remote_files import RemoteSources
 from trio_broker_daemons.fylr.storage import Storage
 from trio_broker_daemons.fylr.sweep import StorageSweeper
 
@@ -140,6 +141,7 @@ class FylrState:
         self.store = store
         self.files = FileStore(store)
         self.storage = storage
+        self.remote = RemoteSources(config, store, storage)
         self.sweeper = StorageSweeper(storage, store, stale_after=config.stale_after)
         self.database = database
         self.pipes = PipeRegistry(backend_id)

@@ -27,6 +27,20 @@ which also queues the next step:
     straight into storage. A receipt ``ok`` whose output arrived whole stores it
     (``done``). The original is ``done`` when every version has ended.
 
+An original left on its remote (``PUT /eas/rput?…&leave_on_remote=1``) has no
+stored bytes: its ``metadata`` step and the ``produce`` steps of versions made
+from it read its URL through the fylr (:meth:`RemoteSources.pipe_source
+<trio_broker_daemons.fylr.remote_files.RemoteSources.pipe_source>` as the
+in-pipe's source; the execserver never sees the URL), and its ``sync`` first
+checks that the URL still answers (:meth:`RemoteSources.check_reference
+<trio_broker_daemons.fylr.remote_files.RemoteSources.check_reference>`). What
+the remote did ends the step as :mod:`~trio_broker_daemons.fylr.remote` says: a
+``RetryLater`` with the delay its answer asked for, or a
+:class:`~trio_broker_daemons.fylr.remote.RemoteSourceFailed`, after which a
+failed ``sync`` ends its original ``error`` (``the remote no longer answers:
+…``). The ``copy`` step of a file copied in is
+:mod:`~trio_broker_daemons.fylr.remote_steps`'.
+
 One verdict per step. A handler does its step's work and raises when the work
 cannot end well; it never judges what it raised. What a receipt means is the
 library's (:func:`trio_broker.core.endings.receipt_failure`): a job the execserver
@@ -57,8 +71,10 @@ The dispatcher decides once, by the outcome table of
   the reason (for a failed job its receipt's decisive line, and the receipt in
   its metadata), and so do the versions made from it; for a metadata step the
   original ends ``error`` (``metadata: <reason>``); a failed ``sync`` leaves its
-  original in ``sync``. The queue row stays ``failed`` with its reason, its
-  attempts and, for a failed job, the receipt's status and decisive line in
+  original in ``sync``, unless the URL of an original left on its remote failed
+  (then the original ends ``error`` with the reason). The queue row stays
+  ``failed`` with its reason, its attempts and, for a failed job, the
+  receipt's status and decisive line in
   ``last_error`` (:mod:`~trio_broker_daemons.fylr.failed`): once the input or
   the recipe is fixed, ``trio-broker fylr requeue --failed`` (or ``POST
   /inspect/system/fylr/requeue``) puts the row back and its file back where the
@@ -112,6 +128,8 @@ from trio_broker_daemons.fylr.produce import (
     version_metadata,
     wanted_versions,
 )
+from trio_broker_daemons.fylr.remote import RemoteSourceFailed
+from trio_broker_daemons.fylr.remote_files import RemotePipeSource
 from trio_broker_daemons.fylr.state import FylrState
 from trio_broker_daemons.fylr.storage import FileReader, Storage, StoredFile, StoredKind
 from trio_broker_daemons.runtime.logfmt import fields
@@ -161,6 +179,17 @@ class _StoredSource:
         self._closed = True
         if self._reader is not None:
             await self._reader.aclose()
+
+
+REMOTE_GONE: Final = "the remote no longer answers"
+"""How the error of an original left on its remote starts when its URL failed at sync."""
+
+
+def _reason(verdict: Verdict) -> str:
+    """A failed step's reason for its file: a remote's own line, else the row's text."""
+    if isinstance(verdict.cause, RemoteSourceFailed):
+        return str(verdict.cause)
+    return cast(str, verdict.error)
 
 
 def service_notice(service: str, offered: Collection[str]) -> str:
@@ -226,7 +255,10 @@ class FileWorker:
         config = self.state.config
         class_name = class_of(original.filename, config)
         file_class = self.state.file_class(class_name)
-        assert original.sha256 is not None
+        if original.sha256 is None or (
+            original.storage_key is None and config.rput.reference_steps != "all"
+        ):  # left on its remote, and no versions are made of such files
+            return class_name, {}
         hashes = wanted_versions(file_class, original.sha256)
         wanted: dict[str, WantedVersion] = {}
         for name, produce_hash in hashes.items():
@@ -255,22 +287,28 @@ class FileWorker:
         service: str,
         params: Mapping[str, Any],
         *,
-        source_key: str,
+        source_key: str | None,
         sink: Sink,
         priority: int,
         subject: str,
+        original_id: int | None = None,
         job_id: str | None = None,
         limits: Mapping[str, str] | None = None,
     ) -> tuple[p.Receipt, OutPipe]:
         """Run a body-mode job: ``source_key`` on its stdin, its stdout into ``sink``;
         ``limits`` are more job object members: the recipe's own ``timeout``/``stall_timeout``
-        (:func:`job_limits`), an ``input_hash``.
+        (:func:`job_limits`), an ``input_hash``. ``source_key`` ``None`` reads the URL
+        of the original ``original_id``, which is left on its remote
+        (:meth:`RemoteSources.pipe_source
+        <trio_broker_daemons.fylr.remote_files.RemoteSources.pipe_source>`).
 
         Raises:
             FileNotFoundError: the stored input is gone while the storage folder is
                 there (a hard failure, not a retry).
             RetryLater: the storage folder could not be reached, or reading the
-                input failed during the job (the job's result is dropped).
+                input failed during the job (the job's result is dropped); or
+                the remote answered with a temporary failure.
+            RemoteSourceFailed: the remote input failed for good.
             UnknownService: no connected execserver offers ``service``; its text
                 is :func:`service_notice` (the closest offered name).
             NoExecserver, NoSlot, JobLost, ClientClosed: see :meth:`BrokerClient.run`.
@@ -278,17 +316,11 @@ class FileWorker:
         client = self.state.client
         if client is None:
             raise NoExecserver("no execserver is configured")
-        try:
-            present = await self.storage.exists(source_key)
-        except OSError as exc:
-            raise self.storage_failed(exc) from exc
-        if not present:
-            if not await self.storage.available():
-                raise self.storage_failed(
-                    FileNotFoundError(f"the storage folder {self.storage.root} is unreachable")
-                )
-            raise FileNotFoundError(f"the stored input {source_key} is missing")
-        source = _StoredSource(self.storage, source_key)
+        source: _StoredSource | RemotePipeSource
+        if source_key is None:
+            source = await self.state.remote.pipe_source(cast(int, original_id))
+        else:
+            source = await self._stored_source(source_key)
         try:
             stdin = client.pipe_in(source)
             stdout = client.pipe_out(sink)
@@ -306,9 +338,25 @@ class FileWorker:
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(_CLEANUP_TIMEOUT):
                 await source.aclose()
-        if source.error is not None:
+        if isinstance(source, RemotePipeSource):
+            await self.state.remote.after_pipe(cast(int, original_id), source)
+        elif source.error is not None:
             raise self.storage_failed(source.error) from source.error
         return receipt, stdout
+
+    async def _stored_source(self, key: str) -> _StoredSource:
+        """An in-pipe source of a stored file, once it is known to be there."""
+        try:
+            present = await self.storage.exists(key)
+        except OSError as exc:
+            raise self.storage_failed(exc) from exc
+        if not present:
+            if not await self.storage.available():
+                raise self.storage_failed(
+                    FileNotFoundError(f"the storage folder {self.storage.root} is unreachable")
+                )
+            raise FileNotFoundError(f"the stored input {key} is missing")
+        return _StoredSource(self.storage, key)
 
     def storage_failed(self, exc: BaseException) -> RetryLater:
         """The outcome of a storage error: temporary, the step runs again after the
@@ -344,7 +392,6 @@ class FileWorker:
         mimetype: str | None = None
         error: str | None = None
         if step is not None:
-            assert row.storage_key is not None
             output = bytearray()
 
             async def keep(chunk: bytes) -> None:
@@ -357,6 +404,7 @@ class FileWorker:
                 step.params,
                 limits=job_limits(step),
                 source_key=row.storage_key,
+                original_id=file_id,
                 sink=keep,
                 priority=row.priority,
                 subject=f"{row.filename} #{file_id} metadata",
@@ -386,6 +434,7 @@ class FileWorker:
         """The ``sync`` action: version rows in line with the configuration."""
         state = self.state
         file_id = int(item.file_ref)
+        await state.remote.check_reference(file_id)  # a file left on its remote: still there?
         result = await self.files.sync(file_id, self.decide)
         if result is None:
             state.step(ACTION_SYNC, "replayed")
@@ -480,6 +529,7 @@ class FileWorker:
             recipe.params,
             limits=job_limits(recipe),
             source_key=start.source_key,
+            original_id=original.id,
             priority=original.priority,
             subject=f"{original.filename} #{original.id} {version.version}",
             job_id=job_id,
@@ -492,9 +542,10 @@ class FileWorker:
         params: Mapping[str, Any],
         *,
         limits: Mapping[str, str],
-        source_key: str,
+        source_key: str | None,
         priority: int,
         subject: str,
+        original_id: int | None = None,
         job_id: str | None = None,
     ) -> tuple[p.Receipt, StoredFile]:
         """Run a body-mode job on a stored file with its output streamed into storage.
@@ -503,7 +554,8 @@ class FileWorker:
             kind: what the output is stored as (a version; an original the fylr
                 produces itself).
             service, params, limits: the job (:meth:`run_piped`).
-            source_key: the stored input.
+            source_key: the stored input (``None``: the remote of ``original_id``,
+                an original left on its remote).
             priority, subject, job_id: of the job.
 
         Returns:
@@ -541,6 +593,7 @@ class FileWorker:
                         params,
                         limits=limits,
                         source_key=source_key,
+                        original_id=original_id,
                         sink=sink,
                         priority=priority,
                         subject=subject,
@@ -590,8 +643,12 @@ class FileWorker:
         elif item.action == ACTION_PRODUCE:
             await self._version_failed(file_id, verdict)
         elif item.action == ACTION_METADATA:
-            await self.files.fail_original(file_id, f"metadata: {verdict.error}")
+            await self.files.fail_original(file_id, f"metadata: {_reason(verdict)}")
             self.state.step(ACTION_METADATA, "error")
+            self.state.changed(file_id)
+        elif isinstance(verdict.cause, RemoteSourceFailed):  # the URL of a reference is gone
+            await self.files.fail_original(file_id, f"{REMOTE_GONE}: {verdict.cause}")
+            self.state.step(item.action, "error")
             self.state.changed(file_id)
         else:  # a sync: its original stays in sync, for the row's requeue to run it again
             self.state.step(item.action, "error")
@@ -634,7 +691,7 @@ class FileWorker:
         (a failed job's decisive line, its receipt in the metadata), its dependents too."""
         cause = verdict.cause
         job = cause if isinstance(cause, JobFailed) else None
-        error = job.line if job is not None else cast(str, verdict.error)
+        error = job.line if job is not None else _reason(verdict)
         row = await self.files.get(version_id)
         if row is None or row.produce_hash is None:  # removed by a sync meanwhile
             self.state.step(ACTION_PRODUCE, "replayed")

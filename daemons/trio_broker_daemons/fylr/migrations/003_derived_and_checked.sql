@@ -15,7 +15,7 @@
 
 ALTER TABLE files DROP CONSTRAINT files_status_check;
 ALTER TABLE files ADD CONSTRAINT files_status_check CHECK (
-    status IN ('pending_produce', 'new', 'metadata', 'sync', 'produce', 'done', 'error'));
+    status IN ('pending_produce', 'new', 'copy', 'metadata', 'sync', 'produce', 'done', 'error'));
 
 ALTER TABLE files ADD COLUMN manual boolean NOT NULL DEFAULT false;
 ALTER TABLE files DROP CONSTRAINT files_version_has_a_hash;
