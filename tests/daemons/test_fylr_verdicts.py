@@ -258,6 +258,52 @@ async def test_a_failure_settled_by_a_killed_fylr_keeps_its_failed_row(
             assert queue_rows(pg_dsn) == {}
 
 
+async def test_a_metadata_failure_settled_by_a_killed_fylr_keeps_its_failed_row(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """The same for a metadata step that failed for good (no execserver offers its service,
+    ``unknown_service_attempts: 1``): the original ended ``error`` before the kill; the next
+    fylr fails the row with the recorded reason, and ``requeue --failed`` runs it again."""
+    classes = {"data": {"extensions": ["bin"], "metadata": {"service": "probe"}}}
+    async with open_execserver_process(execserver_text(0, {"convert": converter(tmp_path)})) as ex:
+        config = tmp_path / "fylr.yml"
+        mapping = fylr_mapping(
+            pg_dsn, tmp_path / "state", f"127.0.0.1:{ex.port}", classes, unknown_service_attempts=1
+        )
+        config.write_text(yaml.safe_dump(mapping))
+        hooked = {**os.environ, worker.TEST_EXIT_AFTER_FAILURE_SETTLED: "1"}
+        async with open_fylr_process(config, env=hooked) as first:
+            async with httpx.AsyncClient(base_url=first.http_url, timeout=WAIT) as http:
+                await put(http, "a.bin", b"data\n")
+            with trio.fail_after(WAIT):
+                assert await first.process.wait() == worker.TEST_EXIT_STATUS
+        ((status, recorded),) = rows(pg_dsn, "SELECT status, error FROM files")
+        assert status == "error"
+        assert recorded.startswith("metadata: ServiceNotOffered: ")
+        assert rows(pg_dsn, "SELECT status, attempts FROM broker_queue") == [("claimed", 1)]
+
+        async def queue() -> list[tuple[Any, ...]]:
+            return rows(pg_dsn, "SELECT status, attempts, last_error FROM broker_queue")
+
+        async with open_fylr_process(config):
+            with trio.fail_after(WAIT):
+                found = await until(queue, lambda q: [r[0] for r in q] in ([], ["failed"]))
+            assert found == [("failed", 2, "FailedEarlier: " + recorded.removeprefix("metadata: "))]
+            result = await trio.run_process(
+                [sys.executable, "-m", "trio_broker_daemons", "fylr", "requeue",
+                 "--failed", "--config", str(config)],
+                capture_stdout=True,
+                capture_stderr=True,
+                cwd=REPOSITORY,
+                check=False,
+            )  # fmt: skip
+            assert result.returncode == 0, result.stderr
+            assert "1 failed item(s) requeued" in result.stdout.decode()
+            with trio.fail_after(WAIT):  # run again: still nobody offers the service
+                found = await until(queue, lambda q: q[0][:2] == ("failed", 3))
+            assert (found[0][2] or "").startswith("ServiceNotOffered: ")
+
+
 def test_the_worker_never_judges() -> None:
     """The file worker neither imports the outcome table's judge nor keeps a retry delay of
     its own: the dispatcher's decision is the only one."""
