@@ -87,6 +87,32 @@ def queue_rows(dsn: str) -> dict[str, tuple[str, int, str | None, bool, bool]]:
     return {row[0]: row[1:] for row in found}
 
 
+async def requeue_failed(config: Path) -> None:
+    """``trio-broker fylr requeue --failed``, which must requeue one failed row."""
+    result = await trio.run_process(
+        [sys.executable, "-m", "trio_broker_daemons", "fylr", "requeue",
+         "--failed", "--config", str(config)],
+        capture_stdout=True,
+        capture_stderr=True,
+        cwd=REPOSITORY,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "1 failed item(s) requeued" in result.stdout.decode()
+
+
+async def killed_after_settling(config: Path, upload: tuple[str, bytes]) -> dict[str, Any]:
+    """Run a fylr process with the worker's test-only exit hook, upload one file, and
+    wait until the process exits right after settling the step's failure."""
+    hooked = {**os.environ, worker.TEST_EXIT_AFTER_FAILURE_SETTLED: "1"}
+    async with open_fylr_process(config, env=hooked) as first:
+        async with httpx.AsyncClient(base_url=first.http_url, timeout=WAIT) as http:
+            created = await put(http, *upload)
+        with trio.fail_after(WAIT):
+            assert await first.process.wait() == worker.TEST_EXIT_STATUS
+    return created
+
+
 async def test_each_failed_step_gets_one_decision_and_requeue_remakes_a_failed_version(
     pg_dsn: str, tmp_path: Path
 ) -> None:
@@ -165,16 +191,7 @@ async def test_each_failed_step_gets_one_decision_and_requeue_remakes_a_failed_v
             async with open_execserver_process(execserver_text(port, fixed)):
                 config = tmp_path / "fylr.yml"
                 config.write_text(yaml.safe_dump(mapping))
-                result = await trio.run_process(
-                    [sys.executable, "-m", "trio_broker_daemons", "fylr", "requeue",
-                     "--failed", "--config", str(config)],
-                    capture_stdout=True,
-                    capture_stderr=True,
-                    cwd=REPOSITORY,
-                    check=False,
-                )  # fmt: skip
-                assert result.returncode == 0, result.stderr
-                assert "1 failed item(s) requeued" in result.stdout.decode()
+                await requeue_failed(config)
                 dispatcher.wake()
                 with trio.fail_after(WAIT):
                     await fylr.wait_until(lambda s: s.steps.get("produce.ok", 0) == 3)
@@ -204,12 +221,7 @@ async def test_a_failure_settled_by_a_killed_fylr_keeps_its_failed_row(
         config = tmp_path / "fylr.yml"
         mapping = fylr_mapping(pg_dsn, tmp_path / "state", f"127.0.0.1:{ex.port}", classes)
         config.write_text(yaml.safe_dump(mapping))
-        hooked = {**os.environ, worker.TEST_EXIT_AFTER_FAILURE_SETTLED: "1"}
-        async with open_fylr_process(config, env=hooked) as first:
-            async with httpx.AsyncClient(base_url=first.http_url, timeout=WAIT) as http:
-                created = await put(http, "a.txt", b"some text\n")
-            with trio.fail_after(WAIT):
-                assert await first.process.wait() == worker.TEST_EXIT_STATUS
+        created = await killed_after_settling(config, ("a.txt", b"some text\n"))
         # the version settled, its row still claimed by the dead process
         versions = rows(pg_dsn, "SELECT status, error FROM files WHERE kind = 'version'")
         assert versions == [("error", "codec: not installed")]
@@ -234,16 +246,7 @@ async def test_a_failure_settled_by_a_killed_fylr_keeps_its_failed_row(
             assert [item["reason"] for item in page["failed"]] == [error]
 
             marker.touch()  # the codec is installed: an operator retries the row
-            result = await trio.run_process(
-                [sys.executable, "-m", "trio_broker_daemons", "fylr", "requeue",
-                 "--failed", "--config", str(config)],
-                capture_stdout=True,
-                capture_stderr=True,
-                cwd=REPOSITORY,
-                check=False,
-            )  # fmt: skip
-            assert result.returncode == 0, result.stderr
-            assert "1 failed item(s) requeued" in result.stdout.decode()
+            await requeue_failed(config)
 
             async def document() -> dict[str, Any]:
                 found: dict[str, Any] = (await http.get(f"/api/v1/eas/{created['id']}")).json()
@@ -271,12 +274,7 @@ async def test_a_metadata_failure_settled_by_a_killed_fylr_keeps_its_failed_row(
             pg_dsn, tmp_path / "state", f"127.0.0.1:{ex.port}", classes, unknown_service_attempts=1
         )
         config.write_text(yaml.safe_dump(mapping))
-        hooked = {**os.environ, worker.TEST_EXIT_AFTER_FAILURE_SETTLED: "1"}
-        async with open_fylr_process(config, env=hooked) as first:
-            async with httpx.AsyncClient(base_url=first.http_url, timeout=WAIT) as http:
-                await put(http, "a.bin", b"data\n")
-            with trio.fail_after(WAIT):
-                assert await first.process.wait() == worker.TEST_EXIT_STATUS
+        await killed_after_settling(config, ("a.bin", b"data\n"))
         ((status, recorded),) = rows(pg_dsn, "SELECT status, error FROM files")
         assert status == "error"
         assert recorded.startswith("metadata: ServiceNotOffered: ")
@@ -289,16 +287,7 @@ async def test_a_metadata_failure_settled_by_a_killed_fylr_keeps_its_failed_row(
             with trio.fail_after(WAIT):
                 found = await until(queue, lambda q: [r[0] for r in q] in ([], ["failed"]))
             assert found == [("failed", 2, "FailedEarlier: " + recorded.removeprefix("metadata: "))]
-            result = await trio.run_process(
-                [sys.executable, "-m", "trio_broker_daemons", "fylr", "requeue",
-                 "--failed", "--config", str(config)],
-                capture_stdout=True,
-                capture_stderr=True,
-                cwd=REPOSITORY,
-                check=False,
-            )  # fmt: skip
-            assert result.returncode == 0, result.stderr
-            assert "1 failed item(s) requeued" in result.stdout.decode()
+            await requeue_failed(config)
             with trio.fail_after(WAIT):  # run again: still nobody offers the service
                 found = await until(queue, lambda q: q[0][:2] == ("failed", 3))
             assert (found[0][2] or "").startswith("ServiceNotOffered: ")
