@@ -46,6 +46,7 @@ pytest: system-test $(STAMP)
 soak: system-test $(STAMP)
 	$(BIN)/pytest -m soak
 	$(BIN)/python scripts/mutate.py --all --jobs 2 --report mutation-report.md
+	$(BIN)/python scripts/mutate.py --bugs --report bug-budgets.md
 
 demo: system-demo $(STAMP)
 	$(BIN)/python examples/demo.py

@@ -53,6 +53,7 @@ _BROKER_MODELS = (_MODEL, "-k", "not Race")
 _CLIENT_TESTS = (
     ("tests/core/test_client.py", "tests/core/test_client_rules.py"),
     ("tests/core/test_figures.py",),
+    ("tests/testing/test_client_timers.py", "tests/testing/test_sim_defects.py", "-k", "not fylrs"),
     (_MODEL, "-k", "Race"),
 )
 
@@ -71,7 +72,10 @@ MODULES: dict[str, tuple[str, tuple[tuple[str, ...], ...]]] = {
     "client_core": ("trio_broker/core/client.py", _CLIENT_TESTS),
     "client_jobs": ("trio_broker/core/_client_jobs.py", _CLIENT_TESTS),
     "client_pool": ("trio_broker/core/_client_pool.py", _CLIENT_TESTS),
-    "admission": ("trio_broker/core/admission.py", (("tests/core/test_admission.py",),)),
+    "admission": (
+        "trio_broker/core/admission.py",
+        (("tests/core/test_admission.py",), ("tests/testing/test_admission_model.py",)),
+    ),
     "dispatch": (
         "trio_broker/core/dispatch.py",
         (("tests/core/test_dispatch.py",), ("tests/testing/test_dispatch_model.py",)),
@@ -142,17 +146,120 @@ def _docstring_ids(tree: ast.Module) -> set[int]:
     return ids
 
 
-def _points(tree: ast.Module) -> Iterator[tuple[ast.AST, str, object]]:
-    """Every (node, description, change) one mutation can make, in source order."""
+def _points(tree: ast.Module, kinds: str = "all") -> Iterator[tuple[ast.AST, str, object]]:
+    """Every (node, description, change) one mutation can make, in source order.
+
+    ``kinds``: "operator" (one-token slips), "semantic" (see :func:`_semantic_points`)
+    or "all".
+    """
     skip = _docstring_ids(tree)
     in_annotation: set[int] = set()
     for node in ast.walk(tree):
         for annotation in _annotations(node):
             in_annotation.update(id(n) for n in ast.walk(annotation))
+    names = _names_in_scope(tree)
     nodes = [n for n in ast.walk(tree) if hasattr(n, "lineno") and id(n) not in in_annotation]
     nodes.sort(key=lambda n: (getattr(n, "lineno", 0), getattr(n, "col_offset", 0)))
     for node in nodes:
-        yield from _node_points(node, skip)
+        if kinds in ("all", "operator"):
+            yield from _node_points(node, skip)
+        if kinds in ("all", "semantic"):
+            yield from _semantic_points(node, names.get(id(node), frozenset()))
+
+
+# -- semantic mutation kinds ----------------------------------------------------------------
+#
+# Beyond one-token slips, the mistakes a reviewer makes on purpose to test a policy:
+#
+# * priority: a decision taken at the wrong priority (a want's ``priority`` read one band
+#   low, or as the ``base`` it was parked with instead of the one aging lifted it to);
+# * time: a decision taken at a slightly wrong time (a time compared a microsecond late);
+# * reset: a deadline or a start of waiting reset to now where it is read (a lift that
+#   restarts a want's wait, a refused job whose deadline starts over, an interval that
+#   restarts at every observation);
+# * rounding: a rounding direction turned (``floor`` and ``ceil`` swapped, ``a // b``
+#   rounded up);
+# * order: an order reversed (``min`` and ``max`` swapped, ``sorted`` reversed, a queue
+#   taken from its other end, the first element read as the last).
+
+_TIME_NAMES = frozenset(
+    {"now", "_now", "deadline", "expires_at", "due", "parked_at", "last_grow", "_adjusted", "later"}
+)
+# what a time read is reset to, by what the enclosing function can see
+_RESETS = {"deadline", "expires_at", "parked_at", "last_grow", "_adjusted", "wanted_at"}
+
+
+def _names_in_scope(tree: ast.Module) -> dict[int, frozenset[str]]:
+    """Node id -> the parameter names of its innermost function (``self`` included)."""
+    scope: dict[int, frozenset[str]] = {}
+
+    def visit(node: ast.AST, names: frozenset[str]) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = names
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                args = child.args
+                every = [*args.posonlyargs, *args.args, *args.kwonlyargs]
+                inner = frozenset(a.arg for a in every)
+            scope[id(child)] = inner
+            visit(child, inner)
+
+    visit(tree, frozenset())
+    return scope
+
+
+def _time_of(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name) and node.id in _TIME_NAMES:
+        return node.id
+    if isinstance(node, ast.Attribute) and node.attr in _TIME_NAMES:
+        return node.attr
+    return None
+
+
+def _now_in(names: frozenset[str]) -> str | None:
+    """An expression for "now" in a function with these parameters (None: none)."""
+    if "now" in names:
+        return "now"
+    if "self" in names:
+        return "self._now"
+    return None
+
+
+def _semantic_points(node: ast.AST, names: frozenset[str]) -> Iterator[tuple[ast.AST, str, object]]:
+    loads = isinstance(getattr(node, "ctx", None), ast.Load)
+    if isinstance(node, ast.Attribute) and loads and node.attr == "priority":
+        yield node, "priority: read one band low", ("sem", "(X - 2)")
+        yield node, "priority: the base, not the lifted one", ("sem", "getattr(V, 'base', X)")
+    if isinstance(node, ast.Compare):
+        for pos, operand in enumerate([node.left, *node.comparators]):
+            name = _time_of(operand)
+            if name is not None:
+                yield node, f"time: {name} compared 1e-6 late", ("time", pos)
+    if isinstance(node, ast.Attribute) and loads and node.attr in _RESETS:
+        now = _now_in(names)
+        if now is not None and not (node.attr == "_adjusted" and now == "self._now"):
+            yield node, f"reset: {node.attr} read as now", ("sem", now)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        method = node.func.attr
+        swap = {"floor": "ceil", "ceil": "floor", "popleft": "pop", "heappop": None}.get(method)
+        if method in ("floor", "ceil") and swap is not None:
+            yield node, f"rounding: {method} -> {swap}", ("call", swap)
+        elif method == "popleft":
+            yield node, "order: popleft -> pop", ("call", "pop")
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        if node.func.id in ("min", "max") and not node.keywords:
+            other = "max" if node.func.id == "min" else "min"
+            yield node, f"order: {node.func.id} -> {other}", ("name", other)
+        elif node.func.id == "sorted":
+            yield node, "order: sorted reversed", ("reverse",)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv):
+        yield node, "rounding: a // b rounded up", ("sem", "-(-(L) // (R))")
+    if (
+        isinstance(node, ast.Subscript)
+        and loads
+        and isinstance(node.slice, ast.Constant)
+        and node.slice.value == 0
+    ):
+        yield node, "order: [0] -> [-1]", ("const_index", -1)
 
 
 def _node_points(node: ast.AST, skip: set[int]) -> Iterator[tuple[ast.AST, str, object]]:
@@ -222,6 +329,52 @@ def _apply(node: ast.AST, change: tuple[object, ...]) -> ast.AST:
         return ast.Continue()
     elif kind == "continue":
         return ast.Break()
+    else:
+        return _apply_semantic(node, change)
+    return node
+
+
+def _apply_semantic(node: ast.AST, change: tuple[object, ...]) -> ast.AST:
+    kind = change[0]
+    if kind == "sem":
+        template = change[1]
+        assert isinstance(template, str)
+        text = template.replace("X", f"({ast.unparse(node)})")
+        if isinstance(node, ast.Attribute):
+            text = text.replace("V", f"({ast.unparse(node.value)})")
+        if isinstance(node, ast.BinOp):
+            text = text.replace("L", ast.unparse(node.left)).replace("R", ast.unparse(node.right))
+        return ast.parse(text, mode="eval").body
+    if kind == "time":
+        assert isinstance(node, ast.Compare)
+        pos = change[1]
+        assert isinstance(pos, int)
+        operand = [node.left, *node.comparators][pos]
+        late = ast.BinOp(left=operand, op=ast.Add(), right=ast.Constant(1e-6))
+        if pos == 0:
+            node.left = late
+        else:
+            node.comparators[pos - 1] = late
+    elif kind == "call":
+        assert isinstance(node, ast.Call)
+        assert isinstance(node.func, ast.Attribute)
+        assert isinstance(change[1], str)
+        node.func.attr = change[1]
+    elif kind == "name":
+        assert isinstance(node, ast.Call)
+        assert isinstance(node.func, ast.Name)
+        assert isinstance(change[1], str)
+        node.func.id = change[1]
+    elif kind == "reverse":
+        assert isinstance(node, ast.Call)
+        flip = [k for k in node.keywords if k.arg == "reverse"]
+        if flip:
+            flip[0].value = ast.UnaryOp(op=ast.Not(), operand=flip[0].value)
+        else:
+            node.keywords.append(ast.keyword(arg="reverse", value=ast.Constant(True)))
+    elif kind == "const_index":
+        assert isinstance(node, ast.Subscript)
+        node.slice = ast.UnaryOp(op=ast.USub(), operand=ast.Constant(1))
     return node
 
 
@@ -243,13 +396,13 @@ class _Replace(ast.NodeTransformer):
         return self.generic_visit(node)
 
 
-def mutants(module: str, root: Path = ROOT) -> list[tuple[Mutant, str]]:
+def mutants(module: str, root: Path = ROOT, kinds: str = "all") -> list[tuple[Mutant, str]]:
     """Every mutant of a module (as it is under ``root``), with its source."""
     path = root / MODULES[module][0]
     source = path.read_text()
     tree = ast.parse(source)
     owner = _functions(tree)
-    points = list(_points(tree))
+    points = list(_points(tree, kinds))
     result = []
     for index, (node, what, change) in enumerate(points):
         mutated_tree = copy.deepcopy(tree)
@@ -416,6 +569,44 @@ def _job(
     return {"passed": "survived", "failed": "killed"}.get(outcome, outcome)
 
 
+def _job_untraced(
+    base: Path, mutant: Mutant, source: str, timeout: float, scale: str
+) -> tuple[str, int]:
+    """Run the module's guard phases in order against the mutant (no selection)."""
+    target = base / MODULES[mutant.module][0]
+    original = target.read_text()
+    target.write_text(source)
+    try:
+        for count, phase in enumerate(MODULES[mutant.module][1], 1):
+            outcome = _pytest(base, list(phase), timeout, scale)
+            if outcome != "passed":
+                return {"failed": "killed"}.get(outcome, outcome), count
+        return "survived", len(MODULES[mutant.module][1])
+    finally:
+        target.write_text(original)
+
+
+def untraced(
+    module: str, todo: list[tuple[Mutant, str]], timeout: float, scale: str
+) -> dict[Mutant, str]:
+    """Each mutant against the whole guard, phase after phase (``--no-trace``)."""
+    base = _workspace()
+    outcomes: dict[Mutant, str] = {}
+    try:
+        text = (base / MODULES[module][0]).read_text().splitlines()
+        for mutant, source in todo:
+            outcome, phases = _job_untraced(base, mutant, source, timeout, scale)
+            outcomes[mutant] = outcome
+            print(
+                f"{module}#{mutant.index} line {mutant.line} {mutant.function}: {mutant.what}"
+                f" [{phases} phases]: {outcome}  | {text[mutant.line - 1].strip()}",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return outcomes
+
+
 def _rank(function: str, first: list[str]) -> int:
     return next((i for i, name in enumerate(first) if name in function), len(first))
 
@@ -469,6 +660,182 @@ def _campaign(
     return outcomes
 
 
+# -- deliberate bugs and the budgets that find them -----------------------------------------
+#
+# Each bug: (name, what, [(file, old text, new text) or (file, git revision)], the test
+# classes that should catch it). ``--bugs`` puts one at a time into a private copy and runs
+# each test class at rising ``TRIO_BROKER_MODEL_SCALE`` (fixed examples, the mutation
+# profile): the smallest scale that kills it is the budget it needs.
+
+_BEFORE_29 = "2d8d082"  # main before the turn-hold and growth-timer fixes
+_M = "tests/testing/test_model.py::"
+BUGS: list[tuple[str, str, list[tuple[str, ...]], list[str]]] = [
+    (
+        "turn-hold-ended-grant",
+        "the turn hold judged by the ended job's grant (the old core)",
+        [("trio_broker/core/book.py", _BEFORE_29), ("trio_broker/core/broker.py", _BEFORE_29)],
+        [_M + "TestTurnHolds", _M + "TestTurnHoldAging"],
+    ),
+    (
+        "hold-kept-after-lift",
+        "a lift above a held priority (or of the holder's want to it) leaves the hold",
+        [
+            (
+                "trio_broker/core/broker.py",
+                "and self.book.age(now) and self._holds:",
+                "and self.book.age(now) and self._holds and False:",
+            )
+        ],
+        [_M + "TestTurnHolds"],
+    ),
+    (
+        "aging-ties-reversed",
+        "lifts due at one instant applied newest first (FIFO through aging)",
+        [
+            (
+                "trio_broker/core/book.py",
+                "heapq.heappush(heap, (due, self._seq, want))",
+                "heapq.heappush(heap, (due, -self._seq, want))",
+            )
+        ],
+        [_M + "TestBookAging", _M + "TestAgingBound"],
+    ),
+    (
+        "aging-wait-reset",
+        "a lift restarts the want's wait (parked_at reset to now)",
+        [
+            (
+                "trio_broker/core/book.py",
+                "priority, want.base, want.parked_at)",
+                "priority, want.base, now)",
+            )
+        ],
+        [_M + "TestBookAging"],
+    ),
+    (
+        "unknown-share-rounded-up",
+        "unknown_share rounded up (ceil) in what is admitted and reported",
+        [
+            (
+                "trio_broker/core/pool.py",
+                "return max(1, math.floor(self.unknown_share * self.size))",
+                "return max(1, math.ceil(self.unknown_share * self.size))",
+            )
+        ],
+        [_M + "TestFractionalShares"],
+    ),
+    (
+        "capacity-rounded",
+        "capacity reports round(unknown_share * size) while admission floors it",
+        [
+            (
+                "trio_broker/core/pool.py",
+                "result = min(result, config.unknown_cap)",
+                "result = min(result, max(1, round(config.unknown_share * config.size)))",
+            )
+        ],
+        [_M + "TestFractionalShares"],
+    ),
+    (
+        "grow-timer-difference",
+        "growth compares now - last_grow with the interval (the old pool)",
+        [("trio_broker/core/_client_pool.py", _BEFORE_29)],
+        ["tests/testing/test_client_timers.py"],
+    ),
+    (
+        "deadline-reset-on-refusal",
+        "a refused JOB restarts the job's connect_timeout",
+        [
+            (
+                "trio_broker/core/client.py",
+                "        self._jobs.wait(job, now=self._now)\n",
+                "        self._jobs.wait(job, now=self._now)\n"
+                "        job.deadline = self._now + self.config.connect_timeout\n",
+            )
+        ],
+        ["tests/testing/test_client_timers.py"],
+    ),
+    (
+        "rise-judged-by-fewest",
+        "the at-least-one rise judged by the fewest waiting jobs, not the most",
+        [
+            (
+                "trio_broker/core/admission.py",
+                "1 if most == 0 else 0",
+                "1 if least == 0 else 0",
+            )
+        ],
+        ["tests/testing/test_admission_model.py"],
+    ),
+    (
+        "fall-by-all-waiting",
+        "the rise falls by every waiting job at once instead of by one",
+        [
+            (
+                "trio_broker/core/admission.py",
+                "self._rise = max(0, self._rise - 1)",
+                "self._rise = max(0, self._rise - least)",
+            )
+        ],
+        ["tests/testing/test_admission_model.py"],
+    ),
+    (
+        "interval-strict",
+        "an adjustment only strictly after adapt_interval",
+        [
+            (
+                "trio_broker/core/admission.py",
+                "now - self._adjusted >= config.adapt_interval",
+                "now - self._adjusted > config.adapt_interval",
+            )
+        ],
+        ["tests/testing/test_admission_model.py"],
+    ),
+]
+_LADDER = (0.05, 0.1, 0.2, 0.5, 1.0, 3.0)
+
+
+def _plant(base: Path, changes: list[tuple[str, ...]]) -> None:
+    for change in changes:
+        target = base / change[0]
+        if len(change) == 2:
+            shown = subprocess.run(
+                ["git", "show", f"{change[1]}:{change[0]}"],
+                cwd=ROOT,
+                capture_output=True,
+                check=True,
+            )
+            target.write_bytes(shown.stdout)
+            continue
+        text = target.read_text()
+        if text.count(change[1]) != 1:
+            raise SystemExit(f"{change[0]}: the bug's text is not there exactly once: {change[1]}")
+        target.write_text(text.replace(change[1], change[2]))
+
+
+def ladder(names: list[str], timeout: float) -> str:
+    """Each bug against each of its tests: the smallest scale that kills it."""
+    rows = ["| bug | test | smallest scale that kills it |", "| --- | --- | --- |"]
+    for name, what, changes, tests in BUGS:
+        if names and name not in names:
+            continue
+        base = _workspace()
+        try:
+            _plant(base, changes)
+            for test in tests:
+                found = "not at 3"
+                for scale in _LADDER:
+                    outcome = _pytest(base, [test], timeout, str(scale))
+                    if outcome in ("failed", "timeout"):
+                        found = f"{scale:g}"
+                        break
+                rows.append(f"| `{name}` ({what}) | `{test.split('::')[-1]}` | {found} |")
+                print(rows[-1], flush=True)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+    return "\n".join(rows)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("modules", nargs="*", help=f"any of {', '.join(MODULES)}")
@@ -498,7 +865,32 @@ def main() -> int:
     parser.add_argument("--report", type=Path, help="also write the report (Markdown) here")
     parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")
     parser.add_argument("--only", help="comma-separated mutant numbers (as printed) to run")
+    parser.add_argument(
+        "--kinds",
+        choices=("all", "operator", "semantic"),
+        default="all",
+        help="operator (one-token slips), semantic (wrong priority or time, a deadline"
+        " reset, a rounding direction, an order reversed) or all (default); mutant"
+        " numbers are per choice",
+    )
+    parser.add_argument(
+        "--no-trace",
+        action="store_true",
+        help="run every mutant against the module's whole guard, phase after phase,"
+        " without the traced run that selects tests (worth it for a few mutants)",
+    )
+    parser.add_argument(
+        "--bugs",
+        nargs="*",
+        help="run the deliberate bugs (all, or these names) at rising budgets instead",
+    )
     args = parser.parse_args()
+    if args.bugs is not None:
+        table = ladder(args.bugs, args.timeout)
+        print(table)
+        if args.report:
+            args.report.write_text(table + "\n")
+        return 0
     chosen = list(MODULES) if args.all else (args.modules or ["book"])
     unknown = [m for m in chosen if m not in MODULES]
     if unknown:
@@ -516,7 +908,7 @@ def main() -> int:
         skip = [s for s in (args.skip or ["check_invariants", "__repr__"]) if s]
         todo = [
             (m, src)
-            for m, src in mutants(module, bases[0] if bases else ROOT)
+            for m, src in mutants(module, bases[0] if bases else ROOT, args.kinds)
             if (not args.function or args.function in m.function)
             and (not args.only or str(m.index) in args.only.split(","))
             and not any(s in m.function for s in skip)
@@ -528,7 +920,10 @@ def main() -> int:
                 print(f"{module}#{m.index} line {m.line} {m.function}: {m.what}")
             continue
         try:
-            outcomes = _campaign(module, todo, bases, args.timeout, args.scale)
+            if args.no_trace:
+                outcomes = untraced(module, todo, args.timeout, args.scale)
+            else:
+                outcomes = _campaign(module, todo, bases, args.timeout, args.scale)
         finally:
             for base in bases:
                 shutil.rmtree(base, ignore_errors=True)

@@ -29,6 +29,7 @@ from trio_broker.core.broker import (
 )
 from trio_broker.core.errors import ErrorCode
 from trio_broker.core.pool import PoolConfig, SlotPool
+from trio_broker.testing.machines import registered_broker
 from trio_broker.testing.values import receipt as make_receipt
 
 
@@ -1354,3 +1355,55 @@ def test_connection_ids_never_issued_are_usage_errors_closed_ones_are_ignored() 
         h.broker.receive_text(closed, "not json", now=h.now)
         h.broker.close_connection(closed, now=h.now)
     assert h.frames() == []
+
+
+def _aging_holds() -> tuple[Broker, int, int, Callable[[float], list[tuple[int, str]]]]:
+    """X was offered a slot at 0, then Y twice, and Y keeps a want parked there; X keeps
+    a want at -2, parked at 0.0, which aging lifts to 0 at 1.0 (one band per second)."""
+    pool = PoolConfig(size=2, unknown_share=1.0, max_slots={"s": 0}, priority_aging=1.0)
+    broker, (x, y) = registered_broker("aging-holds", pool, 2, turn_hold=0.5)
+
+    def offers(now: float) -> list[tuple[int, str]]:
+        del now
+        return [(c, m.job_id) for c, m in broker.frames_to_send() if isinstance(m, p.Offer)]
+
+    def start(conn: int, job_id: str, now: float) -> int:
+        token = next(m.token for c, m in broker.frames_to_send() if isinstance(m, p.Offer))
+        broker.receive(
+            conn, p.Job(job_id=job_id, token=token, service="s", subject=None, job={}), now=now
+        )
+        (effect,) = [e for e in broker.effects() if isinstance(e, StartJob)]
+        return effect.run_id
+
+    broker.receive(x, p.Want(job_id="x1", service="s", priority=0), now=0.0)
+    x1 = start(x, "x1", 0.0)
+    broker.receive(y, p.Want(job_id="y0", service="s", priority=0), now=0.0)
+    y0 = start(y, "y0", 0.0)
+    for job in ("y1", "y2"):
+        broker.receive(y, p.Want(job_id=job, service="s", priority=0), now=0.0)
+    broker.receive(x, p.Want(job_id="x2", service="s", priority=-2), now=0.0)
+    broker.frames_to_send()
+    broker.job_ended(y0, receipt(), now=0.0)  # y1 takes the slot: Y served after X
+    start(y, "y1", 0.0)
+    broker.job_ended(x1, receipt(), now=0.9)  # X is owed the turn: the slot is held for it
+    assert offers(0.9) == []
+    return broker, x, y, offers
+
+
+def test_a_lift_of_the_holders_own_want_to_the_held_priority_ends_the_hold() -> None:
+    """At 1.0 X's want x2 reaches priority 0 by aging, before X's next WANT (x3, at 0)
+    arrives in the same input: the hold ends first and the rule gives the slot to Y,
+    the first of the rotation; X's x3 waits behind its own older x2 (FIFO)."""
+    broker, x, y, offers = _aging_holds()
+    broker.receive(x, p.Want(job_id="x3", service="s", priority=0), now=1.0)
+    assert offers(1.0) == [(y, "y2")]
+    assert [w.job_id for w in broker.book.connection_wants(x)] == ["x2", "x3"]
+    broker.check_invariants()
+
+
+def test_a_hold_is_taken_by_the_holders_want_while_no_lift_reached_it() -> None:
+    """The same a moment before the lift (0.95): X's x3 takes the held slot at once."""
+    broker, x, _, offers = _aging_holds()
+    broker.receive(x, p.Want(job_id="x3", service="s", priority=0), now=0.95)
+    assert offers(0.95) == [(x, "x3")]
+    broker.check_invariants()

@@ -33,28 +33,12 @@ MIXED_FLEET = (
     "took the other pod), its preview steps fail unknown_service at every claim and fail for "
     "good after unknown_service_attempts claims, long before the re-probe (core/client.py)"
 )
-TURN_HOLD = (
-    "the turn hold judges a connection owed the turn by the grant of the job that ended, not "
-    "by its latest grant: a connection with two jobs running gets a turn of the rotation and "
-    "then a held slot while another connection's fitting want waits (core/broker.py "
-    "_maybe_hold, core/book.py turn_comes_first), against the bound of book.py's Aging"
-)
-GROW_TIMER = (
-    "pool growth compares now - last_grow < pool_grow_interval but wakes at last_grow + "
-    "pool_grow_interval; where the two disagree in floating point the grow timer fires, "
-    "grows nothing and asks for the same instant again: a mock clock spins for ever "
-    "(core/_client_pool.py ConnectionPool.grow)"
-)
 
 KNOWN_DEFECTS: dict[str, Callable[[Violation], bool]] = {
     MIXED_FLEET: lambda v: (
         (v.kind == "liveness" and "offers 'preview'" in v.message and "after" in v.message)
         or (v.kind == "pool" and "'preview'" in v.message)
     ),
-    TURN_HOLD: lambda v: (
-        v.kind == "round_robin" and not v.message.endswith("; 0 of those grants by a turn hold")
-    ),
-    GROW_TIMER: lambda v: v.kind == "timer",
 }
 """Each known defect, and how its violations look."""
 
@@ -82,17 +66,16 @@ def test_two_fylrs_on_a_mixed_fleet_do_every_step_shrunk_trace() -> None:
 @pytest.mark.xfail(strict=True, reason=MIXED_FLEET)
 def test_two_fylrs_on_a_mixed_fleet_do_every_step_seed_0() -> None:
     """Seed 0 of the shipped mixed-fleet-2 scenario keeps every check (it found the defect)."""
-    others = (KNOWN_DEFECTS[TURN_HOLD], KNOWN_DEFECTS[GROW_TIMER])
-    result = simulate(
-        SCENARIOS["mixed-fleet-2"](),
-        0,
-        record=False,
-        tolerate=lambda v: any(matches(v) for matches in others),
-    )
+    result = simulate(SCENARIOS["mixed-fleet-2"](), 0, record=False)
     assert result.violations == ()
 
 
-# -- the turn hold ------------------------------------------------------------------------------
+# -- the turn hold (fixed) ------------------------------------------------------------------------
+#
+# The turn hold judged a connection owed the turn by the grant of the job that ended, not by
+# its latest grant: a connection with two jobs running got a turn of the rotation and then a
+# held slot while another connection's fitting want waited, against the bound of book.py's
+# Aging. It judges by the connection's latest grant at the priority now (WantBook.last_grant).
 
 
 def _broker() -> tuple[Broker, int, int]:
@@ -125,7 +108,6 @@ def _end(broker: Broker, start: StartJob) -> list[tuple[int, p.Offer]]:
     return _offers(broker)
 
 
-@pytest.mark.xfail(strict=True, reason=TURN_HOLD)
 def test_a_connection_served_by_the_rotation_is_not_also_held_a_slot() -> None:
     """Two slots, connections X and Y at one priority. Y's first job runs; X's runs and
     X keeps two wants; Y parks one. X's job ends: X's second want takes the slot. That
@@ -147,14 +129,18 @@ def test_a_connection_served_by_the_rotation_is_not_also_held_a_slot() -> None:
     assert [(c, o.job_id) for c, o in _end(broker, y1)] == [(x, "x3")]
 
 
-@pytest.mark.xfail(strict=True, reason=TURN_HOLD)
 def test_the_turn_hold_keeps_the_round_robin_bound_shrunk_trace() -> None:
     """Three clients calling one execserver of four slots: no connection is passed over more
     than C - 1 times between two of its turns (the shrunk trace of one-execserver seed 4)."""
     assert replay(trace("turn-hold")).violations == ()
 
 
-# -- the pool's growth timer -----------------------------------------------------------------
+# -- the pool's growth timer (fixed) ---------------------------------------------------------
+#
+# Pool growth compared now - last_grow < pool_grow_interval but woke at last_grow +
+# pool_grow_interval; where the two disagreed in floating point the grow timer fired, grew
+# nothing and asked for the same instant again: a mock clock spun for ever. The pool compares
+# now with the sum the timer asks for now (core/_client_pool.py ConnectionPool.grow).
 
 
 def _hello(instance: str) -> p.Hello:
@@ -171,12 +157,9 @@ def _hello(instance: str) -> p.Hello:
     )
 
 
-@pytest.mark.xfail(strict=True, reason=GROW_TIMER)
-def test_growth_due_at_its_timer_grows() -> None:
+def _grown_at_0_002() -> tuple[ClientCore, Callable[[], list[int]]]:
     """A job waits for a service no connection announced; the balanced address grew at
-    0.002 s and may grow again 2 s later. At the timer, 2.002 s, it dials (the floating
-    point of 2.002 - 0.002 is just under 2: the timer must not wake for the same instant
-    again)."""
+    0.002 s and may grow again 2 s later (the timer's instant, 2.002)."""
     config = ClientConfig(
         backend_id="c",
         name="c",
@@ -199,15 +182,93 @@ def test_growth_due_at_its_timer_grows() -> None:
     (second,) = dials()
     core.connected(second, peer_addr="lb:80", now=0.002)
     core.receive(second, _hello("pod-b"), now=0.002)
+    assert core.next_deadline() == 0.002 + 2.0
+    return core, dials
+
+
+def test_growth_due_at_its_timer_grows() -> None:
+    """At the timer, 2.002 s, the pool dials (the floating point of 2.002 - 0.002 is just
+    under 2: the timer must not wake for the same instant again)."""
+    core, dials = _grown_at_0_002()
     due = core.next_deadline()
-    assert due == 0.002 + 2.0
+    assert due is not None
     core.tick(now=due)
     assert dials() or core.next_deadline() != due
 
 
-@pytest.mark.xfail(strict=True, reason=GROW_TIMER)
+def test_growth_is_not_due_a_moment_before_its_instant() -> None:
+    """Half a microsecond before 2.002 nothing grows yet (an input then, not the timer)."""
+    core, dials = _grown_at_0_002()
+    due = core.next_deadline()
+    assert due is not None
+    core.tick(now=due - 5e-7)
+    assert dials() == []
+    assert core.next_deadline() == due
+
+
 def test_no_core_asks_for_the_instant_it_was_woken_at_shrunk_trace() -> None:
     """Twenty fylrs on a mixed fleet: no core's timer asks for the instant it fired at
     again (the shrunk trace of a mixed-fleet-20 seed)."""
     result = replay(trace("grow-timer"), tolerate=lambda v: v.kind != "timer")
     assert result.violations == ()
+
+
+def test_growth_wakes_for_the_address_that_may_grow_first() -> None:
+    """Two balanced addresses, grown at 0.002 and at 1.0: the growth timer asks for the
+    first of their next instants, 2.002, not the last."""
+    config = ClientConfig(
+        backend_id="c",
+        name="c",
+        version="1",
+        addresses=("lb:80", "lb2:80"),
+        pool_grow_interval=2.0,
+        ping_interval=1e6,
+        ping_timeout=2e6,
+    )
+    core = ClientCore(config, now=0.0)
+
+    def dials() -> list[int]:
+        return [effect.conn for effect in core.effects() if isinstance(effect, Dial)]
+
+    first, other = dials()
+    core.connected(first, peer_addr="lb:80", now=0.0)
+    core.receive(first, _hello("pod-a"), now=0.0)
+    core.submit("j", "b", {}, now=0.002)  # probes: lb:80 grows (lb2:80 is still dialling)
+    (grown,) = dials()
+    core.connected(grown, peer_addr="lb:80", now=0.002)
+    core.receive(grown, _hello("pod-b"), now=0.002)
+    core.connected(other, peer_addr="lb2:80", now=1.0)
+    core.receive(other, _hello("pod-c"), now=1.0)  # lb2:80 grows at 1.0
+    (grown,) = dials()
+    core.connected(grown, peer_addr="lb2:80", now=1.0)
+    core.receive(grown, _hello("pod-d"), now=1.0)
+    assert core.next_deadline() == 0.002 + 2.0
+
+
+def test_growth_waits_a_whole_retry_tick_to_the_microsecond() -> None:
+    """A job of a service the pool offers waits from 0.002 s: the pool grows at 1.002 s
+    (a retry tick later), not half a microsecond before."""
+    config = ClientConfig(
+        backend_id="c",
+        name="c",
+        version="1",
+        addresses=("lb:80",),
+        retry_tick=1.0,
+        ping_interval=1e6,
+        ping_timeout=2e6,
+    )
+    core = ClientCore(config, now=0.0)
+
+    def dials() -> list[int]:
+        return [effect.conn for effect in core.effects() if isinstance(effect, Dial)]
+
+    (first,) = dials()
+    core.connected(first, peer_addr="lb:80", now=0.0)
+    core.receive(first, _hello("pod-a"), now=0.0)
+    core.submit("j", "a", {}, now=0.002)
+    due = core.next_deadline()
+    assert due == 0.002 + 1.0
+    core.tick(now=due - 5e-7)
+    assert dials() == []
+    core.tick(now=due)
+    assert len(dials()) == 1

@@ -11,7 +11,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from tests.testing.test_sim_defects import GROW_TIMER, KNOWN_DEFECTS, MIXED_FLEET, TURN_HOLD, known
+from tests.testing.test_sim_defects import KNOWN_DEFECTS, MIXED_FLEET, known
 from trio_broker.testing.sim.library import SCENARIOS
 from trio_broker.testing.sim.model import Violation
 from trio_broker.testing.sim.run import simulate
@@ -22,8 +22,6 @@ FIRST = 1_000
 """The soak's seeds start here (make test runs the first few of each scenario)."""
 SHORT = {
     MIXED_FLEET: "two fylrs on a mixed fleet",
-    TURN_HOLD: "turn hold",
-    GROW_TIMER: "grow timer",
 }
 
 

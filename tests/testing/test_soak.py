@@ -11,8 +11,12 @@ from hypothesis import settings
 
 from tests.support.wire import WAIT, Peer, connect, start_execserver
 from trio_broker.core import protocol as p
+from trio_broker.core.admission import AdmissionConfig
 from trio_broker.core.pool import PoolConfig
-from trio_broker.testing.machines import broker_machine, round_robin_machine
+from trio_broker.testing.admission import admission_machine
+from trio_broker.testing.book import book_machine
+from trio_broker.testing.client_timers import client_timers_machine
+from trio_broker.testing.machines import broker_machine, round_robin_machine, turn_hold_machine
 from trio_broker.testing.race import race_machine
 from trio_broker.trio.execserver import ExecserverHandle
 
@@ -38,6 +42,52 @@ TestSoakRoundRobin.settings = _LONG
 
 TestSoakRace = race_machine(servers=3, slots=(1, 2, 3), offer_ttl=1.0).TestCase
 TestSoakRace.settings = _LONG
+
+# The machines of the turn hold, aging, fractional shares, the client's timers and
+# admission at ten times (or more) their make-test budget: a bug their default
+# finds only at three times it is found here every time (docs/MUTATION.md).
+_TENFOLD = settings(max_examples=1000, stateful_step_count=60)
+
+TestSoakTurnHolds = turn_hold_machine(
+    PoolConfig(size=3, unknown_share=1.0, max_slots={"s": 0, "t": 1}, priority_aging=1.0),
+    connections=4,
+    priorities=(-1, 0, 1, 2),
+).TestCase
+TestSoakTurnHolds.settings = _TENFOLD
+
+TestSoakTurnHoldAging = broker_machine(
+    PoolConfig(size=3, unknown_share=1.0, max_slots={"s": 0, "t": 2}, priority_aging=1.0),
+    priorities=(-2, -1, 0, 2),
+    turn_hold=0.25,
+    time_steps=(0.0, 0.1, 0.2, 0.5, 1.0, 3.0),
+).TestCase
+TestSoakTurnHoldAging.settings = _TENFOLD
+
+TestSoakFractionalShares = broker_machine(
+    PoolConfig(
+        size=7,
+        fast_reserve=2,
+        unknown_share=0.45,
+        memory_budget=1000,
+        max_slots={"a": 0, "b": 3, "c": 0},
+        priority_aging=2.0,
+    ),
+    priorities=(-1, 0, 1, 2),
+).TestCase
+TestSoakFractionalShares.settings = _TENFOLD
+
+TestSoakBookAging = book_machine(priorities=(-2, -1, 0, 2, 5), aging=1.0).TestCase
+TestSoakBookAging.settings = _TENFOLD
+
+TestSoakAdmission = admission_machine(
+    AdmissionConfig(cpus=1, odd_reserve=2, max_in_flight=9, adapt_interval=0.5)
+).TestCase
+TestSoakAdmission.settings = _TENFOLD
+
+TestSoakClientTimers = client_timers_machine(
+    connect_timeout=0.7, grow_interval=0.3, retry_tick=0.1
+).TestCase
+TestSoakClientTimers.settings = _TENFOLD
 
 
 async def _client(

@@ -10,7 +10,13 @@ what its rules say:
 Growth (:meth:`ConnectionPool.grow`). While jobs see no offer at all, each
 address that is not *covered* and has no dial in progress opens one more
 connection, at most one every ``pool_grow_interval``, at most ``pool_max`` in
-all.
+all. An address that grew at ``t`` may grow again from ``t +
+pool_grow_interval`` on, that sum being both the growth timer's instant and
+what ``now`` is compared with (``now - t < pool_grow_interval`` can be true at
+that very instant in floating point, and the timer would fire for ever without
+growing). A dial that fails and a connection lost do not make the address grow
+sooner: the interval counts from the last growth, whatever became of its dial
+(the lost connection itself is dialled again by the back-off below).
 
 Balanced and covered. An address is *balanced* (it fronts a fleet) once a
 ``HELLO.addr`` through it differed from the socket's peer address
@@ -253,8 +259,8 @@ class ConnectionPool:
                 continue
             if any(self.conns[c].state != "ready" for c in address.conns):
                 continue  # a dial is in progress: let it land first
-            if now - address.last_grow < config.pool_grow_interval:
-                later = address.last_grow + config.pool_grow_interval
+            later = address.last_grow + config.pool_grow_interval
+            if now < later:  # the instant the timer asks for, compared as that sum
                 wake = later if wake is None else min(wake, later)
                 continue
             address.last_grow = now

@@ -35,7 +35,11 @@ to what the execservers absorb. The rules:
    lower nothing. Once per ``adapt_interval``, when the fewest jobs seen waiting
    since the last adjustment (the ones that stayed queued through it, the mirror
    of ``idle``) exceed ``cpus``, the accumulated rise drops by one, down to 0:
-   the admission falls step by step for as long as jobs stay queued. A claimed
+   the admission falls step by step for as long as jobs stay queued.
+   Intervals start at the first observation after one ends (each adjustment
+   judges the observations since the last one, this one included); while no
+   execserver offers a slot the rise is 0 and the count starts over, the
+   observations of that time counting towards the first interval after. A claimed
    item reaches its slot only after its input is fetched, so the jobs that
    queue now were admitted seconds ago and arrive in bursts; dropping the rise
    by every waiting job at once throws it away on one burst, and the admission

@@ -37,14 +37,28 @@ X is *owed the turn* at the job's priority P, that is when all of these hold:
 * some connection has wants parked at P (the hold arbitrates between connections
   of one priority only: a slot is never held against lower priorities alone);
 * every connection with wants parked at P has been granted a slot at P after
-  X's job was, and none of them waits for its first grant since it joined the
-  rotation (:meth:`WantBook.turn_comes_first`: its place comes from a grant).
+  X's *latest* grant at P, and none of them waits for its first grant since it
+  joined the rotation (:meth:`WantBook.turn_comes_first`: its place comes from
+  a grant).
+
+X's latest grant at P, not the grant of the job that ended: with several jobs
+at P, X's place in the rotation is the one its last grant gave it. A connection
+whose older job ends after the rotation served it again is not owed the turn
+(were it held a slot too, a waiting connection would be passed over twice
+between two of its own turns). The book keeps each connection's latest grant
+per priority (:meth:`WantBook.last_grant`) from its first grant there until it
+closes (:meth:`WantBook.remove_connection`), whether or not it still has wants
+there: one number per priority a connection was ever granted at.
 
 A connection holds at most one slot this way. X's next ``WANT`` ends the hold:
 when it is of priority P or above and fits, it is granted at once
 (:meth:`WantBook.grant`), outside the rotation (X keeps its turn); otherwise the
 rule runs as usual. A want parked above P by anyone, the end of ``turn_hold``,
-X closing and draining end the hold too, and the rule runs. So a held slot never
+X closing and draining end the hold too, and the rule runs. So does aging:
+a want lifted above P (by anyone) or a want of X lifted to P ends the hold at
+the start of the input that applies the lift, before the input itself (so X's
+next ``WANT`` never takes a held slot over a want aged above it, nor over X's
+own older want at its priority). So a held slot never
 goes to a lower priority than a want parked while it was held (no inversion), a
 connection waiting for its first grant is never made to wait by a hold, and the
 rule stays deterministic: the hold depends only on the grant numbers the book
@@ -103,8 +117,9 @@ the number of wants:
   (a connection passed over for a long time keeps its old stamp) the level
   renumbers its connections in order: O(n) once per O(n) grants.
 * **Turn hold.** :meth:`WantBook.turn_comes_first` is O(S): the grant number of
-  the rotation's first connection (the lowest bit of the OR of its bitsets) and
-  two counts; a hold is decided once per job end, never per grant.
+  the rotation's first connection (the lowest bit of the OR of its bitsets), the
+  connection's latest grant there (a dict look-up) and two counts; a hold is
+  decided once per job end, never per grant.
 * **Aging.** One heap of the next lift of each want below its ceiling: a lift
   is an O(log n) heap step plus an O(1) unlink and park, at most
   ``ceil((c - b) / 2)`` per want, whatever the number of grants. Nothing on the
@@ -124,7 +139,8 @@ Invariants (checked by :meth:`WantBook.check_invariants`)
 * a connection is in a priority's rotation exactly when it has wants parked there,
   and its bits are set exactly for the services it has wants of;
 * the counts per level, per connection and per (service, priority) match the wants;
-* the connections whose place in a rotation came from a grant are in grant order.
+* the connections whose place in a rotation came from a grant are in grant order,
+  and that grant is their latest at that priority.
 """
 
 from __future__ import annotations
@@ -323,6 +339,8 @@ class WantBook(Generic[C]):
         self._level_heap: list[int] = []
         # aging: (due, seq, want) of wants below their ceiling (lazy removal)
         self._aging_heap: list[tuple[float, int, ParkedWant[C]]] = []
+        # conn -> priority -> the number of its latest grant there (the turn hold)
+        self._last_grants: dict[C, dict[int, int]] = {}
 
     # -- queries ---------------------------------------------------------------
 
@@ -442,6 +460,7 @@ class WantBook(Generic[C]):
         wants = self.connection_wants(conn)
         for want in wants:
             self._unlink(want)
+        self._last_grants.pop(conn, None)
         return wants
 
     def clear(self) -> list[ParkedWant[C]]:
@@ -511,16 +530,26 @@ class WantBook(Generic[C]):
             return self._highest
         return self._best_fitting_priority(fitting)
 
-    def turn_comes_first(self, conn: C, priority: int, since: int) -> bool:
-        """Whether ``conn``, last served at ``priority`` by grant ``since``, is owed the turn.
+    def last_grant(self, conn: C, priority: int) -> int | None:
+        """The number of the latest grant to ``conn`` at ``priority`` (None: never)."""
+        return self._last_grants.get(conn, {}).get(priority)
 
-        True when the connection has no want parked at ``priority``, some other
+    def has_wants(self, conn: C, priority: int) -> bool:
+        """Whether ``conn`` has a want parked at ``priority`` (its lifted one)."""
+        return priority in self._conns.get(conn, ())
+
+    def turn_comes_first(self, conn: C, priority: int) -> bool:
+        """Whether ``conn`` is owed the turn at ``priority``.
+
+        True when the connection was granted a slot there before (its latest
+        grant there is :meth:`last_grant`), has no want parked there, some other
         connection has, and every connection that has was served there after
-        grant ``since`` (none waits for a turn since it joined). See *Turn hold*
-        in the module docstring.
+        that latest grant (none waits for a turn since it joined). See *Turn
+        hold* in the module docstring.
         """
         level = self._levels.get(priority)
-        if level is None:
+        since = self.last_grant(conn, priority)
+        if level is None or since is None:
             return False
         granted = level.granted
         if conn in level.stamps or len(granted) < len(level.stamps):
@@ -604,6 +633,8 @@ class WantBook(Generic[C]):
 
         level = self._levels[priority]
         level.count -= 1
+        if granted:
+            self._last_grants.setdefault(conn, {})[priority] = self.grants
         by_prio = self._conns[conn]
         queue = by_prio[priority]
         queue.forget(want)
@@ -706,12 +737,17 @@ class WantBook(Generic[C]):
             assert served == sorted(served), "grant numbers out of rotation order"
             assert all(0 < n <= self.grants for n in served)
             assert set(level.granted) <= set(level.stamps)
+            for conn, number in level.granted.items():
+                assert self.last_grant(conn, priority) == number, "latest grant forgotten"
             assert len(level.conn_at) == len(level.stamps)
             for service, bits in level.bits.items():
                 holders = [c for c in level.stamps if service in self._conns[c][priority].counts]
                 expected_bits = sum(1 << (level.stamps[c] - level.base) for c in holders)
                 assert bits == expected_bits, f"bitset of {service!r} at {priority} is stale"
         assert not self._levels or self._highest == max(self._levels)
+        for latest in self._last_grants.values():
+            assert latest, "an empty record of latest grants"
+            assert all(0 < n <= self.grants for n in latest.values())
         for service, counts in self._svc_prio_count.items():
             for priority, count in counts.items():
                 assert count == sum(

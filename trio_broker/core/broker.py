@@ -298,7 +298,6 @@ class _Offer:
     __slots__ = (
         "conn",
         "expires_at",
-        "grant_no",
         "job_id",
         "priority",
         "reserved",
@@ -316,7 +315,6 @@ class _Offer:
         priority: int,
         expires_at: float,
         reserved: int,
-        grant_no: int,
     ) -> None:
         self.token = token
         self.conn = conn
@@ -325,7 +323,6 @@ class _Offer:
         self.priority = priority
         self.expires_at = expires_at
         self.reserved = reserved
-        self.grant_no = grant_no
         self.timer: int | None = None  # the handle of its expiry timer while armed
 
 
@@ -349,7 +346,6 @@ class _Run:
         "aborting",
         "client",
         "conn",
-        "grant_no",
         "job_id",
         "priority",
         "reserved",
@@ -371,7 +367,6 @@ class _Run:
         wait_s: float,
         client: str | None,
         priority: int,
-        grant_no: int,
     ) -> None:
         self.run_id = run_id
         self.conn = conn
@@ -382,7 +377,6 @@ class _Run:
         self.wait_s = wait_s
         self.client = client
         self.priority = priority
-        self.grant_no = grant_no
         self.aborting: str | None = None
 
 
@@ -928,7 +922,6 @@ class Broker(SansIOCore[Effect, _TimerKind]):
             wait_s=self._now - conn.wanted_at.pop(job_id, self._now),
             client=conn.register.name if conn.register else None,
             priority=offer.priority,
-            grant_no=offer.grant_no,
         )
         self._runs[run.run_id] = run
         conn.runs[job_id] = run
@@ -1027,7 +1020,6 @@ class Broker(SansIOCore[Effect, _TimerKind]):
             want.priority,
             self._now + self.config.offer_ttl,
             reserved,
-            self.book.grants,
         )
         self._offers[token] = offer
         conn.offers[want.job_id] = offer
@@ -1041,7 +1033,8 @@ class Broker(SansIOCore[Effect, _TimerKind]):
         See *Turn hold* in :mod:`trio_broker.core.book`: the connection has no
         want parked at the job's priority, no want above it is parked, a want at
         or below it would take the slot now, and every connection with wants at
-        that priority was served there after this job was.
+        that priority was served there after the connection's latest grant there
+        (not this job's: a connection served again since is not owed the turn).
         """
         hold_for = self.config.turn_hold
         if not hold_for or self.draining or conn.id in self._holds:
@@ -1052,7 +1045,7 @@ class Broker(SansIOCore[Effect, _TimerKind]):
         if highest is None or highest > priority or not pool.fits(service):
             return
         granted_at = book.fitting_priority(pool.fitting())
-        if granted_at is None or not book.turn_comes_first(conn.id, priority, run.grant_no):
+        if granted_at is None or not book.turn_comes_first(conn.id, priority):
             return
         hold = _Hold(conn.id, service, priority, pool.acquire(service), self._now + hold_for)
         self._holds[conn.id] = hold
@@ -1064,12 +1057,14 @@ class Broker(SansIOCore[Effect, _TimerKind]):
             self.pool.release(hold.service, hold.reserved)
 
     def _release_outranked_holds(self) -> None:
-        """A want parked above a held priority ends that hold (no inversion)."""
-        highest = self.book.highest()
+        """A want parked above a held priority ends that hold (no inversion), and so
+        does a want of the holder itself at that priority (lifted there by aging)."""
+        book = self.book
+        highest = book.highest()
         if highest is None:
             return
         for conn_id, hold in list(self._holds.items()):
-            if hold.priority < highest:
+            if hold.priority < highest or book.has_wants(conn_id, hold.priority):
                 self._release_hold(conn_id)
 
     def _forget_offer(self, offer: _Offer) -> None:
@@ -1299,8 +1294,10 @@ class Broker(SansIOCore[Effect, _TimerKind]):
     def _enter(self, now: float) -> None:
         self._advance(now)
         self._roll_seconds(now)
-        if self.book.aging is not None:
-            self.book.age(now)
+        if self.book.aging is not None and self.book.age(now) and self._holds:
+            # a lift above a held priority, or of the holder's own want to it,
+            # ends the hold before the input runs (Turn hold, core/book.py)
+            self._release_outranked_holds()
 
     def _leave(self) -> None:
         """After every input: grant, track idle, spread HELLO changes."""
@@ -1351,6 +1348,7 @@ class Broker(SansIOCore[Effect, _TimerKind]):
         for conn_id, hold in self._holds.items():
             assert conn_id in self._conns, "hold of a closed connection"
             assert highest is None or highest <= hold.priority, "a hold outranked"
+            assert not self.book.has_wants(conn_id, hold.priority), "a hold beside its wants"
             assert not self.draining
         for service, stats in pool.services.items():
             held = (

@@ -34,9 +34,12 @@ execservers, or is full), probing jobs fail with ``unknown_service``. Without a
 balanced address, :meth:`~ClientCore.submit` answers ``unknown_service`` at once.
 
 Give-ups. A job with no slot after ``connect_timeout`` is unwanted everywhere
-and fails with ``no_slot``. :meth:`~ClientCore.submit` fails at once with
-``no_execserver`` when no connection is ready (or all drain), and every waiting
-job fails so at once when the last ready, non-draining connection goes: its
+and fails with ``no_slot``. The deadline is ``connect_timeout`` after
+:meth:`~ClientCore.submit` and never moves: a refused ``JOB`` (the job waits
+again) keeps it, so a job refused past its deadline fails at once.
+:meth:`~ClientCore.submit` fails at once with ``no_execserver`` when no
+connection is ready (or all drain), and every waiting job fails so at once
+when the last ready, non-draining connection goes: its
 caller can requeue it rather than wait out ``connect_timeout``. A job whose
 connection dropped after its ``JOB`` was sent fails with ``lost``: the execserver
 stopped it and its receipt will never come.

@@ -14,6 +14,16 @@ invariants after every step, the bound of *Aging* in :mod:`trio_broker.core.book
     number of connections and ``m`` the number of X's wants still parked that
     reached ``c`` no later than W (they go first, FIFO).
 
+And on every grant, FIFO within the connection through the lifts (closed form,
+from the rule of *Aging*, not from the book): the offered want W of X has the
+highest priority among X's parked wants now, and among those at that priority
+it arrived there first. A want parked at ``b`` at ``t0`` stands, at ``now``, at
+``b + 2k`` with ``k`` the lifts due by then (``t0 + j * I <= now``, at most to
+the top band), having arrived there at ``t0 + k * I``; arrivals at one instant
+are ordered lifts first (they apply at the start of the input that parks), then
+by how the two wants arrived at the priority before, back to the order X
+parked them. So two wants of one connection that age together keep their order.
+
 Use it as::
 
     from trio_broker.testing.aging import aging_machine
@@ -65,6 +75,27 @@ class AgingMachine(RuleBasedStateMachine):
         self.granted: list[int] = []  # the connection of every offer, in order
         self.offers: list[tuple[int, str, str]] = []
         self.running: list[int] = []
+        # (conn, job_id) -> (base, parked at, arrival number), for the FIFO check
+        self.parks: dict[tuple[int, str], tuple[int, float, int]] = {}
+        self.arrivals = itertools.count()
+
+    def _standing(self, key: tuple[int, str]) -> tuple[int, tuple[object, ...]]:
+        """A parked want's priority now and its place in its connection's FIFO there."""
+        base, parked_at, arrival = self.parks[key]
+        lifts = max(0, math.ceil((aging_ceiling(base) - base) / 2))
+        k = sum(1 for j in range(1, lifts + 1) if parked_at + j * self.interval <= self.now)
+        entries = tuple((parked_at + j * self.interval, 0) for j in range(k, 0, -1))
+        return base + 2 * k, (*entries, (parked_at, 1), arrival)
+
+    def _check_fifo(self, key: tuple[int, str]) -> None:
+        priority, place = self._standing(key)
+        for other in self.parked:
+            if other[0] != key[0] or other == key:
+                continue
+            other_priority, other_place = self._standing(other)
+            assert other_priority <= priority, f"{key} at {priority} before {other}"
+            if other_priority == priority:
+                assert place < other_place, f"FIFO broken at {priority}: {key} before {other}"
 
     def _reach(self) -> None:
         """Note the wants that reached their ceiling by now (before this input runs)."""
@@ -83,6 +114,8 @@ class AgingMachine(RuleBasedStateMachine):
                 continue
             key = (conn, message.job_id)
             del self.parked[key]
+            self._check_fifo(key)
+            del self.parks[key]
             if key in self.reached:
                 self._check_bound(key)
                 del self.reached[key]
@@ -112,6 +145,7 @@ class AgingMachine(RuleBasedStateMachine):
             job_id = f"j{next(self.jobs)}"
             climb = max(0, math.ceil((aging_ceiling(base) - base) / 2))
             self.parked[(conn, job_id)] = self.now + climb * self.interval
+            self.parks[(conn, job_id)] = (base, self.now, next(self.arrivals))
             self._input(conn, p.Want(job_id=job_id, service="s", priority=base))
 
     @precondition(lambda self: self.parked)
@@ -119,6 +153,7 @@ class AgingMachine(RuleBasedStateMachine):
     def unwant(self, data: st.DataObject) -> None:
         conn, job_id = data.draw(st.sampled_from(sorted(self.parked)))
         del self.parked[(conn, job_id)]
+        del self.parks[(conn, job_id)]
         self.reached.pop((conn, job_id), None)
         self._input(conn, p.Unwant(job_id=job_id))
 

@@ -41,18 +41,47 @@ class BookModel:
     rotation: dict[int, list[int]] = field(default_factory=dict)
     # priority -> connection -> the grant that put it where it is in the rotation
     served: dict[int, dict[int, int]] = field(default_factory=dict)
+    # (connection, priority) -> its latest grant there, until it closes
+    latest: dict[tuple[int, int], int] = field(default_factory=dict)
     grants: int = 0
     seq: int = 0
+    aging: float | None = None
+    # (connection, job_id) -> (base priority, when it was parked), for aging
+    parked: dict[tuple[int, str], tuple[int, float]] = field(default_factory=dict)
 
     def holds(self, conn: int, priority: int) -> bool:
         return any(w[0] == conn and w[3] == priority for w in self.wants)
 
-    def add(self, conn: int, job_id: str, service: str, priority: int) -> None:
+    def add(self, conn: int, job_id: str, service: str, priority: int, now: float = 0.0) -> None:
+        self.parked[(conn, job_id)] = (priority, now)
+        self._append(conn, job_id, service, priority)
+
+    def _append(self, conn: int, job_id: str, service: str, priority: int) -> None:
         if not self.holds(conn, priority):
             self.rotation.setdefault(priority, []).append(conn)
             self.served.setdefault(priority, {})
         self.seq += 1
         self.wants.append((conn, job_id, service, priority, self.seq))
+
+    def age(self, now: float) -> int:
+        """Apply every lift due by ``now``, earliest due first (then arrival)."""
+        if self.aging is None:
+            return 0
+        lifted = 0
+        while True:
+            due = []
+            for want in self.wants:
+                base, parked_at = self.parked[want[:2]]
+                if want[3] < 4 + (base & 1):  # below the top band (its odd variant: 5)
+                    at = parked_at + ((want[3] - base) // 2 + 1) * self.aging
+                    if at <= now:
+                        due.append((at, want[4], want))
+            if not due:
+                return lifted
+            _, _, want = min(due)
+            self._take(want, granted=False)
+            self._append(want[0], want[1], want[2], want[3] + 2)
+            lifted += 1
 
     def _take(self, want: _Want, *, granted: bool) -> None:
         conn, priority = want[0], want[3]
@@ -60,6 +89,7 @@ class BookModel:
         rotation = self.rotation[priority]
         if granted:
             self.grants += 1
+            self.latest[(conn, priority)] = self.grants
         if not self.holds(conn, priority):
             rotation.remove(conn)
             self.served[priority].pop(conn, None)
@@ -114,14 +144,21 @@ class BookModel:
     def fitting_priority(self, fitting: set[str]) -> int | None:
         return max((w[3] for w in self.wants if w[2] in fitting), default=None)
 
-    def turn_comes_first(self, conn: int, priority: int, since: int) -> bool:
+    def turn_comes_first(self, conn: int, priority: int) -> bool:
         waiting = self.rotation.get(priority, [])
         served = self.served.get(priority, {})
+        since = self.latest.get((conn, priority))
         return (
-            bool(waiting)
+            since is not None
+            and bool(waiting)
             and conn not in waiting
             and all(c in served and served[c] > since for c in waiting)
         )
+
+    def close(self, conn: int) -> None:
+        for want in [w for w in self.wants if w[0] == conn]:
+            self._take(want, granted=False)
+        self.latest = {k: n for k, n in self.latest.items() if k[0] != conn}
 
 
 class BookMachine(RuleBasedStateMachine):
@@ -131,12 +168,23 @@ class BookMachine(RuleBasedStateMachine):
     priorities: ClassVar[tuple[int, ...]] = (-1, 0, 2)
     connections: ClassVar[int] = 4
     job_ids: ClassVar[tuple[str, ...]] = ("j1", "j2", "j3", "j4", "j5")
+    aging: ClassVar[float | None] = None
 
     def __init__(self) -> None:
         super().__init__()
-        self.book: WantBook[int] = WantBook()
-        self.model = BookModel()
+        self.book: WantBook[int] = WantBook(aging=self.aging)
+        self.model = BookModel(aging=self.aging)
         self.fresh = itertools.count()
+        self.now = 0.0
+
+    @precondition(lambda self: self.aging is not None)
+    @rule(data=st.data())
+    def advance(self, data: st.DataObject) -> None:
+        """Time passes (a fraction or a few aging intervals); due lifts apply."""
+        assert self.aging is not None
+        step = data.draw(st.sampled_from([0.0, 0.25, 0.5, 1.0, 2.0]), label="intervals")
+        self.now += step * self.aging
+        assert self.book.age(self.now) == self.model.age(self.now)
 
     @staticmethod
     def _shape(want: Any) -> _Want | None:
@@ -161,8 +209,8 @@ class BookMachine(RuleBasedStateMachine):
                 except ValueError:
                     continue
                 raise AssertionError("a duplicate job_id was parked")
-            self.book.add(conn, job, service, priority)
-            self.model.add(conn, job, service, priority)
+            self.book.add(conn, job, service, priority, now=self.now)
+            self.model.add(conn, job, service, priority, self.now)
 
     @rule(data=st.data())
     def burst(self, data: st.DataObject) -> None:
@@ -175,8 +223,8 @@ class BookMachine(RuleBasedStateMachine):
         priority = self.draw(data, self.priorities)
         for service in data.draw(st.permutations(self.services)):
             job = f"b-{next(self.fresh)}"
-            self.book.add(conn, job, service, priority)
-            self.model.add(conn, job, service, priority)
+            self.book.add(conn, job, service, priority, now=self.now)
+            self.model.add(conn, job, service, priority, self.now)
 
     @rule(data=st.data())
     def pick_all_but_one(self, data: st.DataObject) -> None:
@@ -203,8 +251,7 @@ class BookMachine(RuleBasedStateMachine):
         expected.sort(key=lambda w: (-w[3], w[4]))
         got = [self._shape(w) for w in self.book.remove_connection(conn)]
         assert got == expected, f"{got} != {expected}"
-        for want in expected:
-            self.model.remove(want[0], want[1])
+        self.model.close(conn)
 
     def fitting(self, data: st.DataObject) -> set[str]:
         return data.draw(st.sets(st.sampled_from(self.services)))
@@ -232,7 +279,7 @@ class BookMachine(RuleBasedStateMachine):
             return
         got = sorted(w.seq for w in self.book.clear())
         assert got == sorted(w[4] for w in self.model.wants)
-        self.model = BookModel()
+        self.model = BookModel(aging=self.aging)
         assert self.book.grants == 0
 
     @invariant()
@@ -247,6 +294,7 @@ class BookMachine(RuleBasedStateMachine):
             parked = book.get(want[0], want[1])
             assert self._shape(parked) == want
             assert parked is not None
+            assert (parked.base, parked.parked_at) == model.parked[want[:2]]
             assert book.ahead_of(parked) == model.ahead(want)
         for conn in range(self.connections):
             mine = sorted((w for w in model.wants if w[0] == conn), key=lambda w: (-w[3], w[4]))
@@ -257,13 +305,13 @@ class BookMachine(RuleBasedStateMachine):
         fitting = self.fitting(data)
         assert self.book.fitting_priority(fitting) == self.model.fitting_priority(fitting)
 
-    @rule(data=st.data(), back=st.integers(0, 6))
-    def query_turn(self, data: st.DataObject, back: int) -> None:
+    @rule(data=st.data())
+    def query_turn(self, data: st.DataObject) -> None:
         conn = self.draw(data, range(self.connections))
         priority = self.draw(data, self.priorities)
-        since = max(0, self.model.grants - back)
-        got = self.book.turn_comes_first(conn, priority, since)
-        assert got == self.model.turn_comes_first(conn, priority, since)
+        assert self.book.last_grant(conn, priority) == self.model.latest.get((conn, priority))
+        got = self.book.turn_comes_first(conn, priority)
+        assert got == self.model.turn_comes_first(conn, priority)
 
 
 def book_machine(
@@ -271,12 +319,24 @@ def book_machine(
     services: tuple[str, ...] = ("a", "b", "c"),
     priorities: tuple[int, ...] = (-1, 0, 2),
     connections: int = 4,
+    aging: float | None = None,
 ) -> type[BookMachine]:
-    """A :class:`BookMachine` over these services, priorities and connections."""
+    """A :class:`BookMachine` over these services, priorities and connections.
+
+    With ``aging`` (seconds per band), time passes by fractions and multiples of
+    it between the other steps and every due lift applies, as the broker does
+    at each input: every pick, rotation, position and FIFO order is then
+    checked at the lifted priorities (a lifted want is a new arrival there).
+    """
     if connections < 1 or not services or not priorities:
         raise ValueError("book_machine needs a connection, a service and a priority")
     return type(
         "ConfiguredBookMachine",
         (BookMachine,),
-        {"services": services, "priorities": priorities, "connections": connections},
+        {
+            "services": services,
+            "priorities": priorities,
+            "connections": connections,
+            "aging": aging,
+        },
     )

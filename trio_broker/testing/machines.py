@@ -31,9 +31,15 @@ frames, draining — and after every step checks that:
 6. every token is redeemed at most once, and expiry, DECLINE, UNWANT, CANCEL and
    close never leak or double-count a slot;
 7. a closed connection leaves no want, offer or token behind;
+8. each service's reported capacity (``POSITION``, ``STATS``) is the number of
+   its slots the reference admits into an idle pool, so a fractional
+   ``unknown_share`` rounds the same way in what is said and what is done;
 
 and that both implementations sent exactly the same frames and effects (ignoring
-``HELLO``, ``PING`` and ``PONG`` timing and ``ERROR`` wording).
+``HELLO``, ``PING`` and ``PONG`` timing and ``ERROR`` wording). The reference
+also models the turn hold and ``priority_aging``, so pools that age are checked
+the same way: every grant at the lifted priority, FIFO by arrival at it, every
+hold (for whom, at which priority, until when) frame for frame.
 
 :func:`round_robin_machine` checks the fairness promise itself on a trace:
 among connections continuously backlogged at one priority, grant counts over any
@@ -72,10 +78,13 @@ from trio_broker.testing.values import receipt as make_receipt
 
 __all__ = [
     "BrokerMachine",
+    "DifferentialMachine",
     "RoundRobinMachine",
+    "TurnHoldMachine",
     "broker_machine",
     "check_pick",
     "round_robin_machine",
+    "turn_hold_machine",
     "watch_picks",
 ]
 
@@ -198,8 +207,11 @@ def _comparable(
     return kept, normal
 
 
-class BrokerMachine(RuleBasedStateMachine):
-    """The differential model check; subclass via :func:`broker_machine`."""
+class DifferentialMachine(RuleBasedStateMachine):
+    """The real broker and the reference driven alike, compared after every step.
+
+    Rules come from subclasses: :class:`BrokerMachine`, :class:`TurnHoldMachine`.
+    """
 
     pool_config: ClassVar[PoolConfig] = PoolConfig(
         size=3, fast_reserve=1, heavy_threshold=10.0, max_slots={"light": 0, "heavy": 2}
@@ -211,6 +223,7 @@ class BrokerMachine(RuleBasedStateMachine):
     turn_hold: ClassVar[float] = 0.25
     durations: ClassVar[tuple[float, ...]] = (0.5, 30.0)
     peaks: ClassVar[tuple[int | None, ...]] = (None, 100, 600)
+    time_steps: ClassVar[tuple[float, ...]] = (0.0, 0.5, 1.0, 3.0, 6.0)
 
     def __init__(self) -> None:
         super().__init__()
@@ -243,8 +256,6 @@ class BrokerMachine(RuleBasedStateMachine):
         self.used_tokens: set[str] = set()
         self.runs: dict[int, tuple[int, str]] = {}  # run_id -> conn, job_id
         self.parked: dict[tuple[int, str], tuple[str, int]] = {}  # (conn, job) -> service, prio
-        self.arrivals = itertools.count()
-        self.arrival: dict[tuple[int, str], int] = {}
         self.services = (*self.pool_config.max_slots, "unoffered")
 
     # -- plumbing -----------------------------------------------------------------
@@ -270,18 +281,21 @@ class BrokerMachine(RuleBasedStateMachine):
         for conn, message in frames:
             if isinstance(message, p.Offer):
                 key = (conn, message.job_id)
-                service, priority = self.parked.pop(key)
+                service, _ = self.parked.pop(key)
                 # (3) and (5), checked on what the real broker did: among wants of
                 # the same service (which fit or not together), none of higher
                 # priority and none older on this connection and priority waits.
-                for (other_conn, job_id), (svc, prio) in self.parked.items():
-                    if svc != service:
+                # Priorities and arrivals are the reference's: aging lifts a want
+                # and makes it a new arrival at its new priority.
+                granted = next(w for w in reversed(self.ref.grants) if (w.conn, w.job_id) == key)
+                for other in self.ref.book:
+                    if other.service != service:
                         continue
-                    assert prio <= priority, f"{key} offered over higher priority {job_id}"
-                    if other_conn == conn and prio == priority:
-                        assert self.arrival[(other_conn, job_id)] > self.arrival[key], (
-                            f"FIFO broken: {key} offered before {job_id}"
-                        )
+                    assert other.priority <= granted.priority, (
+                        f"{key} offered at {granted.priority} over {other}"
+                    )
+                    if other.conn == conn and other.priority == granted.priority:
+                        assert other.seq > granted.seq, f"FIFO broken: {key} offered before {other}"
                 assert message.token not in self.offers
                 assert message.token not in self.used_tokens, "token issued twice"
                 self.offers[message.token] = (conn, message.job_id, service)
@@ -335,7 +349,6 @@ class BrokerMachine(RuleBasedStateMachine):
         if tentative:
             # parked before the step so that an immediate OFFER finds it
             self.parked[key] = (service, priority)
-            self.arrival[key] = next(self.arrivals)
         self._receive(conn, p.Want(job_id=job_id, service=service, priority=priority))
         if tentative and key in self.parked and self.real.book.get(conn, job_id) is None:
             del self.parked[key]  # refused: duplicate, unknown service, draining...
@@ -352,6 +365,23 @@ class BrokerMachine(RuleBasedStateMachine):
             lambda: self.real.job_ended(run_id, receipt, now=self.now),
             lambda: self.ref.job_ended(run_id, receipt, self.now),
         )
+
+    # -- invariants ----------------------------------------------------------------------
+
+    @invariant()
+    def consistent(self) -> None:
+        self.real.check_invariants()
+        self.ref.check()
+        assert self.real.pool.busy == len(self.ref.busy())
+        assert len(self.real.book) == len(self.ref.book)
+        # what the broker reports (POSITION, STATS) is what it admits
+        for snapshot in self.real.statistics().services:
+            admitted = self.ref.admitted(snapshot.name)
+            assert snapshot.capacity == admitted, f"{snapshot} reported, {admitted} admitted"
+
+
+class BrokerMachine(DifferentialMachine):
+    """The differential model check; subclass via :func:`broker_machine`."""
 
     # -- rules ------------------------------------------------------------------------
 
@@ -514,9 +544,9 @@ class BrokerMachine(RuleBasedStateMachine):
         for run_id in runs:
             self._end(run_id, status, duration, data.draw(st.sampled_from(self.peaks)))
 
-    @rule(dt=st.sampled_from([0.0, 0.5, 1.0, 3.0, 6.0]))
-    def advance(self, dt: float) -> None:
-        self.now += dt
+    @rule(data=st.data())
+    def advance(self, data: st.DataObject) -> None:
+        self.now += data.draw(st.sampled_from(self.time_steps), label="dt")
         self.step(lambda: self.real.tick(now=self.now), lambda: self.ref.tick(self.now))
 
     @precondition(lambda self: self.open)
@@ -540,15 +570,6 @@ class BrokerMachine(RuleBasedStateMachine):
     def stop(self) -> None:
         self.step(lambda: self.real.stop(now=self.now), lambda: self.ref.stop(self.now))
 
-    # -- invariants ----------------------------------------------------------------------
-
-    @invariant()
-    def consistent(self) -> None:
-        self.real.check_invariants()
-        self.ref.check()
-        assert self.real.pool.busy == len(self.ref.busy())
-        assert len(self.real.book) == len(self.ref.book)
-
 
 def broker_machine(
     pool: PoolConfig,
@@ -558,6 +579,8 @@ def broker_machine(
     offer_ttl: float = 5.0,
     durations: tuple[float, ...] | None = None,
     peaks: tuple[int | None, ...] | None = None,
+    turn_hold: float = 0.25,
+    time_steps: tuple[float, ...] = (0.0, 0.5, 1.0, 3.0, 6.0),
 ) -> type[BrokerMachine]:
     """A :class:`BrokerMachine` for this pool configuration.
 
@@ -569,18 +592,14 @@ def broker_machine(
         durations: job runtimes to draw from; by default one light and one heavy.
         peaks: memory peaks to draw from; by default None and two sizes around
             the memory budget when one is set.
+        turn_hold: the broker's ``turn_hold`` (0: none).
+        time_steps: how far the clock may move in one step. With
+            ``priority_aging`` set, steps shorter than ``turn_hold`` let a lift
+            fall due while a slot is held.
 
     Returns:
         A state machine class; run it with ``.TestCase`` under pytest/unittest.
-
-    Raises:
-        ValueError: the pool ages priorities (see :func:`~trio_broker.testing.aging.aging_machine`).
     """
-    if pool.priority_aging is not None:
-        raise ValueError(
-            "the reference broker does not model priority_aging: check it with"
-            " trio_broker.testing.aging.aging_machine"
-        )
     threshold = pool.heavy_threshold
     budget = pool.memory_budget
     attributes: dict[str, Any] = {
@@ -588,10 +607,123 @@ def broker_machine(
         "priorities": priorities,
         "job_ids": job_ids,
         "offer_ttl": offer_ttl,
+        "turn_hold": turn_hold,
+        "time_steps": time_steps,
         "durations": durations or (threshold / 10, threshold * 3),
         "peaks": peaks or ((None, budget // 3, budget // 2 + 1) if budget else (None, 100)),
     }
     return type("ConfiguredBrokerMachine", (BrokerMachine,), attributes)
+
+
+# -- the turn hold across priorities and with aging ------------------------------------
+
+
+class TurnHoldMachine(DifferentialMachine):
+    """The turn hold as clients meet it, against the reference, frame for frame.
+
+    Connections behave as the library's clients do: every ``OFFER`` is
+    redeemed at once, and when a job ends its connection often parks its next
+    want of the same service and priority at once (a client with jobs in
+    flight). Connections park several wants at several priorities, so they
+    hold several slots at once and are served by the rotation while older jobs
+    still run; jobs end in any order; time moves by less than the hold and by
+    more, and, with ``priority_aging``, lifts fall due while slots are held.
+    So the reference decides every hold (for whom, at which priority, until
+    when, and what ends it) and every grant at the lifted priority, and the
+    real broker must agree with each.
+    """
+
+    connection_count: ClassVar[int] = 3
+    time_steps: ClassVar[tuple[float, ...]] = (0.0, 0.1, 0.3, 1.0)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.jobs = itertools.count()
+        self.kinds: dict[tuple[int, str], tuple[str, int]] = {}  # (conn, job) -> service, base
+
+    def _redeem_all(self) -> None:
+        for token in sorted(self.offers):
+            if token in self.offers:
+                conn, job_id, service = self.offers[token]
+                self._receive(
+                    conn, p.Job(job_id=job_id, token=token, service=service, subject=None, job={})
+                )
+
+    def _next(self, conn: int, service: str, priority: int) -> None:
+        job_id = f"j{next(self.jobs)}"
+        self.kinds[(conn, job_id)] = (service, priority)
+        self._want(conn, job_id, service, priority)
+
+    @initialize()
+    def start(self) -> None:
+        self.real.frames_to_send()
+        self.real.effects()
+        for _ in range(self.connection_count):
+            self._open(register=True, callback=False)
+
+    @rule(data=st.data(), count=st.integers(1, 3))
+    def want(self, data: st.DataObject, count: int) -> None:
+        conn = self.pick(data, self.open)
+        service = self.pick(data, list(self.pool_config.max_slots))
+        priority = self.pick(data, list(self.priorities))
+        for _ in range(count):
+            self._next(conn, service, priority)
+        self._redeem_all()
+
+    @precondition(lambda self: self.runs)
+    @rule(data=st.data(), refill=st.booleans())
+    def end(self, data: st.DataObject, refill: bool) -> None:
+        """A job ends (any of them); its connection may park its next want at once."""
+        run_id = self.pick(data, sorted(self.runs))
+        conn, job_id = self.runs[run_id]
+        self._end(run_id, "ok", self.durations[0], None)
+        if refill and conn in self.open:
+            self._next(conn, *self.kinds[(conn, job_id)])
+        self._redeem_all()
+
+    @precondition(lambda self: self.parked)
+    @rule(data=st.data())
+    def unwant(self, data: st.DataObject) -> None:
+        conn, job_id = self.pick(data, sorted(self.parked))
+        self._receive(conn, p.Unwant(job_id=job_id))
+        self._forget(conn, job_id)
+        self._redeem_all()
+
+    @rule(data=st.data())
+    def advance(self, data: st.DataObject) -> None:
+        """Time passes; the broker is woken only when it asks to be (aging arms no
+        timer, so a lift may fall due with no input until the next WANT or end)."""
+        self.now += data.draw(st.sampled_from(self.time_steps), label="dt")
+        due = self.real.next_deadline()
+        if due is not None and due <= self.now:
+            self.step(lambda: self.real.tick(now=self.now), lambda: self.ref.tick(self.now))
+        self._redeem_all()
+
+
+def turn_hold_machine(
+    pool: PoolConfig,
+    *,
+    connections: int = 3,
+    priorities: tuple[int, ...] = (0, 2),
+    turn_hold: float = 0.25,
+    time_steps: tuple[float, ...] = (0.0, 0.1, 0.3, 1.0),
+) -> type[TurnHoldMachine]:
+    """A :class:`TurnHoldMachine` for this pool (services are its ``max_slots`` keys).
+
+    Raises:
+        ValueError: fewer than two connections or no turn hold (nothing to check).
+    """
+    if connections < 2 or not turn_hold > 0:
+        raise ValueError("turn_hold_machine needs two connections and a positive turn_hold")
+    attributes: dict[str, Any] = {
+        "pool_config": pool,
+        "connection_count": connections,
+        "priorities": priorities,
+        "turn_hold": turn_hold,
+        "time_steps": time_steps,
+        "durations": (pool.heavy_threshold / 10,),
+    }
+    return type("ConfiguredTurnHoldMachine", (TurnHoldMachine,), attributes)
 
 
 # -- round-robin fairness on a trace ----------------------------------------------------

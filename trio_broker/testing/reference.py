@@ -9,7 +9,8 @@ points at a bug in one of them.
 
 It covers everything that decides who gets a slot: registration, WANT / QUEUED /
 OFFER / JOB / DECLINE / UNWANT / CANCEL / QUERY, every ERROR code, offer expiry,
-job ends with classification and memory footprints, closing connections and
+job ends with classification and memory footprints, the turn hold, priority
+aging (each lift found by scanning every want), closing connections and
 draining. It does not model ``HELLO`` timing or liveness (``PING``/``PONG`` and
 ``ping_timeout``): comparisons skip those frames, and the state machines that use
 this model keep ``ping_timeout`` out of reach. Those rules have their own tests.
@@ -44,6 +45,8 @@ class _Want:
     service: str
     priority: int
     seq: int
+    base: int = 0
+    parked_at: float = 0.0
 
 
 @dataclass
@@ -61,7 +64,6 @@ class _Held:
     aborting: str | None = None
     orphan: bool = False
     priority: int = 0
-    grant_no: int = 0
 
 
 @dataclass
@@ -98,6 +100,8 @@ class ReferenceBroker:
     # priority -> connection -> number of the grant that put it where it is in
     # the rotation (connections that joined and were not served since: absent)
     served: dict[int, dict[int, int]] = field(default_factory=dict)
+    # (connection, priority) -> the number of its latest grant there, until it closes
+    last_grant: dict[tuple[int, int], int] = field(default_factory=dict)
     held: list[_Held] = field(default_factory=list)
     holds: list[_Hold] = field(default_factory=list)
     grant_count: int = 0
@@ -136,9 +140,10 @@ class ReferenceBroker:
         """Every busy slot: offers, running jobs and turn holds."""
         return [*self.held, *self.holds]
 
-    def fits(self, service: str) -> bool:
+    def fits(self, service: str, slots: list[Any] | None = None) -> bool:
+        """Whether one more slot of ``service`` fits beside ``slots`` (the busy ones)."""
         pool = self.pool
-        slots = self.busy()
+        slots = self.busy() if slots is None else slots
         busy = len(slots)
         if busy >= pool.size:
             return False
@@ -161,6 +166,15 @@ class ReferenceBroker:
             and reserved + footprint > pool.memory_budget
         )
 
+    def admitted(self, service: str) -> int:
+        """How many slots of ``service`` an idle pool admits, one after another, as
+        classified now (memory aside: it is no static limit). ``capacity`` must say
+        the same: the broker reports what it admits, rounding included."""
+        slots: list[Any] = []
+        while self.fits(service, slots):
+            slots.append(_Hold(conn=0, service=service, priority=0, reserved=0, expires_at=0.0))
+        return len(slots)
+
     def capacity(self, service: str) -> int:
         pool = self.pool
         limits = [pool.size]
@@ -172,6 +186,39 @@ class ReferenceBroker:
         if kind == "unknown":
             limits.append(max(1, math.floor(pool.unknown_share * pool.size)))
         return min(limits)
+
+    # -- aging, by scanning ---------------------------------------------------------
+
+    def _enter(self, now: float) -> None:
+        """The start of every input: time passes, due lifts apply, holds they outrank end."""
+        self.now = now
+        interval = self.pool.priority_aging
+        if interval is None:
+            return
+        while True:
+            # the next lift due by now: earliest due time, then earliest arrival
+            due = [
+                (w.parked_at + ((w.priority - w.base) // 2 + 1) * interval, w.seq, w)
+                for w in self.book
+                if w.priority < 4 + (w.base & 1)  # the top band, keeping the odd variant
+            ]
+            due = [entry for entry in due if entry[0] <= now]
+            if not due:
+                break
+            _, _, want = min(due, key=lambda entry: entry[:2])
+            self.unpark(want)
+            self._seq += 1
+            want.priority += 2
+            want.seq = self._seq
+            self.park(want)
+        if self.book:
+            top = max(w.priority for w in self.book)
+            self.holds = [
+                h
+                for h in self.holds
+                if h.priority >= top
+                and not any(w.conn == h.conn and w.priority == h.priority for w in self.book)
+            ]
 
     # -- the grant rule, by scanning --------------------------------------------
 
@@ -204,6 +251,7 @@ class ReferenceBroker:
         """Grant a parked want: it leaves the book, its connection the rotation's place."""
         top = chosen.priority
         self.grant_count += 1
+        self.last_grant[(chosen.conn, top)] = self.grant_count
         self.book.remove(chosen)
         rot = self.rotation[top]
         rot.remove(chosen.conn)
@@ -226,7 +274,6 @@ class ReferenceBroker:
                 token=token,
                 expires_at=self.now + self.offer_ttl,
                 priority=chosen.priority,
-                grant_no=self.grant_count,
             )
         )
         self.grants.append(chosen)
@@ -245,8 +292,10 @@ class ReferenceBroker:
         if not waiting or conn in waiting:
             return
         served = self.served.get(priority, {})
-        # every connection waiting there was served there after this job was
-        if any(c not in served or served[c] <= ended.grant_no for c in waiting):
+        # every connection waiting there was served there after the latest grant
+        # to this one there (not only after the ended job's grant)
+        latest = self.last_grant[(conn, priority)]
+        if any(c not in served or served[c] <= latest for c in waiting):
             return
         self.holds.append(
             _Hold(
@@ -297,7 +346,7 @@ class ReferenceBroker:
     now: float = 0.0
 
     def open_connection(self, now: float) -> int:
-        self.now = now
+        self._enter(now)
         conn = self._next_conn
         self._next_conn += 1
         self.conns[conn] = _Conn()
@@ -319,7 +368,7 @@ class ReferenceBroker:
         return None
 
     def receive_text(self, conn: int, text: str | bytes, now: float) -> None:
-        self.now = now
+        self._enter(now)
         try:
             message = p.decode(text, accept=p.CLIENT_TO_EXEC)
         except p.ProtocolError as exc:
@@ -330,7 +379,7 @@ class ReferenceBroker:
         self.receive(conn, message, now)
 
     def receive(self, conn: int, message: p.Message, now: float) -> None:
-        self.now = now
+        self._enter(now)
         state = self.conns.get(conn)
         if state is None:
             self.finish()
@@ -371,7 +420,15 @@ class ReferenceBroker:
             self.error(conn, "duplicate_job", job_id)
         else:
             self._seq += 1
-            want = _Want(conn, message.job_id, message.service, message.priority, self._seq)
+            want = _Want(
+                conn,
+                message.job_id,
+                message.service,
+                message.priority,
+                self._seq,
+                base=message.priority,
+                parked_at=self.now,
+            )
             self.park(want)
             hold = next((h for h in self.holds if h.conn == conn), None)
             if hold is not None:
@@ -483,10 +540,11 @@ class ReferenceBroker:
         return False
 
     def close_connection(self, conn: int, now: float) -> None:
-        self.now = now
+        self._enter(now)
         if conn in self.conns:
             del self.conns[conn]
             self.holds = [h for h in self.holds if h.conn != conn]
+            self.last_grant = {k: n for k, n in self.last_grant.items() if k[0] != conn}
             for w in [w for w in self.book if w.conn == conn]:
                 self.unpark(w)
             for h in sorted(self.held, key=lambda h: h.run_id or 0):
@@ -503,7 +561,7 @@ class ReferenceBroker:
         self.finish()
 
     def job_ended(self, run_id: int, receipt: p.Receipt, now: float) -> None:
-        self.now = now
+        self._enter(now)
         held = next(h for h in self.held if h.run_id == run_id)
         self.held.remove(held)
         if receipt.status in _RAN:
@@ -519,7 +577,7 @@ class ReferenceBroker:
         self.finish()
 
     def tick(self, now: float) -> None:
-        self.now = now
+        self._enter(now)
         due = sorted(
             (h for h in self.held if h.token is not None and h.expires_at <= now),
             key=lambda h: h.expires_at,
@@ -534,12 +592,13 @@ class ReferenceBroker:
         self.finish()
 
     def drain(self, now: float) -> None:
-        self.now = now
+        self._enter(now)
         if not self.draining:
             self.draining = True
             self.book.clear()
             self.rotation.clear()
             self.served.clear()
+            self.last_grant.clear()
             self.holds.clear()
             self.held = [h for h in self.held if h.token is None]
             self.drain_deadline = now + self.drain_timeout
