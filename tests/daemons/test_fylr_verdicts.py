@@ -8,6 +8,7 @@ dispatcher's, which the file worker carries out and the queue row shows.
 from __future__ import annotations
 
 import ast
+import os
 import signal
 import sys
 from pathlib import Path
@@ -29,7 +30,8 @@ from tests.daemons.test_fylr import (
     settled,
 )
 from tests.support.imports import imports
-from tests.support.processes import open_execserver_process
+from tests.support.netns import until
+from tests.support.processes import open_execserver_process, open_fylr_process
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 
@@ -83,6 +85,32 @@ def queue_rows(dsn: str) -> dict[str, tuple[str, int, str | None, bool, bool]]:
         " FROM broker_queue q JOIN files f ON f.id = q.file_ref::bigint",
     )
     return {row[0]: row[1:] for row in found}
+
+
+async def requeue_failed(config: Path) -> None:
+    """``trio-broker fylr requeue --failed``, which must requeue one failed row."""
+    result = await trio.run_process(
+        [sys.executable, "-m", "trio_broker_daemons", "fylr", "requeue",
+         "--failed", "--config", str(config)],
+        capture_stdout=True,
+        capture_stderr=True,
+        cwd=REPOSITORY,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "1 failed item(s) requeued" in result.stdout.decode()
+
+
+async def killed_after_settling(config: Path, upload: tuple[str, bytes]) -> dict[str, Any]:
+    """Run a fylr process with the worker's test-only exit hook, upload one file, and
+    wait until the process exits right after settling the step's failure."""
+    hooked = {**os.environ, worker.TEST_EXIT_AFTER_FAILURE_SETTLED: "1"}
+    async with open_fylr_process(config, env=hooked) as first:
+        async with httpx.AsyncClient(base_url=first.http_url, timeout=WAIT) as http:
+            created = await put(http, *upload)
+        with trio.fail_after(WAIT):
+            assert await first.process.wait() == worker.TEST_EXIT_STATUS
+    return created
 
 
 async def test_each_failed_step_gets_one_decision_and_requeue_remakes_a_failed_version(
@@ -163,16 +191,7 @@ async def test_each_failed_step_gets_one_decision_and_requeue_remakes_a_failed_v
             async with open_execserver_process(execserver_text(port, fixed)):
                 config = tmp_path / "fylr.yml"
                 config.write_text(yaml.safe_dump(mapping))
-                result = await trio.run_process(
-                    [sys.executable, "-m", "trio_broker_daemons", "fylr", "requeue",
-                     "--failed", "--config", str(config)],
-                    capture_stdout=True,
-                    capture_stderr=True,
-                    cwd=REPOSITORY,
-                    check=False,
-                )  # fmt: skip
-                assert result.returncode == 0, result.stderr
-                assert "1 failed item(s) requeued" in result.stdout.decode()
+                await requeue_failed(config)
                 dispatcher.wake()
                 with trio.fail_after(WAIT):
                     await fylr.wait_until(lambda s: s.steps.get("produce.ok", 0) == 3)
@@ -186,6 +205,92 @@ async def test_each_failed_step_gets_one_decision_and_requeue_remakes_a_failed_v
                 assert versions[lost]["status"] == "done"  # the lost job ran again at once
                 assert versions[timed_out]["status"] == "pending"  # still waits its hour
                 assert set(queue_rows(pg_dsn)) == {timed_out}
+
+
+async def test_a_failure_settled_by_a_killed_fylr_keeps_its_failed_row(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """A fylr process that settled a failure (its version ended ``error``) and was killed
+    before the row was written (the worker's test-only exit hook, between the two writes):
+    the next fylr runs the step again, finds the version failed, and the row ends ``failed``
+    with the recorded reason (it was deleted as done before), which ``trio-broker fylr
+    requeue --failed`` then makes again."""
+    marker = tmp_path / "codec-installed"
+    classes = {"text": {"extensions": ["txt"], "versions": {"converted": {"service": "convert"}}}}
+    async with open_execserver_process(execserver_text(0, {"convert": converter(marker)})) as ex:
+        config = tmp_path / "fylr.yml"
+        mapping = fylr_mapping(pg_dsn, tmp_path / "state", f"127.0.0.1:{ex.port}", classes)
+        config.write_text(yaml.safe_dump(mapping))
+        created = await killed_after_settling(config, ("a.txt", b"some text\n"))
+        # the version settled, its row still claimed by the dead process
+        versions = rows(pg_dsn, "SELECT status, error FROM files WHERE kind = 'version'")
+        assert versions == [("error", "codec: not installed")]
+        assert queue_rows(pg_dsn)["converted"][:2] == ("claimed", 1)
+
+        async def queue() -> dict[str, tuple[str, int, str | None, bool, bool]]:
+            return queue_rows(pg_dsn)
+
+        def decided(found: dict[str, tuple[str, int, str | None, bool, bool]]) -> bool:
+            return found.get("converted", ("deleted",))[0] not in ("new", "claimed")
+
+        async with (
+            open_fylr_process(config) as second,
+            httpx.AsyncClient(base_url=second.http_url, timeout=WAIT) as http,
+        ):
+            with trio.fail_after(WAIT):  # requeued (the dead backend's), replayed, decided
+                found = await until(queue, decided)
+            status, attempts, error, _, _ = found.get("converted", ("deleted", 0, None, 0, 0))
+            assert (status, attempts) == ("failed", 2)
+            assert error == "FailedEarlier: codec: not installed"
+            page = (await http.get("/inspect/system/fylr")).json()
+            assert [item["reason"] for item in page["failed"]] == [error]
+
+            marker.touch()  # the codec is installed: an operator retries the row
+            await requeue_failed(config)
+
+            async def document() -> dict[str, Any]:
+                found: dict[str, Any] = (await http.get(f"/api/v1/eas/{created['id']}")).json()
+                return found
+
+            with trio.fail_after(WAIT):
+                done = await until(
+                    document, lambda d: d["versions"]["converted"]["status"] == "done"
+                )
+            assert done["versions"]["converted"]["error"] is None
+            assert await download(http, created["id"], "converted") == b"converted\n"
+            assert queue_rows(pg_dsn) == {}
+
+
+async def test_a_metadata_failure_settled_by_a_killed_fylr_keeps_its_failed_row(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """The same for a metadata step that failed for good (no execserver offers its service,
+    ``unknown_service_attempts: 1``): the original ended ``error`` before the kill; the next
+    fylr fails the row with the recorded reason, and ``requeue --failed`` runs it again."""
+    classes = {"data": {"extensions": ["bin"], "metadata": {"service": "probe"}}}
+    async with open_execserver_process(execserver_text(0, {"convert": converter(tmp_path)})) as ex:
+        config = tmp_path / "fylr.yml"
+        mapping = fylr_mapping(
+            pg_dsn, tmp_path / "state", f"127.0.0.1:{ex.port}", classes, unknown_service_attempts=1
+        )
+        config.write_text(yaml.safe_dump(mapping))
+        await killed_after_settling(config, ("a.bin", b"data\n"))
+        ((status, recorded),) = rows(pg_dsn, "SELECT status, error FROM files")
+        assert status == "error"
+        assert recorded.startswith("metadata: ServiceNotOffered: ")
+        assert rows(pg_dsn, "SELECT status, attempts FROM broker_queue") == [("claimed", 1)]
+
+        async def queue() -> list[tuple[Any, ...]]:
+            return rows(pg_dsn, "SELECT status, attempts, last_error FROM broker_queue")
+
+        async with open_fylr_process(config):
+            with trio.fail_after(WAIT):
+                found = await until(queue, lambda q: [r[0] for r in q] in ([], ["failed"]))
+            assert found == [("failed", 2, "FailedEarlier: " + recorded.removeprefix("metadata: "))]
+            await requeue_failed(config)
+            with trio.fail_after(WAIT):  # run again: still nobody offers the service
+                found = await until(queue, lambda q: q[0][:2] == ("failed", 3))
+            assert (found[0][2] or "").startswith("ServiceNotOffered: ")
 
 
 def test_the_worker_never_judges() -> None:

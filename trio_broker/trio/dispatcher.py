@@ -61,6 +61,18 @@ safe to repeat), one that raises anything else is logged and the decision
 written as it is. Cancelled while settling (shutdown), the item has no outcome
 and its row goes back to the queue, like a cancelled handler's.
 
+Settled but not written. The hook's writes and the outcome's are two
+transactions: a process killed between them leaves the application's state
+settled and the row claimed, and that row comes back to the queue (this
+backend's next start returns it, or a survivor's sweep requeues it) to run
+again. So the rule for a handler: a step whose state already shows that it
+*failed* for good raises again (the fylr raises ``FailedEarlier`` with the
+reason its file recorded), never returns; the replayed failure is then judged,
+settled (a no-op the second time) and written like the first, and the row
+stays ``failed`` for someone to read and requeue. A handler that returned
+there would have its row deleted as complete, and the failure lost. A
+requeue decision needs nothing of the kind: its replay simply runs the step.
+
 Admission. The core plans each claim with the adaptive admission of
 :mod:`trio_broker.core.admission`, fed the client's
 :meth:`ExecClient.instance_loads`, :meth:`ExecClient.waiting` and the time (the

@@ -82,7 +82,19 @@ The dispatcher decides once, by the outcome table of
 
 Every write of a step is fenced by the state it expects, so a step (or a
 settling) that runs twice (its process was killed after the work but before its
-outcome was written) changes nothing the second time.
+outcome was written) changes nothing the second time. A failure is settled
+before its row is written (two transactions): a step run again whose file
+already ended ``error`` by its own failure (a version whose error is not
+``source version '…' failed``, an original whose error is ``metadata: …``)
+raises :class:`FailedEarlier` with the reason the file recorded, so the row is
+written ``failed`` as the first run would have, and ``requeue --failed`` can
+retry it (the dispatcher's rule, *Settled but not written*).
+
+Test-only hook: with the environment variable named by
+:data:`TEST_EXIT_AFTER_FAILURE_SETTLED` set (to anything non-empty), the process
+exits at once (``os._exit``, status :data:`TEST_EXIT_STATUS`) right after it
+settled a failure and before the dispatcher writes the row: the tests kill a
+real fylr between the two writes with it. Never set it in a deployment.
 """
 
 from __future__ import annotations
@@ -90,6 +102,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import logging
+import os
 from collections.abc import Collection, Mapping
 from typing import Any, Final, cast
 
@@ -134,7 +147,15 @@ from trio_broker_daemons.fylr.state import FylrState
 from trio_broker_daemons.fylr.storage import FileReader, Storage, StoredFile, StoredKind
 from trio_broker_daemons.runtime.logfmt import fields
 
-__all__ = ["METADATA_OUTPUT_LIMIT", "OCTET_STREAM", "FileWorker", "service_notice"]
+__all__ = [
+    "METADATA_OUTPUT_LIMIT",
+    "OCTET_STREAM",
+    "TEST_EXIT_AFTER_FAILURE_SETTLED",
+    "TEST_EXIT_STATUS",
+    "FailedEarlier",
+    "FileWorker",
+    "service_notice",
+]
 
 log = logging.getLogger("trio_broker_daemons.fylr.worker")
 
@@ -145,6 +166,22 @@ OCTET_STREAM: Final = "application/octet-stream"
 _CLEANUP_TIMEOUT: Final = 10.0
 _STARTED: Final[Mapping[str, FileState]] = {ACTION_METADATA: "metadata", ACTION_PRODUCE: "produce"}
 """The state a requeued step's file goes back from (to ``new``), by action."""
+_METADATA_FAILED: Final = "metadata: "
+"""How an original's ``error`` begins when its metadata step failed for good."""
+TEST_EXIT_AFTER_FAILURE_SETTLED: Final = "TRIO_BROKER_FYLR_TEST_EXIT_AFTER_FAILURE_SETTLED"
+"""TEST-ONLY: the environment variable that makes the process exit right after it
+settled a failure, before its row is written (see the module docstring)."""
+TEST_EXIT_STATUS: Final = 75
+"""TEST-ONLY: the exit status of :data:`TEST_EXIT_AFTER_FAILURE_SETTLED`'s exit."""
+
+
+class FailedEarlier(Exception):
+    """A step run again found its file already ended ``error`` by its own failure:
+    an earlier run settled the failure and was killed before its row was written.
+
+    Raised (never judged here) so the dispatcher fails the row again, its text the
+    reason the file recorded.
+    """
 
 
 class _StoredSource:
@@ -383,6 +420,10 @@ class FileWorker:
         file_id = int(item.file_ref)
         row = await self.files.begin_metadata(file_id)
         if row is None:
+            ended = await self.files.get(file_id)
+            recorded = "" if ended is None or ended.status != "error" else ended.error or ""
+            if recorded.startswith(_METADATA_FAILED):  # its own failure, settled
+                raise FailedEarlier(recorded.removeprefix(_METADATA_FAILED))
             state.step(ACTION_METADATA, "replayed")
             return
         state.changed(file_id)
@@ -460,6 +501,8 @@ class FileWorker:
         state = self.state
         version_id = int(item.file_ref)
         start = await self.files.begin_produce(version_id)
+        if start == "gone":
+            await self._failed_earlier(version_id)
         if start == "gone" or start == "waiting":
             state.step(ACTION_PRODUCE, "replayed")
             return
@@ -534,6 +577,16 @@ class FileWorker:
             subject=f"{original.filename} #{original.id} {version.version}",
             job_id=job_id,
         )
+
+    async def _failed_earlier(self, version_id: int) -> None:
+        """Raise :class:`FailedEarlier` when the version ended ``error`` by its own
+        step's failure (a version failed with its source ended by that source's step)."""
+        row = await self.files.get(version_id)
+        if row is None or row.kind != "version" or row.status != "error":
+            return
+        if row.source is not None and row.error == source_failed(row.source):
+            return
+        raise FailedEarlier(row.error or "failed")
 
     async def produce_into_storage(
         self,
@@ -652,6 +705,8 @@ class FileWorker:
             self.state.changed(file_id)
         else:  # a sync: its original stays in sync, for the row's requeue to run it again
             self.state.step(item.action, "error")
+        if verdict.kind == "fail" and os.environ.get(TEST_EXIT_AFTER_FAILURE_SETTLED):
+            os._exit(TEST_EXIT_STATUS)  # TEST-ONLY: killed between the two writes
 
     async def _requeued(self, item: QueueItem, file_id: int, verdict: Verdict) -> None:
         """A step runs again: its file back where the step started (best effort), counted.
