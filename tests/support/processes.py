@@ -14,7 +14,17 @@ from pathlib import Path
 import attrs
 import trio
 
-__all__ = ["DaemonProcess", "open_execserver_process", "open_fylr_process", "read_fifo"]
+__all__ = [
+    "ROOT_JOBS",
+    "DaemonProcess",
+    "open_execserver_process",
+    "open_fylr_process",
+    "read_fifo",
+]
+
+ROOT_JOBS = "root"
+"""The execservers' ``job_user`` here when these run as root (see
+:func:`open_execserver_process`)."""
 
 
 @attrs.frozen
@@ -44,6 +54,7 @@ async def open_execserver_process(
     ready_within: float = 60.0,
     stop_within: float = 60.0,
     prefix: Sequence[str] = (),
+    job_user: str | None = ROOT_JOBS,
 ) -> AsyncIterator[DaemonProcess]:
     """Run ``trio-broker execserver`` in a subprocess until the block ends.
 
@@ -57,11 +68,22 @@ async def open_execserver_process(
             ``["ip", "netns", "exec", "NAME"]`` to run it on a test host in a
             network namespace. It must exec the command (so that the signals reach
             the daemon itself) and pass the standard streams through.
+        job_user: when these run as root, the daemon's ``job_user``
+            (``TRIO_BROKER_JOB_USER``) unless the environment sets one. Root runs
+            jobs as ``nobody`` by default, and an interpreter in root's home (a
+            virtualenv of root's Python) is closed to ``nobody``: the test
+            scripts keep running as root, as they did before ``job_user``.
+            ``None``: the daemon's default (the variable is not passed on).
 
     Yields:
         The process and its bound address. If it is still running when the block
         ends it is sent SIGTERM (which drains it) and waited for.
     """
+    env = dict(os.environ)
+    if job_user is None:
+        env.pop("TRIO_BROKER_JOB_USER", None)
+    elif os.geteuid() == 0:
+        env.setdefault("TRIO_BROKER_JOB_USER", job_user)
     async with _open_daemon_process(
         "execserver",
         config,
@@ -69,6 +91,7 @@ async def open_execserver_process(
         ready_within=ready_within,
         stop_within=stop_within,
         prefix=prefix,
+        env=env,
     ) as daemon:
         yield daemon
 
@@ -108,6 +131,7 @@ async def open_fylr_process(
         ready_within=ready_within,
         stop_within=stop_within,
         prefix=prefix,
+        env=None,
     ) as daemon:
         yield daemon
 
@@ -121,6 +145,7 @@ async def _open_daemon_process(
     ready_within: float,
     stop_within: float,
     prefix: Sequence[str],
+    env: dict[str, str] | None,
 ) -> AsyncIterator[DaemonProcess]:
     with tempfile.TemporaryDirectory(prefix="trio-broker-daemon-") as tmp:
         if isinstance(config, str) and "\n" in config:
@@ -133,6 +158,7 @@ async def _open_daemon_process(
         process = await trio.lowlevel.open_process(
             [*prefix, sys.executable, "-m", "trio_broker_daemons", "--log-level", log_level,
              command, "--config", str(path), "--ready-file", str(ready)],
+            env=env,
         )  # fmt: skip
         try:
             with trio.fail_after(ready_within):

@@ -353,7 +353,7 @@ async def test_work_directory_is_fresh_and_removed(jobs_dir: Path) -> None:
     receipt = await run_argv(jobs_dir, "sh", "-c", "pwd; ls -A | wc -l; mkdir d; echo x > d/f")
     workdir, entries = receipt.stdout_prefix.split()
     assert Path(workdir).parent == jobs_dir
-    assert Path(workdir).name.startswith("trio-broker-job-")
+    assert Path(workdir).name.startswith("trio-broker-work-")
     assert entries == "0"
     assert not await trio.Path(workdir).exists()
 

@@ -667,8 +667,9 @@ def _child_setup(cgroup_fd: int | None, user: JobUser | None, parent: int) -> Ca
     """What a job's child does between fork and exec (in this order, see the module docstring).
 
     Enter the job's cgroup (while it may: before it changes user), become the job
-    user, then ask for SIGKILL when the parent thread ends (after the change of
-    user, which would clear it), and make sure the parent has not died meanwhile.
+    user, drop any ambient capabilities (the job gets none), then ask for SIGKILL
+    when the parent thread ends (after the change of user, which would clear it),
+    and make sure the parent has not died meanwhile.
     It takes no lock and imports nothing (a forked child of a threaded process).
     """
 
@@ -677,6 +678,8 @@ def _child_setup(cgroup_fd: int | None, user: JobUser | None, parent: int) -> Ca
             os.write(cgroup_fd, b"0")
         if user is not None:
             user.switch()
+        with contextlib.suppress(OSError):  # kernels before 4.3 have no ambient set
+            procgroup.clear_ambient_capabilities()
         procgroup.set_parent_death_signal(signal.SIGKILL)
         if os.getppid() != parent:
             raise RuntimeError("the runner's process ended")

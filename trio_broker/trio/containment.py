@@ -51,6 +51,7 @@ __all__ = [
     "Containment",
     "JobUser",
     "JobUserError",
+    "Leftovers",
     "reap_adopted",
     "remove_leftovers",
     "serve_containment",
@@ -60,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 _KEEPER_STOP_TIMEOUT: Final = 10.0
 _CAP_CHOWN: Final = 0
+_CAP_DAC_OVERRIDE: Final = 1
 _CAP_KILL: Final = 5
 _CAP_SETGID: Final = 6
 _CAP_SETUID: Final = 7
@@ -68,9 +70,10 @@ _SWITCH_CAPABILITIES: Final = {
     _CAP_SETGID: "CAP_SETGID",
     _CAP_CHOWN: "CAP_CHOWN",
     _CAP_KILL: "CAP_KILL",
+    _CAP_DAC_OVERRIDE: "CAP_DAC_OVERRIDE",
 }
 """What a process needs to run jobs as another user: switch to it, give it the work
-folder, signal its processes."""
+folder, signal its processes, remove what it wrote."""
 
 
 # -- the jobs' user ---------------------------------------------------------------------
@@ -168,7 +171,8 @@ class JobUser:
 
         Running jobs as another user needs root or the capabilities to switch to
         it (``CAP_SETUID``, ``CAP_SETGID``), give it the work folder
-        (``CAP_CHOWN``) and signal its processes (``CAP_KILL``).
+        (``CAP_CHOWN``), signal its processes (``CAP_KILL``) and remove what it
+        wrote (``CAP_DAC_OVERRIDE``).
         """
         if self.is_current:
             return None
@@ -195,6 +199,28 @@ class JobUser:
 
 
 @attrs.frozen(kw_only=True)
+class Leftovers:
+    """What :func:`remove_leftovers` removed."""
+
+    processes: int = 0
+    """Processes of jobs whose execserver is gone."""
+    cgroups: tuple[str, ...] = ()
+    """Instance cgroups of dead execservers."""
+    folders: tuple[str, ...] = ()
+    """Work folders no live process held."""
+
+    def describe(self) -> str | None:
+        """``"2 processes, 1 cgroup, 3 work folders"``, or ``None`` for nothing."""
+        counts = [
+            (self.processes, "process", "processes"),
+            (len(self.cgroups), "cgroup", "cgroups"),
+            (len(self.folders), "work folder", "work folders"),
+        ]
+        words = [f"{n} {one if n == 1 else many}" for n, one, many in counts if n]
+        return ", ".join(words) or None
+
+
+@attrs.frozen(kw_only=True)
 class Containment:
     """How this process contains its jobs (given by :func:`serve_containment`).
 
@@ -204,6 +230,7 @@ class Containment:
         subreaper: whether this process adopts its jobs' orphans.
         dumpable: whether this process's ``/proc`` files are readable by its user.
         keeper_pid: the keeper process, or ``None`` when it could not start.
+        leftovers: what dead predecessors left, removed at start.
     """
 
     cgroup: Delegation | None
@@ -211,6 +238,7 @@ class Containment:
     subreaper: bool = False
     dumpable: bool = True
     keeper_pid: int | None = None
+    leftovers: Leftovers = Leftovers()
 
     @property
     def mode(self) -> Literal["cgroup", "process_tree"]:
@@ -228,9 +256,11 @@ class Containment:
             where = f"cgroup {self.cgroup.instance}, memory from {memory}"
         else:
             where = f"process trees ({self.reason})"
+        removed = self.leftovers.describe()
         return (
             f"jobs are contained by {where}; subreaper {'on' if self.subreaper else 'off'},"
             f" keeper {self.keeper_pid or 'not running'}"
+            + ("" if removed is None else f"; removed what dead execservers left: {removed}")
         )
 
 
@@ -255,26 +285,22 @@ def reap_adopted() -> list[int]:
     return reaped
 
 
-def remove_leftovers(temp_dir: str | None, parent_cgroup: str | None = None) -> None:
+def remove_leftovers(temp_dir: str | None, parent_cgroup: str | None = None) -> Leftovers:
     """Remove what dead execservers left: their jobs' processes, cgroups and folders (blocking).
 
     Args:
         temp_dir: where the work folders are (``None``: the system's temporary folder).
         parent_cgroup: the cgroup folder holding the instance cgroups, if any.
+
+    Returns:
+        What was removed.
     """
-    table = procgroup.scan_processes()
-    for _ in range(10):  # a killed process cannot fork, so few rounds are needed
-        orphans = procgroup.orphaned_tagged(table)
-        if not orphans:
-            break
-        procgroup.signal_pids(orphans, signal.SIGKILL)
-        procgroup.wait_pids_gone(orphans, 5.0)
-        table = procgroup.scan_processes()
-    if parent_cgroup is not None:
-        for folder in cgroup.sweep_stale(Path(parent_cgroup)):
-            logger.info("removed the cgroup of a dead execserver: %s", folder)
-    for path in workdir.remove_stale(temp_dir):
-        logger.info("removed the work folder of a dead execserver: %s", path)
+    processes = procgroup.kill_tagged(procgroup.orphaned)
+    cgroups = () if parent_cgroup is None else cgroup.sweep_stale(Path(parent_cgroup))
+    folders = workdir.remove_stale(temp_dir)
+    for path in (*cgroups, *folders):
+        logger.debug("removed what a dead execserver left: %s", path)
+    return Leftovers(processes=processes, cgroups=tuple(map(str, cgroups)), folders=tuple(folders))
 
 
 def _start_keeper(temp_dir: str | None, delegation: Delegation | None) -> subprocess.Popen[bytes]:
@@ -364,7 +390,8 @@ async def serve_containment(
     it reaps on ``SIGCHLD``), before starting the runner, and only in a process
     that owns all its children (it reaps the ones nobody waits for). It removes
     what dead predecessors left in ``temp_dir`` and beside its cgroup, starts
-    the keeper, then reports the :class:`Containment` through ``task_status``.
+    the keeper, then reports the :class:`Containment` through ``task_status``
+    (:meth:`Containment.describe` says in one line what was set up).
     When cancelled it lets the keeper clean up, waits for it and leaves its
     cgroup (shielded, bounded).
 
@@ -377,7 +404,7 @@ async def serve_containment(
         _set_up, use_cgroup, instance
     )
     parent = None if delegation is None else str(delegation.parent)
-    await trio.to_thread.run_sync(remove_leftovers, temp_dir, parent)
+    leftovers = await trio.to_thread.run_sync(remove_leftovers, temp_dir, parent)
     try:
         keeper: subprocess.Popen[bytes] | None = await trio.to_thread.run_sync(
             _start_keeper, temp_dir, delegation
@@ -391,8 +418,8 @@ async def serve_containment(
         subreaper=subreaper,
         dumpable=dumpable,
         keeper_pid=None if keeper is None else keeper.pid,
+        leftovers=leftovers,
     )
-    logger.info(containment.describe())
     try:
         task_status.started(containment)
         if subreaper:

@@ -255,7 +255,10 @@ def execserver_document(stats: ExecserverStatistics) -> dict[str, Any]:
         A JSON-ready object with the members ``instance_id``, ``name``,
         ``draining``, ``pool``, ``services``, ``connections``, ``running``,
         ``recent`` (newest first; each with its ``wait_s``, ``client`` and
-        receipt) and ``counters``. Instants are ISO 8601 strings with their zone.
+        receipt), ``counters`` and ``containment`` (how the runner keeps its
+        jobs' processes together: its
+        :class:`~trio_broker.trio.runner.ContainmentInfo`, null when the runner
+        does not say). Instants are ISO 8601 strings with their zone.
     """
     broker, runner = stats.broker, stats.runner
     running = {job.job_id: job for job in runner.running} if runner else {}
@@ -305,6 +308,9 @@ def execserver_document(stats: ExecserverStatistics) -> dict[str, Any]:
             for f in reversed(broker.recent)
         ],
         "counters": broker.counters,
+        "containment": (
+            attrs.asdict(runner.containment) if runner and runner.containment else None
+        ),
     }
 
 

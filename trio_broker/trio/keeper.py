@@ -33,25 +33,7 @@ from trio_broker.trio import cgroup, procgroup, workdir
 
 __all__ = ["main"]
 
-_ROUNDS: Final = 20
 _GONE_TIMEOUT: Final = 5.0
-
-
-def _kill_tagged(owner: tuple[int, int]) -> int:
-    """Kill the processes tagged by ``owner`` or by a dead execserver; how many."""
-    killed = 0
-    for _ in range(_ROUNDS):
-        table = procgroup.scan_processes()
-        found = procgroup.tagged(
-            table,
-            lambda tag: (tag.owner_pid, tag.owner_start) == owner or not tag.owner_alive(),
-        )
-        if not found:
-            break
-        procgroup.signal_pids(found, signal.SIGKILL)
-        killed += len(found)
-        procgroup.wait_pids_gone(found, _GONE_TIMEOUT)
-    return killed
 
 
 def _owner(text: str) -> tuple[int, int]:
@@ -82,7 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if delegation is not None:
         for job in delegation.jobs():
             job.kill()
-    _kill_tagged(args.owner)
+    procgroup.kill_tagged(
+        lambda tag: (tag.owner_pid, tag.owner_start) == args.owner or procgroup.orphaned(tag)
+    )
     if delegation is not None:
         cgroup.remove_instance(delegation, timeout=_GONE_TIMEOUT)
     workdir.remove_stale(args.temp_dir)

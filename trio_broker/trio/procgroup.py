@@ -53,9 +53,10 @@ tagged process whose owner is gone was left behind by a dead execserver, and
 ``prctl``
 ---------
 
-:func:`set_child_subreaper`, :func:`set_dumpable` and
-:func:`set_parent_death_signal` call ``prctl(2)`` through ``ctypes``; each
-raises ``OSError`` when the kernel refuses.
+:func:`set_child_subreaper`, :func:`set_dumpable`, :func:`set_parent_death_signal`
+and :func:`clear_ambient_capabilities` call ``prctl(2)`` through ``ctypes``; each
+raises ``OSError`` when the kernel refuses. The C library is loaded at import, so
+that a forked child calling them between fork and exec loads nothing.
 """
 
 from __future__ import annotations
@@ -76,10 +77,12 @@ __all__ = [
     "GroupSample",
     "JobTag",
     "ProcessInfo",
+    "clear_ambient_capabilities",
     "directory_bytes",
     "job_members",
+    "kill_tagged",
     "open_pidfd",
-    "orphaned_tagged",
+    "orphaned",
     "process_start",
     "read_environ_value",
     "read_pids",
@@ -326,21 +329,33 @@ def tagged(table: Mapping[int, ProcessInfo], wanted: Callable[[JobTag], bool]) -
     return found
 
 
-def orphaned_tagged(table: Mapping[int, ProcessInfo] | None = None) -> dict[int, JobTag]:
-    """Every live process of a job whose execserver is gone (its tag's owner does not run).
+def orphaned(tag: JobTag) -> bool:
+    """Whether the tag's owner (the process that ran the job) is gone."""
+    return not tag.owner_alive()
 
-    Args:
-        table: a reading of ``/proc``; by default one is taken now.
+
+_KILL_ROUNDS: Final = 20
+_KILL_WAIT: Final = 5.0
+
+
+def kill_tagged(wanted: Callable[[JobTag], bool]) -> int:
+    """SIGKILL every process whose tag satisfies ``wanted``, until a scan finds none.
+
+    Kill, wait for them to die, look again: a process forked while a scan ran is
+    found by the next one (a killed process cannot fork). At most 20 rounds.
+
+    Returns:
+        How many processes were killed.
     """
-    alive: dict[tuple[int, int], bool] = {}
-
-    def orphan(tag: JobTag) -> bool:
-        owner = (tag.owner_pid, tag.owner_start)
-        if owner not in alive:
-            alive[owner] = tag.owner_alive()
-        return not alive[owner]
-
-    return tagged(scan_processes() if table is None else table, orphan)
+    killed = 0
+    for _ in range(_KILL_ROUNDS):
+        found = tagged(scan_processes(), wanted)
+        if not found:
+            break
+        signal_pids(found, signal.SIGKILL)
+        killed += len(found)
+        wait_pids_gone(found, _KILL_WAIT)
+    return killed
 
 
 # -- work folders -------------------------------------------------------------------------
@@ -436,16 +451,15 @@ def wait_pids_gone(pids: Iterable[int], timeout: float) -> bool:
 _PR_SET_PDEATHSIG: Final = 1
 _PR_SET_DUMPABLE: Final = 4
 _PR_SET_CHILD_SUBREAPER: Final = 36
+_PR_CAP_AMBIENT: Final = 47
+_PR_CAP_AMBIENT_CLEAR_ALL: Final = 4
 
-_libc: ctypes.CDLL | None = None
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+_libc.prctl.restype = ctypes.c_int
 
 
 def _prctl(option: int, value: int) -> None:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
-        _libc.prctl.restype = ctypes.c_int
     if _libc.prctl(option, value, 0, 0, 0) != 0:
         number = ctypes.get_errno()
         raise OSError(number, f"prctl({option}): {os.strerror(number)}")
@@ -476,3 +490,13 @@ def set_parent_death_signal(sig: signal.Signals | int) -> None:
     process changes its user, so set it after that.
     """
     _prctl(_PR_SET_PDEATHSIG, int(sig))
+
+
+def clear_ambient_capabilities() -> None:
+    """Drop this process's ambient capabilities, so that a program it execs gets none.
+
+    A process that is not root but was given capabilities (to switch users, say)
+    keeps them across a change between two users that are not root, and passes
+    its ambient ones on through exec: a job must not inherit them.
+    """
+    _prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL)

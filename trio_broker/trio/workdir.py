@@ -1,6 +1,6 @@
 """Jobs' work folders: made fresh, locked while their job runs, swept once their owner is gone.
 
-Every job runs in a folder of its own, ``<temp_dir>/trio-broker-job-XXXXXXXX``
+Every job runs in a folder of its own, ``<temp_dir>/trio-broker-work-XXXXXXXX``
 (:data:`PREFIX`). The process that runs the job holds an exclusive ``flock`` on
 the folder for as long as the job runs; the kernel drops it when that process
 ends, however it ends (``kill -9`` included). So a folder nobody holds belongs to
@@ -26,7 +26,10 @@ from typing import Final
 
 __all__ = ["PREFIX", "WorkDir", "remove_stale"]
 
-PREFIX: Final = "trio-broker-job-"
+PREFIX: Final = "trio-broker-work-"
+"""Only folders named so are ever swept. Earlier versions named their folders
+``trio-broker-job-…`` and held no lock: a sweep leaves those alone, since one of
+them may belong to an older execserver that still runs."""
 _ATTEMPTS: Final = 5
 _OPEN_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
