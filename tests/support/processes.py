@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -55,6 +55,7 @@ async def open_execserver_process(
     stop_within: float = 60.0,
     prefix: Sequence[str] = (),
     job_user: str | None = ROOT_JOBS,
+    env: Mapping[str, str] | None = None,
 ) -> AsyncIterator[DaemonProcess]:
     """Run ``trio-broker execserver`` in a subprocess until the block ends.
 
@@ -74,16 +75,17 @@ async def open_execserver_process(
             virtualenv of root's Python) is closed to ``nobody``: the test
             scripts keep running as root, as they did before ``job_user``.
             ``None``: the daemon's default (the variable is not passed on).
+        env: more variables for the daemon's environment (over this process's).
 
     Yields:
         The process and its bound address. If it is still running when the block
         ends it is sent SIGTERM (which drains it) and waited for.
     """
-    env = dict(os.environ)
+    environment = {**os.environ, **(env or {})}
     if job_user is None:
-        env.pop("TRIO_BROKER_JOB_USER", None)
+        environment.pop("TRIO_BROKER_JOB_USER", None)
     elif os.geteuid() == 0:
-        env.setdefault("TRIO_BROKER_JOB_USER", job_user)
+        environment.setdefault("TRIO_BROKER_JOB_USER", job_user)
     async with _open_daemon_process(
         "execserver",
         config,
@@ -91,7 +93,7 @@ async def open_execserver_process(
         ready_within=ready_within,
         stop_within=stop_within,
         prefix=prefix,
-        env=env,
+        env=environment,
     ) as daemon:
         yield daemon
 
@@ -148,13 +150,17 @@ async def _open_daemon_process(
     env: dict[str, str] | None,
 ) -> AsyncIterator[DaemonProcess]:
     with tempfile.TemporaryDirectory(prefix="trio-broker-daemon-") as tmp:
+        # open to a daemon that a prefix starts as another user: it reads its
+        # configuration and writes its ready file here
+        os.chmod(tmp, 0o755)
         if isinstance(config, str) and "\n" in config:
             path = Path(tmp) / f"{command}.yml"
             path.write_text(config)
         else:
             path = Path(config)
         ready = Path(tmp) / "ready"
-        os.mkfifo(ready)
+        os.mkfifo(ready, 0o666)
+        os.chmod(ready, 0o666)
         process = await trio.lowlevel.open_process(
             [*prefix, sys.executable, "-m", "trio_broker_daemons", "--log-level", log_level,
              command, "--config", str(path), "--ready-file", str(ready)],

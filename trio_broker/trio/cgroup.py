@@ -60,6 +60,7 @@ __all__ = [
     "Delegation",
     "JobCgroup",
     "delegate",
+    "own_cgroup",
     "remove_instance",
     "sweep_stale",
 ]
@@ -98,6 +99,18 @@ def _own_cgroup2(root: Path) -> str | None:
         if line.startswith("0::"):
             return line[3:]
     return None
+
+
+def own_cgroup(*, root: str | os.PathLike[str] = "/") -> Path | None:
+    """This process's cgroup v2 folder (``D``), or ``None`` without cgroup v2.
+
+    Args:
+        root: where ``/proc`` and ``/sys`` are found.
+    """
+    base = Path(root)
+    mount = _cgroup2_mount(base)
+    own = _own_cgroup2(base)
+    return None if mount is None or own is None else mount / own.lstrip("/")
 
 
 def _pids(folder: Path) -> tuple[int, ...]:
@@ -262,13 +275,11 @@ def delegate(instance: str, *, root: str | os.PathLike[str] = "/") -> Delegation
         The delegation, or one sentence saying why there is none.
     """
     base = Path(root)
-    mount = _cgroup2_mount(base)
-    if mount is None:
+    if _cgroup2_mount(base) is None:
         return "no cgroup v2 is mounted"
-    own = _own_cgroup2(base)
-    if own is None:
+    parent = own_cgroup(root=root)
+    if parent is None:
         return "this process has no cgroup v2 (/proc/self/cgroup)"
-    parent = mount / own.lstrip("/")
     folder = parent / f"{INSTANCE_PREFIX}{instance}"
     try:
         folder.mkdir()

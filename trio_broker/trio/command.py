@@ -90,7 +90,7 @@ from trio_broker.core.supervision import (
 )
 from trio_broker.trio import procgroup
 from trio_broker.trio.cgroup import JobCgroup
-from trio_broker.trio.containment import Containment, JobUser, JobUserError
+from trio_broker.trio.containment import Containment, JobUser, JobUserError, reap_adopted
 from trio_broker.trio.pipe_io import (
     PIPE_FINISH_TIMEOUT,
     InPipe,
@@ -947,4 +947,7 @@ class CommandRunner:
                 status, error = await job.run(control)
             finally:
                 await job.close()
+                if self._containment is not None and self._containment.subreaper:
+                    with trio.CancelScope(shield=True):  # the job's orphans were ours
+                        await trio.to_thread.run_sync(reap_adopted)
         return job.receipt(start, status, error)
