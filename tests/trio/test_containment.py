@@ -39,8 +39,8 @@ as_root = pytest.mark.skipif(not ROOT, reason="switching users needs root")
 # and prints their pids: "setsid" (its own session), "double" (a double fork: an
 # orphan of the job's session), "double_setsid" (both), "clean" (both, and an
 # empty environment: no tag). Each is a `sleep 600` holding the job's stdout.
-# Then it prints its own cgroup, or, given a FIFO as argv[2], says "ready" there
-# and becomes a `sleep 600` itself.
+# Then it prints its own cgroup, or, given a FIFO as argv[2], writes the pids
+# there too and becomes a `sleep 600` itself.
 DETACH = """
 import os, sys
 def start(kind):
@@ -59,11 +59,12 @@ def start(kind):
     if kind != "setsid":
         os.waitpid(first, 0)
     return pid
-print(" ".join(str(start(kind)) for kind in sys.argv[1].split(",")), flush=True)
+pids = " ".join(str(start(kind)) for kind in sys.argv[1].split(","))
+print(pids, flush=True)
 if len(sys.argv) == 2:
     print(open("/proc/self/cgroup").read().splitlines()[-1], flush=True)
 else:
-    open(sys.argv[2], "w").write("ready\\n")
+    open(sys.argv[2], "w").write(pids + "\\n")
     os.execvp("sleep", ["sleep", "600"])
 """
 
