@@ -252,15 +252,22 @@ def compare(before: Path, files: int, slots: int, rounds: int) -> None:
     """Run ``before``'s benchmark and this one alternately, each in a process of its own.
 
     ``before`` is a checkout of the code to compare with (``git worktree add
-    /tmp/before COMMIT``); its daemons and uploader run from it (``PYTHONPATH``).
+    /tmp/before COMMIT``); its daemons and uploader run from it (``PYTHONPATH``),
+    with its own ``.venv`` when it has one (a checkout whose module paths or
+    console script differ needs its own installation).
     """
     found: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
     for round_ in range(rounds):
         for label, tree in (("before", before.resolve()), ("after", REPOSITORY)):
             env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{tree / 'daemons'}"}
-            command = [sys.executable, str(tree / "benchmarks" / "fylr.py")]
+            python = tree / ".venv" / "bin" / "python"
+            executable = str(python) if tree != REPOSITORY and python.exists() else sys.executable
+            command = [executable, str(tree / "benchmarks" / "fylr.py")]
             command += ["--files", str(files), "--slots", str(slots)]
-            result = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+            # in the tree's own folder: ``python -m`` puts the working folder first on the path
+            result = subprocess.run(
+                command, env=env, cwd=tree, capture_output=True, text=True, check=True
+            )
             print(f"-- round {round_ + 1}, {label} ({tree})")
             print(result.stdout.rstrip())
             figures: dict[str, float] = {}

@@ -16,6 +16,10 @@ a fresh temporary state folder:
    converter's message, everything else is ``done``), and where to look;
 5. stops everything it started and removes the state folder.
 
+The example fylr leaves uploads and downloads open on loopback and closes its
+operator routes (the inspection page, the metrics) with the token in
+``examples/fylr-operator.token``: the demo reads the inspection page with it.
+
 Exit status 0 only when every file ended with the expected versions. Ctrl-C
 stops everything too. ``--keep`` keeps the daemons running after the check,
 until Ctrl-C, so that you can look at the pages it prints.
@@ -83,6 +87,18 @@ def say(text: str) -> None:
     console.print(f"{time.monotonic() - T0:6.1f}s  {text}", markup=False)
 
 
+def operator_token_file() -> Path:
+    """The file of the example fylr's operator token (``tokens.operator_file``, beside it)."""
+    document = yaml.safe_load((EXAMPLES / "fylr.yml").read_text(encoding="utf-8"))
+    return EXAMPLES / str(document["tokens"]["operator_file"])
+
+
+def operator_headers() -> dict[str, str]:
+    """The example fylr's operator token, as the inspection page wants it."""
+    token = operator_token_file().read_text(encoding="utf-8").strip()
+    return {"authorization": f"Bearer {token}"}
+
+
 def write_configs(state: Path) -> tuple[Path, Path]:
     """The example configurations, runnable from this state folder on free ports."""
     text = (EXAMPLES / "execserver.yml").read_text(encoding="utf-8")
@@ -98,6 +114,8 @@ def write_configs(state: Path) -> tuple[Path, Path]:
         database=None,
         execservers=[],  # filled in once the execserver listens
     )
+    # the copy lives elsewhere: its operator token stays the file beside the example
+    fylr["tokens"]["operator_file"] = str(operator_token_file())
     fylr_path = state / "fylr.yml"
     fylr_path.write_text(yaml.safe_dump(fylr, sort_keys=False), encoding="utf-8")
     return execserver_path, fylr_path
@@ -165,6 +183,7 @@ async def run(state: Path, keep: bool) -> int:
             say("while it runs, look at:")
             say(f"    {base}/inspect/system/fylr          queue, files, dispatcher, broker client")
             say(f"    {base}/metrics                      Prometheus metrics of the fylr")
+            say(f"    (both with the operator token of {operator_token_file()})")
             say(f"    {execserver.http_url}/inspect/system/execserver  slots, services, receipts")
             say(f"    {base}/api/v1/eas/<id>              a file, its versions and metadata")
             files = [(path, PRIORITIES[path.name]) for path in samples]
@@ -176,7 +195,8 @@ async def run(state: Path, keep: bool) -> int:
                 show(outcome, base)
             try:
                 async with httpx.AsyncClient(timeout=30) as http:
-                    page = (await http.get(f"{base}/inspect/system/fylr")).json()
+                    inspect_url = f"{base}/inspect/system/fylr"
+                    page = (await http.get(inspect_url, headers=operator_headers())).json()
                     exec_url = f"{execserver.http_url}/inspect/system/execserver"
                     exec_page = (await http.get(exec_url)).json()
             except httpx.HTTPError as exc:

@@ -70,15 +70,36 @@ def check_environment(command: str, environ: Mapping[str, str]) -> None:
 
 
 SECRETS = "/run/secrets/"
-"""Where compose and the Kubernetes manifest mount the token; systemd's is ``%d/``."""
+"""Where compose and the Kubernetes manifest mount the secrets; systemd's are ``%d/``."""
+
+SECRET_FILES = {
+    "broker_token": "a-token",
+    "fylr_upload_token": "an-upload-token",
+    "fylr_read_token": "a-read-token",
+    "fylr_operator_token": "an-operator-token",
+    "fylr_link_key": "a-link-key-of-at-least-32-characters",
+}
+"""The secret files a deployment mounts, and what the stand-ins hold."""
 
 
 @pytest.fixture(scope="module")
 def secrets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder standing in for the mounted secrets (and systemd's credentials, ``%d``)."""
     folder = tmp_path_factory.mktemp("secrets")
-    (folder / "broker_token").write_text("a-token\n")
+    for name, text in SECRET_FILES.items():
+        (folder / name).write_text(text + "\n")
     return folder
+
+
+def secret_paths(document: Mapping[str, Any], keys: tuple[str, ...] = ()) -> dict[str, str]:
+    """Every ``*_file`` key of a configuration document, as the variable that sets it → path."""
+    found = {}
+    for key, value in document.items():
+        if isinstance(value, Mapping):
+            found.update(secret_paths(value, (*keys, key)))
+        elif key.endswith("_file") and isinstance(value, str):
+            found[ENV_PREFIX + "__".join(k.upper() for k in (*keys, key))] = value
+    return found
 
 
 def load(command: str, config: str, environ: Mapping[str, str], secrets: Path) -> Any:
@@ -91,11 +112,30 @@ def load(command: str, config: str, environ: Mapping[str, str], secrets: Path) -
     local = local_config(config)
     environ = {name: value.replace("%d/", f"{secrets}/") for name, value in environ.items()}
     document = yaml.safe_load(local.read_text())
-    deployed = document.get("broker_token_file")
-    if deployed is not None and "TRIO_BROKER_BROKER_TOKEN_FILE" not in environ:
-        assert deployed.startswith(SECRETS), deployed
-        environ["TRIO_BROKER_BROKER_TOKEN_FILE"] = str(secrets / deployed.removeprefix(SECRETS))
+    for variable, deployed in secret_paths(document).items():
+        if variable not in environ:
+            assert deployed.startswith(SECRETS), deployed
+            environ[variable] = str(secrets / deployed.removeprefix(SECRETS))
     return load_config(local, CLASSES[command], environ=environ)
+
+
+def check_fylr_secrets(config: FylrConfig, where: str) -> None:
+    """A deployed fylr: every role's token, the broker token and the link key from the files."""
+    assert config.tokens.missing == (), where
+    assert not config.insecure_open_api, where
+    assert (config.tokens.upload, config.tokens.read, config.tokens.operator) == (
+        SECRET_FILES["fylr_upload_token"],
+        SECRET_FILES["fylr_read_token"],
+        SECRET_FILES["fylr_operator_token"],
+    ), where
+    assert config.link_key == SECRET_FILES["fylr_link_key"], where
+    assert config.broker_token == SECRET_FILES["broker_token"], where
+
+
+def fylr_secret_names() -> set[str]:
+    """The secret files deploy/config/fylr.yml reads from /run/secrets."""
+    document = yaml.safe_load((DEPLOY / "config" / "fylr.yml").read_text())
+    return {path.removeprefix(SECRETS) for path in secret_paths(document).values()}
 
 
 def listen_port(config: Any) -> int:
@@ -178,6 +218,13 @@ def test_the_systemd_unit_verifies_and_drains(unit: Path, tmp_path: Path, secret
     args = parse(argv)
     environ = dict(item.split("=", 1) for item in found.get("Environment", []))
     config = load(args.command, args.config, environ, secrets)
+    credentials = {line.split(":", 1)[0] for line in found.get("LoadCredential", [])}
+    for variable, value in environ.items():
+        if value.startswith("%d/"):  # a credential the unit loads
+            assert value.removeprefix("%d/") in credentials, variable
+    if args.command == "fylr":
+        check_fylr_secrets(config, unit.name)
+        assert credentials == fylr_secret_names()
     assert found["KillMode"] == ["mixed"]
     (stop,) = found["TimeoutStopSec"]
     if args.command == "execserver":
@@ -224,6 +271,10 @@ def test_the_compose_daemons_agree_with_the_cli_and_their_configuration(secrets:
             assert grace > config.drain_timeout, name
             assert "broker_token" in service["secrets"]
             assert config.broker_token == "a-token"  # read from the mounted secret
+        else:
+            check_fylr_secrets(config, name)
+            assert set(service["secrets"]) == fylr_secret_names(), name
+        assert set(service.get("secrets", [])) <= set(compose()["secrets"]), name
         healthcheck = " ".join(service["healthcheck"]["test"])
         (url,) = re.findall(r"http://[^'\" ]+", healthcheck)
         assert url.endswith(tuple(PROBES)), url
@@ -349,6 +400,12 @@ def test_the_kubernetes_deployment_agrees_with_the_daemon(component: str, secret
         assert "broker_token_file: /run/secrets/broker_token" in token_file
         assert "broker_token" in paths
     else:
+        check_fylr_secrets(config, "kubernetes")
+        secret_volume = volumes[next(n for n, p in mounts.items() if p == "/run/secrets")]
+        assert secret_volume["secret"]["secretName"] == secret["metadata"]["name"]
+        items = secret_volume["secret"]["items"]
+        assert {item["path"] for item in items} == fylr_secret_names()
+        assert {item["key"] for item in items} <= keys
         (fylr_target,) = config.execservers
         host, _, target_port = fylr_target.rpartition(":")
         (exec_service,) = [s for s in of_kind("Service") if s["metadata"]["name"] == host]

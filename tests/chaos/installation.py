@@ -211,6 +211,11 @@ def fylr_mapping(
 ) -> dict[str, Any]:
     """``examples/fylr.yml`` on the shared database and storage, with short heartbeats."""
     document: dict[str, Any] = yaml.safe_load((EXAMPLES / "fylr.yml").read_text())
+    # written elsewhere: the example's secret files stay the ones beside it
+    tokens = document.get("tokens") or {}
+    for key, value in tokens.items():
+        if key.endswith("_file") and value is not None:
+            tokens[key] = str(EXAMPLES / value)
     document.update(
         listen=f"127.0.0.1:{port}",
         name=name,

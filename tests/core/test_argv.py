@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -180,7 +181,7 @@ def test_values_are_filled_without_a_shell() -> None:
     """Strings go in as they are, numbers as JSON prints them, booleans as true/false."""
     params = {"n": 3, "f": 2.5, "big": 1e21, "yes": True, "no": False, "s": "a b; $(rm -rf /)"}
     argv = ("p", "{n}", "{f}", "{big}", "{yes}", "{no}", "{{lit}}", "x{s}y", "{n}{n}", "{neg}")
-    assert fill_argv(argv, {**params, "neg": -1}) == (
+    assert fill_argv(argv, {**params, "neg": -1}, allow_leading_dash=["neg"]) == (
         "p",
         "3",
         "2.5",
@@ -242,7 +243,8 @@ def test_whatever_parses_fills_with_every_placeholder_given(
     except TemplateError:
         return
     params = {name: data.draw(scalars) for name in template.placeholders}
-    assert len(template.fill(params)) == len(tail) + 1
+    allowed = ArgvTemplate.parse(template, allow_leading_dash=template.placeholders)
+    assert len(allowed.fill(params)) == len(tail) + 1
 
 
 @given(st.lists(parts_lists, min_size=1, max_size=4), st.data())
@@ -254,7 +256,12 @@ def test_filling_agrees_with_str_format(
     template = ArgvTemplate.parse(argv)
     values = st.text(st.characters(exclude_characters="\0"), max_size=8)
     params = {name: data.draw(values) for name in template.placeholders}
-    assert template.fill(params) == tuple(element.format(**params) for element in argv)
+    expected = tuple(element.format(**params) for element in argv)
+    allowed = ArgvTemplate.parse(argv, allow_leading_dash=template.placeholders)
+    assert allowed.fill(params) == expected
+    if any(argument.startswith("-") for argument in expected[1:]):
+        return  # the guard may refuse it (its own tests)
+    assert template.fill(params) == expected
 
 
 @given(literal_text, st.sampled_from("{}"), literal_text)
@@ -263,3 +270,109 @@ def test_a_lone_brace_is_always_refused(before: str, brace: str, after: str) -> 
     element = escape(before) + brace + escape(after)
     with pytest.raises(TemplateError, match=r"a single|invalid placeholder"):
         ArgvTemplate.parse(["prog", element])
+
+
+# -- guarded options -----------------------------------------------------------------
+
+
+GUARD = "must not begin with '-' where an option can start"
+
+
+@pytest.mark.parametrize(
+    ("element", "value"),
+    [
+        ("{v}", "-help"),  # standing alone
+        ("{v}", "--output=/etc/passwd"),
+        ("{v}", -1),  # a negative number is an option too (gzip -1, head -1)
+        ("-{v}", "-help"),  # glued to a leading dash: --help
+        ("--{v}", "-x"),
+        ("{v}.png", "-x"),  # at the start of its element
+        ("{empty}{v}", "-x"),  # an empty value before it leaves the start open
+        ("-{empty}{v}", "-x"),
+        ("{v}", "-"),  # a lone dash (stdin for many programs) is refused too
+    ],
+)
+def test_a_leading_dash_where_an_option_can_start_is_refused(element: str, value: object) -> None:
+    """A value beginning with '-' is refused wherever the argument could become an option;
+    the error names the parameter, the element and the rule."""
+    argv = ("prog", "-c", element)
+    with pytest.raises(ParameterError) as info:
+        fill_argv(argv, {"v": value, "empty": ""})
+    shown = repr(str(value) if isinstance(value, str) else json.dumps(value))
+    assert str(info.value) == (
+        f"parameter 'v' {GUARD} (argv[2] {element!r}, got {shown});"
+        " the service may allow it with allow_leading_dash"
+    )
+
+
+@pytest.mark.parametrize(
+    ("element", "value", "filled"),
+    [
+        ("--size={v}", "-1", "--size=-1"),  # after other text: never an option
+        ("-o{v}", "-x", "-o-x"),
+        ("x{v}", "-y", "x-y"),
+        ("{v}", "9", "9"),
+        ("-{v}", "9", "-9"),  # the template's own dash: an option by design
+        ("{v}", "a-b", "a-b"),
+        ("{v}", "", ""),
+    ],
+)
+def test_values_that_cannot_start_an_option_fill(element: str, value: str, filled: str) -> None:
+    """A dash after other text, or a value without a leading dash, fills as before."""
+    assert fill_argv(("prog", element), {"v": value}) == ("prog", filled)
+
+
+def test_a_parameter_the_service_allows_may_begin_with_a_dash() -> None:
+    """allow_leading_dash lets one parameter through; the others stay guarded."""
+    template = ArgvTemplate.parse(
+        ["grep", "-e", "{pattern}", "{file}"], allow_leading_dash=["pattern"]
+    )
+    assert template.allow_leading_dash == {"pattern"}
+    assert template.fill({"pattern": "-v", "file": "in.txt"}) == ("grep", "-e", "-v", "in.txt")
+    with pytest.raises(ParameterError, match=r"^parameter 'file' must not begin"):
+        template.fill({"pattern": "-v", "file": "-r"})
+    # the same elements without the allowance refuse the pattern
+    with pytest.raises(ParameterError, match=r"^parameter 'pattern' must not begin"):
+        ArgvTemplate.parse(template.source).fill({"pattern": "-v", "file": "in.txt"})
+
+
+def test_allowing_a_dash_names_placeholders_only() -> None:
+    """allow_leading_dash must name placeholders of the template (a typo is the operator's)."""
+    with pytest.raises(TemplateError) as info:
+        ArgvTemplate.parse(["prog", "{a}", "{b}"], allow_leading_dash=["c"])
+    assert str(info.value) == (
+        "allow_leading_dash: expected placeholders of the template (a, b), got 'c'"
+    )
+    with pytest.raises(TemplateError, match="expected a list of parameter names, got 'a'"):
+        ArgvTemplate.parse(["prog", "{a}"], allow_leading_dash="a")
+
+
+def test_reparsing_a_template_keeps_or_replaces_its_allowance() -> None:
+    """A parsed template passes through parse unchanged, or with the allowance given."""
+    template = ArgvTemplate.parse(["prog", "{a}"], allow_leading_dash=["a"])
+    assert ArgvTemplate.parse(template) is template
+    cleared = ArgvTemplate.parse(template, allow_leading_dash=[])
+    assert cleared.allow_leading_dash == frozenset()
+    assert cleared.source == template.source
+    assert cleared != template
+
+
+@given(st.lists(parts_lists, min_size=1, max_size=4), st.data())
+def test_no_filled_argument_starts_with_a_dash_the_template_did_not_write(
+    elements: list[list[str | Placeholder]], data: st.DataObject
+) -> None:
+    """Whatever the values, an argument that begins with '-' after filling begins with a
+    dash the template wrote itself, unless the filling was refused."""
+    argv = ["prog", *(render(parts) for parts in elements)]
+    template = ArgvTemplate.parse(argv)
+    values = st.text(st.sampled_from("-ab"), max_size=3)
+    params = {name: data.draw(values) for name in template.placeholders}
+    try:
+        filled = template.fill(params)
+    except ParameterError:
+        return
+    for parts, argument in zip(template.parts[1:], filled[1:], strict=True):
+        if argument.startswith("-"):
+            texts = [params[p.name] if isinstance(p, Placeholder) else p for p in parts]
+            first = next(index for index, text in enumerate(texts) if text)
+            assert not isinstance(parts[first], Placeholder), (parts, params)

@@ -16,6 +16,7 @@ from trio_broker_daemons.execserver.app import (
 from trio_broker_daemons.execserver.config import ExecserverConfig
 
 from tests.support.wire import WAIT, connect
+from trio_broker.core import protocol as p
 from trio_broker.trio.execserver import ExecserverHandle
 from trio_broker.trio.host import HostResources
 from trio_broker.trio.runner import JobControl, JobRequest
@@ -71,3 +72,84 @@ async def test_serve_from_config_announces_the_hosts_cpus(nursery: trio.Nursery)
     handle: ExecserverHandle = await nursery.start(partial(serve_from_config, config(), host=small))
     async with connect(handle) as peer:
         assert peer.hellos[0].processes == 3
+
+
+async def test_a_glued_dash_parameter_is_refused_and_an_allowed_one_runs(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """Over a real execserver and real commands: ``level: -help`` in gzip's ``-{level}``
+    ends ``error`` naming the parameter and the rule (gzip never runs: its help is no
+    ``ok`` output), ``level: 1`` compresses, and a service that allows its pattern to
+    begin with a dash runs ``grep -e -v``."""
+    wired = ExecserverConfig.from_mapping(
+        {
+            "listen": "127.0.0.1:0",
+            "name": "guarded",
+            "slots": 1,
+            "fast_reserve": 0,
+            "temp_dir": str(tmp_path),
+            "services": {
+                "gzip": {"argv": ["gzip", "-c", "-n", "-{level}"]},
+                "grep_dash": {
+                    "argv": ["grep", "-c", "-e", "{pattern}", "{file}"],
+                    "allow_leading_dash": ["pattern"],
+                },
+            },
+        }
+    )
+    (tmp_path / "lines.txt").write_text("a\n-v\n-v\n")
+    handle: ExecserverHandle = await nursery.start(serve_from_config, wired)
+    async with connect(handle) as peer:
+
+        async def run(job_id: str, service: str, params: dict[str, object]) -> p.Receipt:
+            offer = await peer.want(job_id, service)
+            assert isinstance(offer, p.Offer), offer
+            await peer.run(offer, service, params)
+            return (await peer.done(job_id)).receipt
+
+        refused = await run("help", "gzip", {"level": "-help"})
+        assert (refused.status, refused.exit_code) == ("error", None)
+        assert refused.error == (
+            "parameter 'level' must not begin with '-' where an option can start"
+            " (argv[3] '-{level}', got '-help'); the service may allow it with allow_leading_dash"
+        )
+        assert refused.stdout_prefix == ""
+        assert (await run("fast", "gzip", {"level": 1})).status == "ok"
+        allowed = await run(
+            "dash", "grep_dash", {"pattern": "-v", "file": str(tmp_path / "lines.txt")}
+        )
+        assert (allowed.status, allowed.stdout_prefix) == ("ok", "2\n")
+        still_guarded = await run("file", "grep_dash", {"pattern": "a", "file": "-r"})
+        assert still_guarded.error is not None
+        assert still_guarded.error.startswith("parameter 'file' must not begin with '-'")
+
+
+def test_allow_leading_dash_names_placeholders_of_argv() -> None:
+    """A name that is no placeholder, or an allowance on a builtin, is a configuration error
+    naming the key; a loaded allowance reaches the template the runner fills."""
+    from trio_broker_daemons.config.values import ConfigError
+
+    def load(service: dict[str, object]) -> ExecserverConfig:
+        return ExecserverConfig.from_mapping({"services": {"s": service}})
+
+    with pytest.raises(ConfigError) as info:
+        load({"argv": ["grep", "-e", "{pattern}"], "allow_leading_dash": ["patern"]})
+    assert str(info.value) == (
+        "services.s.allow_leading_dash[0]: expected a placeholder of argv (pattern), got 'patern'"
+    )
+    with pytest.raises(ConfigError) as info:
+        load({"builtin": "noop", "allow_leading_dash": ["x"]})
+    assert str(info.value) == (
+        "services.s.allow_leading_dash: expected no parameters: a builtin has no argv"
+    )
+    with pytest.raises(ConfigError) as info:
+        load({"argv": ["grep", "{pattern}"], "allow_leading_dash": "pattern"})
+    assert str(info.value) == (
+        "services.s.allow_leading_dash: expected a list of parameter names, got 'pattern'"
+    )
+    loaded = load({"argv": ["grep", "-e", "{pattern}"], "allow_leading_dash": ["pattern"]})
+    template = loaded.services["s"].argv
+    assert template is not None
+    assert template.allow_leading_dash == {"pattern"}
+    runner = command_runner_from(loaded, HOST)
+    assert runner is not None

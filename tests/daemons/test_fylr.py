@@ -472,8 +472,10 @@ async def test_an_interrupted_upload_leaves_no_file_row(pg_dsn: str, tmp_path: P
         stream = await trio.open_tcp_stream(fylr.host, fylr.port)
         async with stream:
             await stream.send_all(
-                b"PUT /eas/put?filename=big.txt HTTP/1.1\r\nhost: test\r\n"
-                b"content-length: 1000000\r\n\r\n" + b"x" * 300_000
+                b"PUT /eas/put?filename=big.txt HTTP/1.1\r\n"
+                + f"host: {fylr.host}:{fylr.port}\r\n".encode()
+                + b"content-length: 1000000\r\n\r\n"
+                + b"x" * 300_000
             )
         with trio.fail_after(WAIT):
             await fylr.wait_until(lambda stats: stats.uploads_aborted == 1)

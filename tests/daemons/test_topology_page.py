@@ -11,16 +11,21 @@ balancer broke. A screenshot is saved as an artifact (``tmp_path``, and
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
+import httpx
 import trio
+from trio_broker_daemons.fylr.app import FylrHandle, serve_fylr
+from trio_broker_daemons.fylr.config import FylrConfig
 
 from tests.daemons.test_topology import hold_one
 from tests.support.browser import open_browser
 from tests.support.installation import WAIT, open_installation
 
 TIMEOUT_MS = WAIT * 1000
+OPERATOR = "operator-token-for-the-page"
 
 
 def count(selector: str) -> str:
@@ -87,6 +92,55 @@ async def test_the_page_shows_the_installation_and_follows_it_live(
     assert browser.requests  # the page, its websocket: all on 127.0.0.1
     assert shot.stat().st_size > 10_000
     keep_artifact(shot)
+
+
+async def test_an_operator_opens_the_page_with_the_token_as_password(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """With tokens configured, a browser opens the page through its login prompt (the
+    operator token as the password) and the page follows the websocket through the signed
+    link it embeds (a browser cannot give a websocket a token); a browser without the
+    login gets 401 and a login prompt (the Basic challenge)."""
+    config = FylrConfig.from_mapping(
+        {
+            "listen": "127.0.0.1:0",
+            "name": "guarded-fylr",
+            "state_dir": str(tmp_path / "state"),
+            "database": pg_dsn,
+            "database_pool": 4,
+            "execservers": [],
+            "tokens": {"operator": OPERATOR, "read": "r" * 20, "upload": "u" * 20},
+        }
+    )
+    async with trio.open_nursery() as nursery:
+        fylr: FylrHandle = await nursery.start(serve_fylr, config)
+        url = f"{fylr.url}/inspect/system/topology"
+        async with httpx.AsyncClient(timeout=WAIT) as http:
+            stranger = await http.get(url)
+        assert stranger.status_code == 401
+        assert 'Basic realm="fylr", charset="UTF-8"' in stranger.headers.get_list(
+            "www-authenticate"
+        )
+        async with open_browser(http_credentials=("operator", OPERATOR)) as browser:
+            answer = await browser.call(lambda page: page.goto(url))
+            assert answer is not None
+            assert answer.status == 200
+            await browser.call(
+                lambda page: page.wait_for_function(
+                    "document.getElementById('status').textContent === 'live'",
+                    timeout=TIMEOUT_MS,
+                )
+            )
+            summary = await browser.call(lambda page: page.text_content("#summary"))
+            assert summary is not None
+            assert summary.startswith("1 fylr, 0 balancer, 0 execserver")
+            link = await browser.call(lambda page: page.evaluate("WEBSOCKET"))
+            assert re.fullmatch(
+                r"/inspect/system/topology/ws\?expires=\d+&signature=[\w-]{43}", link
+            ), link
+        fylr.stop()
+        with trio.fail_after(WAIT):
+            await fylr.wait_closed()
 
 
 def keep_artifact(shot: Path) -> None:

@@ -460,3 +460,73 @@ def test_at_most_a_few_files_are_followed_at_the_pace_of_their_position() -> Non
     positions.ended(2)
     assert positions.wants(4, waiting=True)
     assert not PositionFollowers(0).wants(1, waiting=True)  # nothing shown: never
+
+
+async def test_the_client_commands_take_the_fylrs_token(pg_dsn: str, tmp_path: Path) -> None:
+    """Against a fylr with tokens: upload, position and top --once without a token exit 1
+    saying which token to give and how; with it (--token-file, $TRIO_BROKER_FYLR_TOKEN,
+    --token) they work; an unreadable token file is a usage error (exit 2)."""
+    tokens = {"upload": "cli-upload-token", "read": "cli-read-token", "operator": "cli-op-token"}
+    for role, token in tokens.items():
+        (tmp_path / f"{role}.token").write_text(token + "\n")
+    (tmp_path / "a.txt").write_bytes(b"a text\n")
+    config = yaml.safe_dump(
+        {"listen": "127.0.0.1:0", "state_dir": str(tmp_path / "state"), "database": pg_dsn,
+         "database_pool": 2, "execservers": [], "classes": {}, "tokens": tokens}
+    )  # fmt: skip
+
+    async def cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+        with trio.fail_after(WAIT):
+            result = await trio.run_process(
+                trio_broker(*args),
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+                env={**os.environ, **(env or {})},
+            )
+        return result.returncode, result.stdout.decode(), result.stderr.decode()
+
+    async with open_fylr_process(config) as fylr:
+        server = fylr.http_url
+        status, out, _ = await cli("upload", str(tmp_path / "a.txt"), "--server", server)
+        assert status == 1
+        assert out.startswith(
+            "a.txt: not uploaded: the fylr answered 401: a token is required: the upload token"
+            " (give the fylr's token: --token-file FILE or $TRIO_BROKER_FYLR_TOKEN;"
+            " this command needs the upload token)"
+        ), out
+        status, out, _ = await cli(
+            "upload", str(tmp_path / "a.txt"), "--server", server, "--wait",
+            "--token-file", str(tmp_path / "upload.token"),
+        )  # fmt: skip
+        assert status == 0, out
+        file_id = parse(out)["a.txt"][0]
+        status, out, _ = await cli("position", str(file_id), "--server", server)
+        assert (status, out.splitlines()[0]) == (
+            1,
+            f"file {file_id}: the fylr answered 401: a token is required: the read token"
+            " (give the fylr's token: --token-file FILE or $TRIO_BROKER_FYLR_TOKEN;"
+            " this command needs the read token)",
+        )
+        status, out, _ = await cli(
+            "position", str(file_id), "--server", server,
+            env={"TRIO_BROKER_FYLR_TOKEN": tokens["read"]},
+        )  # fmt: skip
+        assert (status, out) == (0, f"a.txt #{file_id}: done, nothing waits\n")
+        status, out, _ = await cli("top", "--once", "--server", server, "--token", tokens["read"])
+        assert (status, out) == (
+            1,
+            f"trio-broker top: {server}: the fylr answered 403: this token may read, not"
+            " operator: use the operator token (this command needs the operator token)\n",
+        )
+        status, out, _ = await cli(
+            "top", "--once", "--server", server,
+            "--token-file", str(tmp_path / "operator.token"),
+        )  # fmt: skip
+        assert status == 0, out
+        assert "1 fylr, 0 balancer, 0 execserver" in out
+        status, _, err = await cli(
+            "top", "--once", "--server", server, "--token-file", str(tmp_path / "missing")
+        )
+        assert status == 2
+        assert err.startswith("trio-broker top: --token-file: cannot read")

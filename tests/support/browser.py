@@ -45,9 +45,15 @@ LOCAL_PREFIXES: Final = ("http://127.0.0.1:", "ws://127.0.0.1:", "data:", "about
 
 
 class Browser:
-    """One page of a headless Chromium (see the module docstring)."""
+    """One page of a headless Chromium (see the module docstring).
 
-    def __init__(self) -> None:
+    Args:
+        http_credentials: the user name and password the browser answers a
+            login prompt (``WWW-Authenticate: Basic``) with; ``None``: it has none.
+    """
+
+    def __init__(self, http_credentials: tuple[str, str] | None = None) -> None:
+        self.http_credentials = http_credentials
         self._requests: queue.Queue[tuple[Callable[[Any], Any], Callable[[Any], None]] | None] = (
             queue.Queue()
         )
@@ -86,12 +92,18 @@ class Browser:
 
         try:
             with sync_playwright() as playwright:
+                credentials = self.http_credentials
                 context = playwright.chromium.launch_persistent_context(
                     user_data,
                     executable_path=CHROMIUM,
                     headless=True,
                     args=list(FLAGS),
                     viewport={"width": 1080, "height": 720},
+                    http_credentials=(
+                        {"username": credentials[0], "password": credentials[1]}
+                        if credentials is not None
+                        else None
+                    ),
                 )
                 try:
                     context.route("**/*", self._route)
@@ -110,8 +122,12 @@ class Browser:
 
 
 @contextlib.asynccontextmanager
-async def open_browser() -> AsyncIterator[Browser]:
+async def open_browser(
+    *, http_credentials: tuple[str, str] | None = None
+) -> AsyncIterator[Browser]:
     """A headless Chromium with a fresh profile, closed when the block ends.
+
+    ``http_credentials`` (user name, password) answer a login prompt.
 
     Skips the test when Playwright for Python or Debian's chromium is missing
     (``pip install playwright``, ``apt-get install chromium``; never
@@ -120,7 +136,7 @@ async def open_browser() -> AsyncIterator[Browser]:
     pytest.importorskip("playwright.sync_api", reason="needs Playwright for Python")
     if shutil.which(CHROMIUM) is None:
         pytest.skip(f"needs Debian's chromium at {CHROMIUM} (apt-get install chromium)")
-    browser = Browser()
+    browser = Browser(http_credentials)
     with tempfile.TemporaryDirectory(prefix="trio-broker-chromium-") as user_data:
         thread = threading.Thread(target=browser.run, args=(user_data,), daemon=True)
         thread.start()

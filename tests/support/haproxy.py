@@ -234,7 +234,7 @@ def render_config(
     if health_path is not None:
         lines += [
             "    option httpchk",
-            f"    http-check send meth GET uri {health_path} ver HTTP/1.1 hdr Host haproxy",
+            f"    http-check send meth GET uri {health_path} ver HTTP/1.1 hdr Host localhost",
             "    http-check expect status 200",
         ]
     lines.append(f"    default-server check inter {inter}ms fastinter {inter}ms fall 2 rise 1")

@@ -8,6 +8,7 @@ import httpx
 import pytest
 import trio
 
+from tests.support.rawhttp import UPGRADE, exchange
 from tests.support.wire import WAIT, connect, start_execserver
 from trio_broker.core import protocol as p
 from trio_broker.trio.pages import bearer_matches
@@ -125,3 +126,38 @@ async def test_each_job_is_one_structured_log_line(
     assert wait_s >= 0
     assert duration_s == round(receipt.duration_s, 6)
     assert getattr(record, "peak_memory") == receipt.peak_memory  # noqa: B009
+
+
+TWO = (("authorization", f"Bearer {TOKEN}"), ("authorization", f"Bearer {TOKEN}"))
+"""The right token, twice: still refused."""
+
+
+@pytest.mark.parametrize("token", [TOKEN, None], ids=["token", "no-token"])
+async def test_several_authorization_headers_are_400_on_every_route(
+    nursery: trio.Nursery, token: str | None
+) -> None:
+    """Two Authorization headers (even both right) are refused with 400 on the pages, the
+    probes, an unknown path, the /broker upgrade of a fresh connection (the listener's
+    own path) and of a kept-alive one (the ASGI path), with a token configured or not;
+    one header is judged as before."""
+    handle = await start_execserver(nursery, broker_token=token)
+    one = (("authorization", f"Bearer {TOKEN}"),)
+    several = b"several Authorization headers: send one\n"
+    for path in ("/inspect/system/execserver", "/metrics", "/livez", "/", "/nowhere"):
+        answers = await exchange(handle.host, handle.port, [("GET", path, TWO), ("GET", path, one)])
+        assert answers[0] == (400, several), path
+        assert answers[1][0] == (404 if path == "/nowhere" else 200), path
+    fresh = await exchange(handle.host, handle.port, [("GET", "/broker", (*UPGRADE, *TWO))])
+    assert fresh == [(400, several)]
+    kept_alive = await exchange(
+        handle.host, handle.port, [("GET", "/livez", ()), ("GET", "/broker", (*UPGRADE, *TWO))]
+    )
+    assert kept_alive == [(200, b'{"status":"serving"}'), (400, several)]
+    accepted = await exchange(handle.host, handle.port, [("GET", "/broker", (*UPGRADE, *one))])
+    assert accepted[0][0] == 101
+    refused = await exchange(
+        handle.host,
+        handle.port,
+        [("GET", "/livez", ()), ("GET", "/broker", (*UPGRADE, ("authorization", "Bearer no")))],
+    )
+    assert refused[1][0] == (401 if token else 101)

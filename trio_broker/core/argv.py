@@ -26,6 +26,20 @@ Filling: a string goes in as it is, a number as JSON prints it (``3``, ``2.5``,
 (an object, a list, null, a non-finite number) and a value holding a NUL character
 are refused with :class:`ParameterError`, whose text is the receipt's error.
 
+Guarded options: a value that begins with ``-`` is refused where the template
+lets an option start, that is where everything before the placeholder in its
+element is dashes or nothing: a placeholder standing alone (``{file}``), at
+the start of its element (``{name}.png``) or glued to a leading dash
+(``-{level}``, ``--{flag}``). There the value would become an option of the
+program (``level: -help`` fills ``-{level}`` as ``--help``), so it is refused
+with a :class:`ParameterError` naming the parameter, the element and the rule,
+unless the template lists the parameter in ``allow_leading_dash``. After other
+text (``--size={size}``, ``-o{out}``, ``x{name}``) a value is never an option
+and is not guarded. The guard looks at the dash only: a placeholder glued to a
+dash hands the program option letters by design (``-{level}`` with ``level: d``
+is gzip's ``-d``), so such a template belongs to parameters that come from a
+trusted configuration.
+
 The module is pure: no I/O, no trio.
 """
 
@@ -33,7 +47,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Final, overload
 
 import attrs
@@ -159,28 +173,44 @@ class ArgvTemplate(Sequence[str]):
     Attributes:
         source: the elements as written.
         parts: each element split into literal text and placeholders.
+        allow_leading_dash: the parameters whose values may begin with ``-``
+            where an option can start (*Guarded options* in the module docstring).
     """
 
     source: tuple[str, ...]
     parts: tuple[tuple[Part, ...], ...] = attrs.field(repr=False, eq=False)
+    allow_leading_dash: frozenset[str] = frozenset()
 
     @classmethod
-    def parse(cls, argv: Sequence[str]) -> ArgvTemplate:
+    def parse(
+        cls, argv: Sequence[str], *, allow_leading_dash: Iterable[str] | None = None
+    ) -> ArgvTemplate:
         """Parse an argv template (see the module docstring for the grammar).
 
         Args:
-            argv: the elements; a template is returned as it is.
+            argv: the elements; a template is returned as it is (with
+                ``allow_leading_dash`` replaced when that is given).
+            allow_leading_dash: the parameters whose values may begin with ``-``
+                where an option can start (see *Guarded options* in the module
+                docstring); each must be a placeholder of the template.
 
         Returns:
             The template, its placeholders known.
 
         Raises:
             TemplateError: the template is not a non-empty sequence of strings,
-                an element breaks the grammar (``index`` names it), or the
-                program is empty or holds a placeholder.
+                an element breaks the grammar (``index`` names it), the
+                program is empty or holds a placeholder, or ``allow_leading_dash``
+                names no placeholder.
         """
         if isinstance(argv, ArgvTemplate):
-            return argv
+            if allow_leading_dash is None:
+                return argv
+            return cls(
+                source=argv.source,
+                parts=argv.parts,
+                allow_leading_dash=argv._allowed(allow_leading_dash),
+            )
         if isinstance(argv, str | bytes) or not isinstance(argv, Sequence):
             raise TemplateError(f"expected a list of strings, got {type(argv).__name__}")
         if not argv:
@@ -199,7 +229,30 @@ class ArgvTemplate(Sequence[str]):
                 f" got {_show(argv[0])}",
                 index=0,
             )
-        return cls(source=tuple(argv), parts=tuple(parsed))
+        template = cls(source=tuple(argv), parts=tuple(parsed))
+        if allow_leading_dash is None:
+            return template
+        return cls(
+            source=template.source,
+            parts=template.parts,
+            allow_leading_dash=template._allowed(allow_leading_dash),
+        )
+
+    def _allowed(self, names: Iterable[str]) -> frozenset[str]:
+        """``names`` as a set, each checked to be a placeholder of this template."""
+        if isinstance(names, str):
+            raise TemplateError(
+                f"allow_leading_dash: expected a list of parameter names, got {names!r}"
+            )
+        placeholders = self.placeholders
+        for name in names:
+            if name not in placeholders:
+                known = ", ".join(sorted(placeholders)) or "none"
+                raise TemplateError(
+                    f"allow_leading_dash: expected placeholders of the template ({known}),"
+                    f" got {name!r}"
+                )
+        return frozenset(names)
 
     @property
     def program(self) -> str:
@@ -224,21 +277,40 @@ class ArgvTemplate(Sequence[str]):
 
         Raises:
             ParameterError: a placeholder's parameter is missing, is not a string,
-                finite number or boolean, or holds a NUL character; the first such
-                placeholder (in template order) is named.
+                finite number or boolean, or holds a NUL character, or its value
+                begins with ``-`` where an option can start and the parameter is
+                not in ``allow_leading_dash``; the first such placeholder (in
+                template order) is named.
         """
-        filled = []
-        for element in self.parts:
-            pieces = []
-            for part in element:
-                if isinstance(part, str):
-                    pieces.append(part)
-                elif part.name not in params:
-                    raise ParameterError(f"missing parameter {part.name!r}")
-                else:
-                    pieces.append(_format_value(part.name, params[part.name]))
-            filled.append("".join(pieces))
-        return tuple(filled)
+        return tuple(
+            self._fill_element(index, element, params) for index, element in enumerate(self.parts)
+        )
+
+    def _fill_element(
+        self, index: int, element: tuple[Part, ...], params: Mapping[str, object]
+    ) -> str:
+        pieces = []
+        option_start = True  # everything so far in the element is dashes (or nothing)
+        for part in element:
+            if isinstance(part, str):
+                text = part
+            elif part.name not in params:
+                raise ParameterError(f"missing parameter {part.name!r}")
+            else:
+                text = _format_value(part.name, params[part.name])
+                if (
+                    option_start
+                    and text.startswith("-")
+                    and part.name not in self.allow_leading_dash
+                ):
+                    raise ParameterError(
+                        f"parameter {part.name!r} must not begin with '-' where an option can"
+                        f" start (argv[{index}] {_show(self.source[index])}, got {_show(text)});"
+                        " the service may allow it with allow_leading_dash"
+                    )
+            option_start = option_start and text.strip("-") == ""
+            pieces.append(text)
+        return "".join(pieces)
 
     # -- the sequence of elements as written
 
@@ -256,11 +328,16 @@ class ArgvTemplate(Sequence[str]):
         return iter(self.source)
 
 
-def fill_argv(argv: Sequence[str], params: Mapping[str, object]) -> tuple[str, ...]:
+def fill_argv(
+    argv: Sequence[str],
+    params: Mapping[str, object],
+    *,
+    allow_leading_dash: Iterable[str] | None = None,
+) -> tuple[str, ...]:
     """Parse an argv template (or take a parsed one) and fill it from ``params``.
 
     Raises:
         TemplateError: the template is malformed.
         ParameterError: ``params`` cannot fill it (see :meth:`ArgvTemplate.fill`).
     """
-    return ArgvTemplate.parse(argv).fill(params)
+    return ArgvTemplate.parse(argv, allow_leading_dash=allow_leading_dash).fill(params)

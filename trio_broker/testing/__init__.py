@@ -1,5 +1,6 @@
-"""Public hypothesis strategies and model checks for trio_broker.
+"""Public hypothesis strategies and model checks for trio_broker, and the fleet simulator.
 
-Needs the ``testing`` extra (``pip install trio_broker[testing]``), which brings
-hypothesis. Nothing here imports trio.
+The model checks need the ``testing`` extra (``pip install trio_broker[testing]``),
+which brings hypothesis; the simulator (:mod:`trio_broker.testing.sim`) needs
+nothing beyond the library. Nothing here imports trio.
 """

@@ -24,7 +24,9 @@ small starlette app:
 
 With a broker token, ``/broker``, ``/inspect/system/execserver`` and
 ``/metrics`` need ``Authorization: Bearer <token>``; the health pages and the
-index never do (probes carry no secrets).
+index never do (probes carry no secrets). A request or upgrade with several
+``Authorization`` headers is refused with 400 on every route, token or not
+(:func:`~trio_broker.trio.pages.one_authorization`).
 
 Every ended job is logged as one line (``job ended``) with structured fields
 (``extra``): ``service``, ``job_id``, ``subject``, ``client`` (the connection's
@@ -44,9 +46,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hmac
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import assert_never
 
 import h11
@@ -80,7 +81,17 @@ from trio_broker.trio.inspection import (
     execserver_metrics,
 )
 from trio_broker.trio.listener import ListenerSettings, listener_config, serve_app
-from trio_broker.trio.pages import Page, bearer_required, health_pages, routes_of
+from trio_broker.trio.pages import (
+    SEVERAL_AUTHORIZATIONS,
+    Page,
+    authorization_of,
+    bearer_matches,
+    bearer_required,
+    deny,
+    health_pages,
+    one_authorization,
+    routes_of,
+)
 from trio_broker.trio.runner import (
     JobControl,
     JobRequest,
@@ -336,21 +347,19 @@ class _Service:
 
     # -- the websocket endpoint ----------------------------------------------------------
 
-    def authorized(self, headers: Mapping[str, str]) -> bool:
-        if self.broker_token is None:
-            return True
-        given = headers.get("authorization", "")
-        expected = f"Bearer {self.broker_token}"
-        return hmac.compare_digest(given.encode(), expected.encode())
+    def authorized(self, authorization: str) -> bool:
+        """Whether an ``Authorization`` value carries the broker token (constant time)."""
+        return bearer_matches(authorization, self.broker_token)
 
     async def broker_websocket(
         self, stream: trio.abc.Stream, head: bytes, request: h11.Request
     ) -> None:
         """The ``/broker`` websocket on the raw stream the listener hands over."""
-        headers = {
-            name.decode("latin-1"): value.decode("latin-1") for name, value in request.headers
-        }
-        if not self.authorized(headers):
+        authorization = authorization_of(request.headers)
+        if authorization is None:
+            await refuse(stream, head, 400, SEVERAL_AUTHORIZATIONS.encode(), [])
+            return
+        if not self.authorized(authorization):
             await refuse(
                 stream,
                 head,
@@ -377,26 +386,18 @@ class _Service:
 
     async def broker_endpoint(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ``/broker`` websocket, as a plain ASGI application."""
-        if (await receive())["type"] != "websocket.connect":
+        # one Authorization header: the application's one_authorization saw to it
+        if not self.authorized(authorization_of(scope["headers"]) or ""):
+            await deny(
+                scope,
+                receive,
+                send,
+                401,
+                "a broker token is required\n",
+                [("www-authenticate", "Bearer")],
+            )
             return
-        headers = {
-            name.decode("latin-1").lower(): value.decode("latin-1")
-            for name, value in scope["headers"]
-        }
-        if not self.authorized(headers):
-            await send(
-                {
-                    "type": "websocket.http.response.start",
-                    "status": 401,
-                    "headers": [
-                        (b"content-type", b"text/plain; charset=utf-8"),
-                        (b"www-authenticate", b"Bearer"),
-                    ],
-                }
-            )
-            await send(
-                {"type": "websocket.http.response.body", "body": b"a broker token is required\n"}
-            )
+        if (await receive())["type"] != "websocket.connect":
             return
         await send({"type": "websocket.accept"})
         host, port = scope.get("server") or ("", 0)
@@ -440,7 +441,7 @@ def _make_app(service: _Service) -> ASGIApp:
         else:
             await app_pages(scope, receive, send)
 
-    return app
+    return one_authorization(app)
 
 
 async def serve_execserver(

@@ -20,12 +20,14 @@ from typing import Final
 
 from trio_broker._version import __version__
 
-__all__ = ["DAEMON_MODULES", "SERVER_VARIABLE", "build_parser", "main"]
+__all__ = ["DAEMON_MODULES", "SERVER_VARIABLE", "TOKEN_VARIABLE", "build_parser", "main"]
 
 LOG_LEVELS: Final = ("debug", "info", "warning", "error")
 LOG_FORMATS: Final = ("logfmt", "json")
 SERVER_VARIABLE: Final = "TRIO_BROKER_SERVER"
 """The environment variable ``upload --server`` defaults to."""
+TOKEN_VARIABLE: Final = "TRIO_BROKER_FYLR_TOKEN"
+"""The environment variable ``upload``, ``position`` and ``top`` take the fylr's token from."""
 
 
 def _global_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
@@ -61,6 +63,47 @@ def _priority(text: str) -> int:
         return parse_priority(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _client_options(parser: argparse.ArgumentParser, role: str) -> None:
+    """``--server`` and the fylr token options of a command that talks to a fylr."""
+    parser.add_argument(
+        "--server",
+        default=os.environ.get(SERVER_VARIABLE) or None,
+        metavar="HOST:PORT",
+        help=f"the fylr, e.g. 127.0.0.1:7400 or https://fylr:7400 (default: ${SERVER_VARIABLE})",
+    )
+    tokens = parser.add_mutually_exclusive_group()
+    tokens.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help=f"read the fylr's {role} token from FILE (default: ${TOKEN_VARIABLE})",
+    )
+    tokens.add_argument(
+        "--token",
+        metavar="TOKEN",
+        help="the token itself (visible to other users in the process list: prefer --token-file)",
+    )
+
+
+def _fylr_token(args: argparse.Namespace) -> str | None:
+    """The token a client command sends: --token, --token-file, then the variable.
+
+    Raises:
+        ValueError: the file cannot be read or holds no token.
+    """
+    if args.token is not None:
+        return str(args.token) or None
+    if args.token_file is not None:
+        try:
+            with open(args.token_file, encoding="utf-8") as stream:
+                text = stream.read().removesuffix("\n").removesuffix("\r")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--token-file: cannot read {args.token_file!r}: {exc}") from None
+        if not text:
+            raise ValueError(f"--token-file: {args.token_file!r} is empty")
+        return text
+    return os.environ.get(TOKEN_VARIABLE) or None
 
 
 def _daemon(
@@ -147,12 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     upload.add_argument("files", nargs="+", metavar="FILE", help="files to upload")
-    upload.add_argument(
-        "--server",
-        default=os.environ.get(SERVER_VARIABLE) or None,
-        metavar="HOST:PORT",
-        help=f"the fylr, e.g. 127.0.0.1:7400 or https://fylr:7400 (default: ${SERVER_VARIABLE})",
-    )
+    _client_options(upload, "upload")
     upload.add_argument(
         "--priority",
         type=_priority,
@@ -182,12 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     position.add_argument("file_id", type=int, metavar="ID", help="the file's id")
-    position.add_argument(
-        "--server",
-        default=os.environ.get(SERVER_VARIABLE) or None,
-        metavar="HOST:PORT",
-        help=f"the fylr, e.g. 127.0.0.1:7400 or https://fylr:7400 (default: ${SERVER_VARIABLE})",
-    )
+    _client_options(position, "read")
     top = commands.add_parser(
         "top",
         help="a live view of the installation in the terminal",
@@ -196,18 +229,75 @@ def build_parser() -> argparse.ArgumentParser:
             "it each second until interrupted."
         ),
     )
-    top.add_argument(
-        "--server",
-        default=os.environ.get(SERVER_VARIABLE) or None,
-        metavar="HOST:PORT",
-        help=f"the fylr, e.g. 127.0.0.1:7400 or https://fylr:7400 (default: ${SERVER_VARIABLE})",
-    )
+    _client_options(top, "operator")
     top.add_argument(
         "--once", action="store_true", help="print the view once and exit (no live display)"
     )
     _global_options(position, top=False)
     _global_options(top, top=False)
+    _simulate_parser(commands)
     return parser
+
+
+def _seeds(text: str) -> range:
+    from trio_broker_daemons.commands.simulate import parse_seeds
+
+    try:
+        return parse_seeds(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _simulate_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    simulate = commands.add_parser(
+        "simulate",
+        help="simulate a fleet on the real cores: find defects by seed, plan capacity",
+        description=(
+            "Run SCENARIO (a shipped one, see --list, or a YAML/JSON file) for each seed in "
+            "virtual time, on the library's real cores, and check its invariants. Prints "
+            "every violation with its seed and a shrunk trace that replays it (exit 1), "
+            "or the capacity report: throughput, slot use, waits per priority, shares, "
+            "the queue over time; and the same for a what-if fleet."
+        ),
+    )
+    simulate.add_argument("scenario", nargs="?", metavar="SCENARIO", help="a name or a file")
+    simulate.add_argument(
+        "--seeds", type=_seeds, default=range(10), metavar="A..B", help="seeds (default 0..9)"
+    )
+    simulate.add_argument(
+        "--jobs", type=_count, default=None, metavar="N", help="processes (default: the CPUs)"
+    )
+    simulate.add_argument(
+        "--add-execservers", type=_count, default=0, metavar="N",
+        help="what if: N more execservers like the last one",
+    )  # fmt: skip
+    simulate.add_argument(
+        "--slots", type=_count, default=None, metavar="N", help="what if: N slots each"
+    )
+    simulate.add_argument(
+        "--clients", type=_count, default=None, metavar="N", help="what if: N clients"
+    )
+    simulate.add_argument(
+        "--trace-out", metavar="FILE", help="write the shrunk trace of a failing seed here"
+    )
+    simulate.add_argument(
+        "--replay", action="store_true", help="SCENARIO is a trace file: run it as it is"
+    )
+    simulate.add_argument("--list", action="store_true", help="list the shipped scenarios")
+    simulate.add_argument(
+        "--dump", action="store_true", help="print SCENARIO as JSON (to start a file of your own)"
+    )
+    _global_options(simulate, top=False)
 
 
 DAEMON_MODULES: Final = frozenset({"yaml", "rich", "psycopg", "psycopg_pool"})
@@ -234,6 +324,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.command in ("upload", "position", "top"):
+        try:
+            args.fylr_token = _fylr_token(args)
+        except ValueError as exc:
+            print(f"trio-broker {args.command}: {exc}", file=sys.stderr)
+            return 2
     try:
         return _run(args)
     except ModuleNotFoundError as exc:
@@ -245,6 +341,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from trio_broker_daemons.commands import simulate
+
+    if args.list:
+        return simulate.list_scenarios()
+    if args.scenario is None:
+        print("trio-broker simulate: give a SCENARIO (or --list)", file=sys.stderr)
+        return 2
+    if args.dump:
+        return simulate.dump_scenario(args.scenario)
+    if args.slots == 0 or args.clients == 0:
+        print("trio-broker simulate: --slots and --clients need at least 1", file=sys.stderr)
+        return 2
+    return simulate.main(
+        args.scenario,
+        seeds=args.seeds,
+        jobs=args.jobs or None,
+        add_execservers=args.add_execservers,
+        slots=args.slots,
+        clients=args.clients,
+        trace_out=args.trace_out,
+        replay_trace=args.replay,
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -262,10 +383,12 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "position":
             from trio_broker_daemons.commands.position import main as position_main
 
-            return position_main(server, args.file_id)
+            return position_main(server, args.file_id, token=args.fylr_token)
         from trio_broker_daemons.commands.top import main as top_main
 
-        return top_main(server, once=args.once)
+        return top_main(server, once=args.once, token=args.fylr_token)
+    if args.command == "simulate":
+        return _simulate(args)
     if args.command == "upload":
         # the progress bars are the upload's output: by default only warnings are logged
         configure_logging(args.log_level or "warning", args.log_format)
@@ -277,6 +400,7 @@ def _run(args: argparse.Namespace) -> int:
             priority=args.priority,
             wait=args.wait,
             timeout=args.timeout,
+            token=args.fylr_token,
         )
     if args.command == "fylr" and args.operation == "requeue":
         configure_logging(args.log_level or "warning", args.log_format)

@@ -12,8 +12,9 @@ users read, shared by ``trio-broker position`` and the progress display of
 
 The position is the hard number; the time is only ever written as "roughly",
 since it is the execserver's mean runtime times the rounds ahead. Exit status of
-the command: 0 when the file was found, 1 when it is unknown or the fylr could
-not be reached.
+the command: 0 when the file was found, 1 when it is unknown, the fylr could
+not be reached or refused the token (a fylr with tokens needs the ``read``
+token, or the ``upload`` or ``operator`` one: ``--token-file``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any, Final
 
 import httpx
 import trio
+
+from trio_broker_daemons.commands.credentials import auth_headers, refusal_hint
 
 __all__ = ["eta_text", "main", "queue_text", "waiting_steps"]
 
@@ -68,21 +71,35 @@ def waiting_steps(document: Mapping[str, Any]) -> list[tuple[str, Mapping[str, A
     return found
 
 
-async def _fetch(server: str, file_id: int) -> tuple[int, Any]:
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT) as http:
-        response = await http.get(f"{server.rstrip('/')}/api/v1/eas/{file_id}")
-    return response.status_code, response.json()
+async def _fetch(server: str, file_id: int, token: str | None) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT, headers=auth_headers(token)) as http:
+        return await http.get(f"{server.rstrip('/')}/api/v1/eas/{file_id}")
 
 
-def main(server: str, file_id: int) -> int:
-    """The ``trio-broker position`` command; returns the exit status."""
+def main(server: str, file_id: int, *, token: str | None = None) -> int:
+    """The ``trio-broker position`` command; returns the exit status.
+
+    Args:
+        server: the fylr's base URL.
+        file_id: the file.
+        token: the fylr's ``read`` token (or a wider one), if it has tokens.
+    """
     try:
-        status, document = trio.run(_fetch, server, file_id)
-    except (httpx.HTTPError, ValueError) as exc:
+        response = trio.run(_fetch, server, file_id, token)
+    except httpx.HTTPError as exc:
         print(f"trio-broker position: cannot reach {server}: {type(exc).__name__}: {exc}")
         return 1
+    status = response.status_code
     if status != 200:
-        print(f"file {file_id}: the fylr answered {status}")
+        print(
+            f"file {file_id}: the fylr answered {status}: {response.text.strip()}"
+            + refusal_hint(status, "read")
+        )
+        return 1
+    try:
+        document = response.json()
+    except ValueError as exc:
+        print(f"trio-broker position: {server} answered no JSON: {exc}")
         return 1
     steps = waiting_steps(document)
     if not steps:

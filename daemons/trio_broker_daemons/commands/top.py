@@ -7,14 +7,17 @@ refreshes each second: a table of the fylr servers, one of the execservers
 (with the balancer each is reached through) and the callback warnings. While
 it runs, the fylrs subscribe to the execservers' figures as for the page; when
 it stops, they stop. ``--once`` prints the document of
-``/inspect/system/topology/data`` once instead (for scripts and logs).
+``/inspect/system/topology/data`` once instead (for scripts and logs). A fylr
+with tokens needs the ``operator`` token (``--token-file``), sent on the
+websocket's upgrade as on the page request.
 
 Exit status: 0 after a clean stop (Ctrl-C) or a printed view; 1 when the fylr
-could not be reached.
+could not be reached or refused the token.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable, Mapping
@@ -26,7 +29,9 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
-from trio_websocket import HandshakeError, open_websocket_url
+from trio_websocket import ConnectionRejected, HandshakeError, open_websocket_url
+
+from trio_broker_daemons.commands.credentials import auth_headers, refusal_hint
 
 __all__ = ["follow", "main", "render"]
 
@@ -122,51 +127,87 @@ async def follow(
     on_document: Callable[[dict[str, Any]], None],
     *,
     updates: float = math.inf,
+    token: str | None = None,
 ) -> None:
     """Call ``on_document`` with each document the fylr pushes (``updates`` of them at most).
 
+    Args:
+        server: the fylr's base URL.
+        on_document: called with each document.
+        updates: how many documents to take before returning.
+        token: the fylr's ``operator`` token, if it has tokens.
+
     Raises:
-        OSError, HandshakeError: the fylr could not be reached.
+        OSError, HandshakeError: the fylr could not be reached, or refused the
+            upgrade (:class:`trio_websocket.ConnectionRejected`, its status).
     """
     url = server.rstrip("/").replace("http://", "ws://", 1).replace("https://", "wss://", 1)
-    async with open_websocket_url(f"{url}/inspect/system/topology/ws") as ws:
+    headers = [(k.encode(), v.encode()) for k, v in auth_headers(token).items()]
+    async with open_websocket_url(
+        f"{url}/inspect/system/topology/ws", extra_headers=headers or None
+    ) as ws:
         seen = 0
         while seen < updates:
             on_document(json.loads(await ws.get_message()))
             seen += 1
 
 
-async def live(server: str, console: Console, *, updates: float = math.inf) -> None:
+async def live(
+    server: str, console: Console, *, updates: float = math.inf, token: str | None = None
+) -> None:
     """The live display: redrawn each second, with the latest document pushed."""
     with Live(Text("connecting…"), console=console, refresh_per_second=1 / REFRESH) as display:
 
         def show(document: dict[str, Any]) -> None:
             display.update(render(document))
 
-        await follow(server, show, updates=updates)
+        await follow(server, show, updates=updates, token=token)
 
 
-async def _once(server: str) -> dict[str, Any]:
-    async with httpx.AsyncClient(timeout=30.0) as http:
+class Refused(Exception):
+    """The fylr answered with an error status (a missing or narrower token, …)."""
+
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(f"the fylr answered {status}: {text}{refusal_hint(status, 'operator')}")
+
+
+async def _once(server: str, token: str | None) -> dict[str, Any]:
+    async with httpx.AsyncClient(timeout=30.0, headers=auth_headers(token)) as http:
         response = await http.get(f"{server.rstrip('/')}/inspect/system/topology/data")
-    response.raise_for_status()
+    if response.status_code != 200:
+        raise Refused(response.status_code, response.text.strip())
     document: dict[str, Any] = response.json()
     return document
 
 
-def main(server: str, *, once: bool = False) -> int:
-    """The ``trio-broker top`` command; returns the exit status."""
+def main(server: str, *, once: bool = False, token: str | None = None) -> int:
+    """The ``trio-broker top`` command; returns the exit status.
+
+    Args:
+        server: the fylr's base URL.
+        once: print the view once instead of following it.
+        token: the fylr's ``operator`` token, if it has tokens.
+    """
     console = Console()
     try:
         if once:
-            console.print(render(trio.run(_once, server)))
+            console.print(render(trio.run(_once, server, token)))
         else:
-            trio.run(live, server, console)
+            trio.run(functools.partial(live, server, console, token=token))
     except KeyboardInterrupt:
         return 0
+    except ConnectionRejected as exc:
+        refused = Refused(exc.status_code, (exc.body or b"").decode("utf-8", "replace").strip())
+        console.print(f"trio-broker top: {server}: {refused}", markup=False, soft_wrap=True)
+        return 1
+    except Refused as exc:
+        console.print(f"trio-broker top: {server}: {exc}", markup=False, soft_wrap=True)
+        return 1
     except (OSError, HandshakeError, httpx.HTTPError) as exc:
         console.print(
-            f"trio-broker top: cannot follow {server}: {type(exc).__name__}: {exc}", markup=False
+            f"trio-broker top: cannot follow {server}: {type(exc).__name__}: {exc}",
+            markup=False,
+            soft_wrap=True,
         )
         return 1
     return 0

@@ -29,7 +29,9 @@ its storage failed); :func:`upload` and :func:`follow` then try again, at most
 
 ``--server`` is ``host:port`` (``http://`` is assumed) or a URL with its scheme
 (:func:`server_url`); ``--priority`` a band name or a number
-(:func:`parse_priority`).
+(:func:`parse_priority`). A fylr with tokens needs the ``upload`` token (which
+also reads the documents), given with ``--token-file`` (or ``--token``, or
+``$TRIO_BROKER_FYLR_TOKEN``).
 
 Exit status: 0 when every file was uploaded (and, with ``--wait``, it and every
 version ended ``done``); 1 when a file was not uploaded, a file or a version
@@ -51,6 +53,7 @@ import trio
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from trio_broker_daemons.commands.credentials import auth_headers, refusal_hint
 from trio_broker_daemons.commands.position import queue_text, waiting_steps
 
 __all__ = [
@@ -298,7 +301,10 @@ async def upload(
         await trio.sleep(retry_delay(attempt, response.headers.get("retry-after")))
         attempt += 1
     if response.status_code != 201:
-        raise UploadError(f"the fylr answered {response.status_code}: {_error_of(response)}")
+        raise UploadError(
+            f"the fylr answered {response.status_code}: {_error_of(response)}"
+            + refusal_hint(response.status_code, "upload")
+        )
     document: dict[str, Any] = response.json()
     return document
 
@@ -387,7 +393,10 @@ async def follow(
                 unavailable += 1
                 continue
             if response.status_code != 200:
-                raise UploadError(f"file {file_id}: the fylr answered {response.status_code}")
+                raise UploadError(
+                    f"file {file_id}: the fylr answered {response.status_code}: "
+                    f"{_error_of(response)}{refusal_hint(response.status_code, 'upload or read')}"
+                )
             unavailable = 0
             document: dict[str, Any] = response.json()
             if document != last and on_change is not None:
@@ -461,6 +470,7 @@ async def upload_files(
     timeout: float | None = None,  # noqa: ASYNC109 (a bound on the whole run, for callers)
     concurrency: int = 4,
     report_timeout: bool = False,
+    token: str | None = None,
 ) -> list[FileOutcome]:
     """Upload files and, with ``wait``, follow each until it has ended, with progress bars.
 
@@ -475,6 +485,7 @@ async def upload_files(
             ended with an ``error`` saying so (and its last document).
         concurrency: uploads in flight at once.
         report_timeout: see ``timeout``.
+        token: the fylr's ``upload`` token, sent with every request.
 
     Returns:
         One outcome per file, in the order given.
@@ -491,7 +502,7 @@ async def upload_files(
         TimeElapsedColumn(),
     )
     done: set[int] = set()
-    async with httpx.AsyncClient() as http:
+    async with httpx.AsyncClient(headers=auth_headers(token)) as http:
         with (
             trio.move_on_after(math.inf if timeout is None else timeout) as scope,
             # the bars are drawn 4 times a second, not at all on a quiet console: each
@@ -572,6 +583,7 @@ def main(
     priority: int,
     wait: bool,
     timeout: float | None = None,
+    token: str | None = None,
 ) -> int:
     """The ``trio-broker upload`` command; returns the exit status.
 
@@ -581,6 +593,7 @@ def main(
         priority: their priority.
         wait: follow each until it has ended, and print how.
         timeout: seconds for everything; files not ended by then count as failed.
+        token: the fylr's ``upload`` token.
     """
     try:
         base = server_url(server)
@@ -594,6 +607,7 @@ def main(
             wait=wait,
             timeout=timeout,
             report_timeout=True,
+            token=token,
         )
     )
     out = Console(highlight=False, soft_wrap=True)

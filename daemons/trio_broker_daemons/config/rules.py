@@ -33,6 +33,7 @@ __all__ = [
     "config_path",
     "integer",
     "listen_address",
+    "loopback_host",
     "nonempty_string",
     "not_a_string",
     "number",
@@ -106,6 +107,14 @@ def parse_listen(value: object) -> tuple[str, int]:
     if int(port) > 65535:
         raise ConfigError(f"expected a port from 0 to 65535, got {show(value)}")
     return host, int(port)
+
+
+def loopback_host(host: str) -> bool:
+    """Whether a listen host reaches this machine only: ``localhost`` or a loopback address."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def listen_address(value: object) -> str:

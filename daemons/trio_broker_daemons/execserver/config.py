@@ -99,6 +99,13 @@ Service keys (:class:`ServiceConfig`):
     is stored parsed, as an :class:`~trio_broker.core.argv.ArgvTemplate` (which
     reads as the tuple of elements written). ``builtin`` is ``noop`` (ends at once)
     or ``sleep`` (holds its slot ``params.seconds``).
+``allow_leading_dash`` ([])
+    Parameters of ``argv`` whose values may begin with ``-`` where an option can
+    start. Without it, a value beginning with ``-`` is refused (the job ends
+    ``error`` naming the parameter) where a placeholder stands alone, starts its
+    element or is glued to a leading dash (``"{file}"``, ``"-{level}"``): there it
+    would become an option of the program (*Guarded options* in
+    :mod:`trio_broker.core.argv`). Each name must be a placeholder of ``argv``.
 ``max_slots`` (0)
     Cap on the service's concurrent jobs; 0 = no cap beyond the pool.
 ``threads`` (0)
@@ -221,6 +228,15 @@ def _argv_field(value: object) -> ArgvTemplate | None:
         return _check_argv(value)
     except ConfigError as exc:
         raise ConfigError(exc.reason, keys=("argv", *exc.keys)) from None
+
+
+def _parameter_names(value: object) -> tuple[str, ...]:
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f"expected a list of parameter names, got {show(value)}")
+    for index, element in enumerate(value):
+        if type(element) is not str:
+            raise ConfigError(not_a_string(element).reason, keys=(index,))
+    return tuple(value)
 
 
 def _seconds(value: float) -> str:
@@ -353,6 +369,7 @@ _Timeout = Annotated[float | None, Rule(_nullable_duration_or_none)]
 _Budget = Annotated[int | Literal["auto"], Rule(_memory_budget)]
 _Limit = Annotated[int | None, Rule(optional_size)]
 _Argv = Annotated[ArgvTemplate | None, Rule(_check_argv)]
+_ParameterNames = Annotated[tuple[str, ...], Rule(_parameter_names)]
 _BuiltinValue = Annotated[Builtin | None, Rule(_builtin)]
 _Threads = Annotated[ThreadsSpec, Rule(check_threads)]
 _Env = Annotated[Mapping[str, str], Rule(_env)]
@@ -382,6 +399,7 @@ class ServiceConfig:
 
     argv: _Argv = attrs.field(default=None, converter=_argv_field)
     builtin: _BuiltinValue = None
+    allow_leading_dash: _ParameterNames = ()
     max_slots: _Count = 0
     threads: _Threads = 0
     timeout: _Timeout = None
@@ -394,6 +412,22 @@ class ServiceConfig:
         if (self.argv is None) == (self.builtin is None):
             got = "neither" if self.argv is None else "both"
             raise ConfigError(f"expected exactly one of argv and builtin, got {got}")
+        if self.argv is None:
+            if self.allow_leading_dash:
+                raise ConfigError(
+                    "expected no parameters: a builtin has no argv", keys=("allow_leading_dash",)
+                )
+            return
+        for index, name in enumerate(self.allow_leading_dash):
+            if name not in self.argv.placeholders:
+                known = ", ".join(sorted(self.argv.placeholders)) or "none"
+                raise ConfigError(
+                    f"expected a placeholder of argv ({known}), got {show(name)}",
+                    keys=("allow_leading_dash", index),
+                )
+        # the template carries the allowance to the runner (CommandSpec takes it as it is)
+        template = ArgvTemplate.parse(self.argv, allow_leading_dash=self.allow_leading_dash)
+        object.__setattr__(self, "argv", template)
 
     @property
     def placeholders(self) -> frozenset[str]:

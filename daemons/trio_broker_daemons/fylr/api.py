@@ -5,31 +5,62 @@ Theory of operation
 
 :func:`build_app` makes the starlette application the fylr's one listener
 serves; its handlers (:class:`FileApi`) work on the process's
-:class:`~trio_broker_daemons.fylr.state.FylrState`:
+:class:`~trio_broker_daemons.fylr.state.FylrState`.
 
-``PUT /eas/put?filename=NAME&priority=N``
+**Adding a route.** Every route declares who may use it: build it with
+:func:`~trio_broker_daemons.fylr.guard.route` (or ``websocket_route``) and its
+:class:`~trio_broker_daemons.fylr.access.Role`, one line::
+
+    route("/eas/put", api.upload, role=Role.UPLOAD, methods=("PUT",))
+
+``Role.UPLOAD`` puts content in, ``Role.READ`` reads documents and downloads,
+``Role.OPERATOR`` runs the installation (sync, requeue, cancel, delete,
+inspection, metrics), ``Role.PUBLIC`` needs nothing (probes), ``Role.PIPE``
+is what the execservers call back (pipes, ``/whoami``). A state-changing
+route takes ``POST``, ``PUT`` or ``DELETE`` (never ``GET``) with a JSON or
+binary body. :func:`build_app`
+refuses a route without a role, and the matrix test
+(``tests/daemons/test_fylr_access.py``) tries every route of the real
+application with no, a wrong, and each role's token: a new route is covered
+the moment it is added. The rules are :mod:`trio_broker_daemons.fylr.access`'s.
+
+Routes (role in brackets):
+
+``PUT /eas/put?filename=NAME&priority=N`` [upload]
     the body is streamed into storage (hashed on the way), then the original's
     row is inserted with its first step queued, in one transaction; 201 with the
     file's document, 400 for a bad query, 413 over ``max_upload_size``, 503
     while stopping, or when the storage folder or the database fails. An upload
     whose sender goes away keeps nothing.
-``GET /api/v1/eas/<id>[?wait=S[&until=ended]]``
+``GET /api/v1/eas/<id>[?wait=S[&until=ended]]`` [read]
     the file's document (:func:`file_document`); 404 for an unknown id. With
     ``wait``, it answers at once when the file has ended, otherwise when this
     process next changes it (or after ``S`` seconds, at most :data:`MAX_WAIT`):
     clients and tests follow a file's progress without polling. With
     ``until=ended`` it answers only once the file has ended (or after ``S``):
     a client that shows no progress asks once per ``S``, not once per change.
-``POST /api/v1/eas/<id>/sync``
+``POST /api/v1/eas/<id>/sync`` [operator]
     sync an original again (202); 409 while it waits for its metadata step.
-``GET /api/v1/eas/download/<id>/<version>``
+``GET /api/v1/eas/download/<id>/<version>`` [read, or a signed link]
     the stored original (``original``) or a ``done`` version; 404 otherwise.
-``GET /healthz``
+``GET /healthz`` [public]
     200 ``{"status": "serving"}``, 503 ``{"status": "stopping"}``.
 
-The application also carries the inspection routes
-(:func:`trio_broker_daemons.fylr.metrics.routes`) and the broker client's
-one-time pipes and ``/whoami``.
+The application also carries the inspection routes [operator]
+(:func:`trio_broker_daemons.fylr.metrics.routes`,
+:func:`trio_broker_daemons.fylr.topology.routes`) and the broker client's
+one-time pipes and ``/whoami`` [pipe].
+
+**Signed download links.** The ``url`` of a file document (and of each
+version) is a link that works without a token until it expires (``link_ttl``
+after the document was made): ``…/download/<id>/<version>?expires=<unix
+seconds>&signature=<s>``. The signature covers the path and ``expires`` only.
+A client keeps both parameters as they are and may add what the signature
+does not cover: a ``Range`` header for a part of the file, further query
+parameters after them for a route that reads them (``…&signature=<s>&page=2``).
+Changing the path (another id or version) or ``expires`` breaks the link
+(403); a link past its expiry is 403 too: fetch the document again for a
+fresh one. A request with a ``read`` token needs no link.
 
 While the database is unavailable every route that needs it answers 503 with
 ``Retry-After: RETRY_AFTER`` (:data:`RETRY_AFTER`), GET included: the request
@@ -42,21 +73,24 @@ from __future__ import annotations
 import logging
 import math
 import mimetypes
+import time
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, cast
 
 import trio
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from trio_broker.trio.store import StoreUnavailable
 from trio_broker_daemons.fylr import metrics, topology
+from trio_broker_daemons.fylr.access import Access, Role
 from trio_broker_daemons.fylr.config import FileClass
 from trio_broker_daemons.fylr.files import FileRow
+from trio_broker_daemons.fylr.guard import FylrGate, access_of, guarded, route, undeclared
 from trio_broker_daemons.fylr.position import add_queue_positions
 from trio_broker_daemons.fylr.produce import api_status, class_of
 from trio_broker_daemons.fylr.state import FylrState
@@ -163,10 +197,18 @@ def _quote(text: str) -> str:
 # -- documents ---------------------------------------------------------------------------
 
 
-def _row_document(row: FileRow, base: str) -> dict[str, Any]:
+Sign = Callable[[str], str]
+"""Makes a path a signed link (its query): :meth:`Access.sign` at the current time."""
+
+
+def _row_document(row: FileRow, base: str, sign: Sign | None) -> dict[str, Any]:
     name = "original" if row.kind == "original" else row.version
     owner = row.id if row.kind == "original" else row.parent_id
     stored = row.storage_key is not None and (row.kind == "original" or row.status == "done")
+    url = None
+    if stored:
+        path = f"/api/v1/eas/download/{owner}/{name}"
+        url = f"{base}{path}?{sign(path)}" if sign is not None else f"{base}{path}"
     return {
         "id": row.id,
         "kind": row.kind,
@@ -182,17 +224,21 @@ def _row_document(row: FileRow, base: str) -> dict[str, Any]:
         "priority": row.priority,
         "created_at": row.created_at.isoformat(),
         "updated_at": row.updated_at.isoformat(),
-        "url": f"{base}/api/v1/eas/download/{owner}/{name}" if stored else None,
+        "url": url,
     }
 
 
-def file_document(row: FileRow, versions: Sequence[FileRow], *, base: str = "") -> dict[str, Any]:
+def file_document(
+    row: FileRow, versions: Sequence[FileRow], *, base: str = "", sign: Sign | None = None
+) -> dict[str, Any]:
     """The JSON document ``GET /api/v1/eas/<id>`` answers.
 
     Args:
         row: the file (an original or a version).
         versions: an original's versions (empty for a version).
         base: prefixed to the download URLs (``http://host:port``; ``""``: paths).
+        sign: makes each download URL a signed link (the module docstring);
+            ``None``: plain paths.
 
     Returns:
         ``id``, ``kind``, ``status`` (the API status), ``state`` (the internal
@@ -201,11 +247,11 @@ def file_document(row: FileRow, versions: Sequence[FileRow], *, base: str = "") 
         (its download, once stored); an original has ``versions`` (name → the
         same members), a version ``version``, ``source`` and ``original``.
     """
-    document = _row_document(row, base)
+    document = _row_document(row, base, sign)
     if row.kind == "original":
         document["versions"] = {
             cast(str, version.version): {
-                **_row_document(version, base),
+                **_row_document(version, base, sign),
                 "source": version.source,
                 "produce_hash": version.produce_hash,
             }
@@ -227,12 +273,23 @@ class FileApi:
 
     Args:
         state: the process's shared state.
+        access: signs the download links of the documents.
     """
 
-    def __init__(self, state: FylrState) -> None:
+    def __init__(self, state: FylrState, access: Access) -> None:
         self.state = state
         self.files = state.files
         self.storage = state.storage
+        self.access = access
+
+    def document(self, row: FileRow, versions: Sequence[FileRow]) -> dict[str, Any]:
+        """The file's document, its download URLs signed links valid from now."""
+        now = time.time()
+
+        def sign(path: str) -> str:
+            return self.access.sign(path, now=now)
+
+        return file_document(row, versions, base=self.state.base_url, sign=sign)
 
     async def upload(self, request: Request) -> Response:
         """``PUT /eas/put?filename=…&priority=…``: store the body, record the file."""
@@ -300,7 +357,7 @@ class FileApi:
                 priority=priority,
             ),
         )
-        return JSONResponse(file_document(row, [], base=state.base_url), status_code=201)
+        return JSONResponse(self.document(row, []), status_code=201)
 
     async def _record(
         self,
@@ -341,7 +398,7 @@ class FileApi:
         if found is None:
             return _not_found()
         row, versions = found
-        document = file_document(row, versions, base=self.state.base_url)
+        document = self.document(row, versions)
         await add_queue_positions(self.state, document, row, versions)
         return JSONResponse(document)
 
@@ -375,7 +432,7 @@ class FileApi:
             )
         self.state.wake_dispatcher()
         self.state.changed(file_id)
-        return JSONResponse(file_document(row, [], base=self.state.base_url), status_code=202)
+        return JSONResponse(self.document(row, []), status_code=202)
 
     async def download(self, request: Request) -> Response:
         """``GET /api/v1/eas/download/<id>/<version>``: a stored original or version."""
@@ -419,26 +476,44 @@ class FileApi:
         return JSONResponse({"status": "serving"})
 
 
-def build_app(state: FylrState) -> Starlette:
+def build_app(state: FylrState, access: Access | None = None) -> Starlette:
     """The starlette application of one fylr process (every route of the listener).
 
     Args:
         state: the process's shared state; its pipes are served here too.
+        access: who may do what (:func:`~trio_broker_daemons.fylr.guard.access_of`
+            of the configuration by default); ``app.state.access`` holds it.
 
     Returns:
-        The file API, health, inspection and metrics, the pipes and ``/whoami``.
+        The file API, health, inspection and metrics, the pipes and ``/whoami``,
+        every route guarded by its role, the whole behind
+        :class:`~trio_broker_daemons.fylr.guard.FylrGate`.
+
+    Raises:
+        RuntimeError: a route declares no role.
     """
-    api = FileApi(state)
-    return Starlette(
-        routes=[
-            Route("/eas/put", api.upload, methods=["PUT"]),
-            Route("/api/v1/eas/download/{file_id}/{version}", api.download, methods=["GET"]),
-            Route("/api/v1/eas/{file_id}/sync", api.resync, methods=["POST"]),
-            Route("/api/v1/eas/{file_id}", api.get_file, methods=["GET"]),
-            Route("/healthz", api.healthz, methods=["GET"]),
-            *metrics.routes(state),
-            *topology.routes(state),
-            *state.pipes.routes(),
-        ],
+    access = access or access_of(state.config)
+    api = FileApi(state, access)
+    routes = [
+        route("/eas/put", api.upload, role=Role.UPLOAD, methods=("PUT",)),
+        route("/api/v1/eas/download/{file_id}/{version}", api.download, role=Role.READ, links=True),
+        route("/api/v1/eas/{file_id}/sync", api.resync, role=Role.OPERATOR, methods=("POST",)),
+        route("/api/v1/eas/{file_id}", api.get_file, role=Role.READ),
+        route("/healthz", api.healthz, role=Role.PUBLIC),
+        *metrics.routes(state),
+        *topology.routes(state, access),
+        *guarded(state.pipes.routes(), role=Role.PIPE),
+    ]
+    missing = undeclared(routes)
+    if missing:
+        raise RuntimeError(
+            f"routes without a role: {', '.join(missing)} (build them with"
+            " trio_broker_daemons.fylr.guard.route and a Role)"
+        )
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(FylrGate, access=access)],
         exception_handlers={StoreUnavailable: _store_unavailable},
     )
+    app.state.access = access
+    return app

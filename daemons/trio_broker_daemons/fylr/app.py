@@ -17,7 +17,10 @@ Theory of operation
 - **one HTTP listener** (hypercorn, trio worker) serving the application of
   :mod:`trio_broker_daemons.fylr.api`: the file API, health, inspection and
   metrics (:mod:`trio_broker_daemons.fylr.metrics`), and the one-time pipes and
-  ``/whoami`` of the broker client;
+  ``/whoami`` of the broker client; every route checks the role it declares
+  (:mod:`trio_broker_daemons.fylr.access`). The roles without a token are
+  logged at start: one info line on loopback, one warning with
+  ``insecure_open_api``;
 - **a broker client** (:mod:`trio_broker.trio.client`) to every configured execserver;
   the pipe URLs it puts into jobs point back at this listener;
 - **a dispatcher** (:mod:`trio_broker.trio.dispatcher`) that drains ``broker_queue``
@@ -43,6 +46,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Final
 
 import trio
+from starlette.applications import Starlette
 
 from trio_broker._version import __version__
 from trio_broker.core.admission import AdmissionConfig
@@ -85,6 +89,8 @@ class FylrHandle:
     Attributes:
         host, port: where the listener is bound (the real port when 0 was asked).
         url: ``http://host:port``.
+        app: the application the listener serves (its ``routes``, its
+            ``state.access``).
         backend_id: this process's backend id.
         files: the ``files`` table (tests and tools read it).
         storage: the stored files.
@@ -92,10 +98,11 @@ class FylrHandle:
         store: the queue database.
     """
 
-    def __init__(self, state: FylrState, host: str, port: int) -> None:
+    def __init__(self, state: FylrState, host: str, port: int, app: Starlette) -> None:
         self._state = state
         self.host = host
         self.port = port
+        self.app = app
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{port}"
         self.backend_id = state.backend_id
@@ -267,16 +274,18 @@ async def serve_fylr(
             await store.register_backend(backend_id, config.name)
             await state.sweeper.sweep(startup=True)
             http_stopped = trio.Event()
+            app = build_app(state)
             async with trio.open_nursery() as http_nursery:
                 host, port = await http_nursery.start(
                     functools.partial(
                         serve_app,
-                        build_app(state),
+                        app,
                         listener_config(config.listen),
                         shutdown_trigger=http_stopped.wait,
                     )
                 )
-                handle = FylrHandle(state, host, port)
+                handle = FylrHandle(state, host, port, app)
+                _log_open_roles(config, handle.url)
                 state.base_url = handle.url
                 try:
                     async with _maybe_client(config, state, port) as client:
@@ -310,6 +319,24 @@ async def serve_fylr(
         if state is not None:
             state.closed.set()
             log.info("fylr stopped", extra=fields(backend_id=backend_id))
+
+
+def _log_open_roles(config: FylrConfig, url: str) -> None:
+    """One line naming the roles anyone may use (no token): info on loopback, else a warning."""
+    if not config.open_roles:
+        return
+    roles = ", ".join(config.open_roles)
+    if config.insecure_open_api:
+        log.warning(
+            f"insecure_open_api: anyone who can reach {url} may use {roles} without a token",
+            extra=fields(open_roles=roles, listen=config.listen),
+        )
+    else:
+        log.info(
+            f"no token for {roles}: anyone on this host may use them (the listener is on"
+            " loopback only)",
+            extra=fields(open_roles=roles, listen=config.listen),
+        )
 
 
 def _dispatcher_task(

@@ -33,7 +33,8 @@ Top-level keys (:class:`FylrConfig`):
 ``state_dir`` (``"fylr-state"``)
     The daemon's own folder: stored files under ``files/`` (:attr:`FylrConfig.storage_dir`)
     and the embedded PostgreSQL cluster under ``pg/`` (:attr:`FylrConfig.pg_dir`).
-    Kept as written (relative to the working directory).
+    A relative path is relative to the configuration file's folder (to the
+    working directory for a document not read from a file).
 ``database`` (null)
     Null runs a private PostgreSQL cluster in ``state_dir/pg``; otherwise a
     libpq connection string (``"host=db dbname=fylr"`` or a ``postgresql://``
@@ -52,6 +53,35 @@ Top-level keys (:class:`FylrConfig`):
 ``broker_token`` (null), or ``broker_token_file``
     Sent as ``Authorization: Bearer <token>`` when dialling ``/broker``;
     ``broker_token_file`` reads it from a file (a mounted secret), not both.
+``tokens`` ({}): ``{upload, read, operator}``
+    Who may do what on the listener (:mod:`~trio_broker_daemons.fylr.access`):
+    ``upload`` puts files in, ``read`` reads documents and downloads,
+    ``operator`` syncs, requeues, sweeps and reads the inspection pages, their
+    websockets and the metrics; an ``upload`` or ``operator`` token also reads.
+    Each is null (that role's routes need no token) or a string, also
+    ``upload_file``, ``read_file``, ``operator_file`` (a mounted secret) or
+    ``TRIO_BROKER_TOKENS__<ROLE>``; no two roles share a token. A role without a
+    token is allowed only while ``listen`` is on loopback, or with
+    ``insecure_open_api``.
+``insecure_open_api`` (false)
+    Serve the roles without a token on a listener beyond loopback (one warning
+    line at start). Without it such a configuration does not load.
+``allowed_hosts`` ([])
+    ``Host`` names the listener answers besides IP addresses, ``localhost``, the
+    listen host, ``name`` and the host of ``callback_own_url``: the names
+    clients and proxies use (``fylr.example.com``); ``["*"]`` answers any name.
+    Another name is refused (421), so a page that rebinds its DNS name to this
+    address gets nothing.
+``allowed_origins`` ([])
+    Origins (``https://ui.example.com``) whose pages may post to the fylr and open
+    its websockets, besides the fylr's own.
+``link_key`` (null), or ``link_key_file``
+    The key (at least 32 characters) that signs the download links of the file
+    documents; null = a random key at every start (links then die with the
+    process, and one fylr's links fail on another). Fylrs behind one address
+    share it.
+``link_ttl`` (1h, > 0)
+    How long a signed link stays valid.
 ``broker_ca_file`` (null)
     A PEM file of the certificate authorities that sign the execservers' TLS
     certificates (``wss://`` addresses only); null = the system's trust store.
@@ -162,6 +192,7 @@ from trio_broker_daemons.config.rules import (
     config_path,
     integer,
     listen_address,
+    loopback_host,
     nonempty_string,
     optional_size,
     optional_token,
@@ -169,9 +200,15 @@ from trio_broker_daemons.config.rules import (
     positive_duration,
     string,
 )
-from trio_broker_daemons.config.sources import load_yaml_mapping, secret_file
-from trio_broker_daemons.config.structure import converter, locate, structure_config
+from trio_broker_daemons.config.sources import secret_file
+from trio_broker_daemons.config.structure import (
+    converter,
+    load_config,
+    locate,
+    structure_config,
+)
 from trio_broker_daemons.config.values import ConfigError, parse_duration, show
+from trio_broker_daemons.fylr.access import Tokens, check_host_names, check_origins, hidden
 
 __all__ = [
     "DEFAULT_FYLR_LISTEN",
@@ -471,6 +508,21 @@ def _connect_timeout(value: object) -> float:
     )
 
 
+MIN_LINK_KEY_CHARS: Final = 32
+
+
+def _link_key(value: object) -> str | None:
+    if value is None:
+        return None
+    text = string(value)
+    if len(text) < MIN_LINK_KEY_CHARS:
+        raise ConfigError(
+            f"expected null or a key of at least {MIN_LINK_KEY_CHARS} characters (e.g. the"
+            f" output of 'openssl rand -base64 32'), got {len(text)} characters"
+        )
+    return text
+
+
 def _mimetype(value: object) -> str | None:
     return None if value is None else nonempty_string(value)
 
@@ -497,6 +549,9 @@ _Params = Annotated[Mapping[str, ParamValue], Rule(_params)]
 _Extensions = Annotated[tuple[str, ...], Rule(_extensions)]
 _MimeType = Annotated[str | None, Rule(_mimetype)]
 _JobLimit = Annotated[float | None, Rule(_job_limit)]
+_LinkKey = Annotated[str | None, Rule(_link_key)]
+_HostNames = Annotated[tuple[str, ...], Rule(check_host_names)]
+_Origins = Annotated[tuple[str, ...], Rule(check_origins)]
 
 
 # -- the classes ---------------------------------------------------------------
@@ -619,6 +674,12 @@ class FylrConfig:
     database_pool: _AtLeastOne = 20
     execservers: _Addresses
     broker_token: _Token = attrs.field(default=None, metadata=secret_file())
+    tokens: Tokens = attrs.field(factory=Tokens)
+    insecure_open_api: bool = False
+    allowed_hosts: _HostNames = ()
+    allowed_origins: _Origins = ()
+    link_key: _LinkKey = attrs.field(default=None, metadata=secret_file(), repr=hidden)
+    link_ttl: _Positive = 3600.0
     broker_ca_file: _CaFile = None
     callback_own_url: _CallbackUrl = None
     connect_timeout: _ConnectTimeout = DEFAULT_CONNECT_TIMEOUT
@@ -660,6 +721,7 @@ class FylrConfig:
                 keys=("default_class",),
             )
         self._check_broker_tls()
+        self._check_open_api()
         owner: dict[str, str] = {}
         for class_name, file_class in self.classes.items():
             if not file_class.extensions and class_name != self.default_class:
@@ -688,6 +750,23 @@ class FylrConfig:
                 keys=("broker_ca_file",),
             )
 
+    def _check_open_api(self) -> None:
+        missing = self.tokens.missing
+        if not missing or self.insecure_open_api or loopback_host(self.host):
+            return
+        names = ", ".join(role.value for role in missing)
+        raise ConfigError(
+            f"expected a token for {names}: listen ({self.listen}) is beyond loopback, where"
+            " anyone who reaches it could use a role without a token (or set"
+            " insecure_open_api: true)",
+            keys=("tokens",),
+        )
+
+    @property
+    def open_roles(self) -> tuple[str, ...]:
+        """The token roles that have no token: their routes need none."""
+        return tuple(role.value for role in self.tokens.missing)
+
     @property
     def broker_tls(self) -> bool:
         """Whether the execservers are dialled over TLS (``wss://`` addresses)."""
@@ -699,11 +778,16 @@ class FylrConfig:
         return tuple(split_broker_address(a)[1] for a in self.execservers)
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str]) -> "FylrConfig":
-        """Load a YAML configuration file.
+    def from_yaml(
+        cls, path: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None
+    ) -> "FylrConfig":
+        """Load a YAML configuration file (see :func:`load_config`).
 
         Args:
-            path: the file; UTF-8 YAML holding one mapping.
+            path: the file; UTF-8 YAML holding one mapping. Relative paths in it
+                (``state_dir``, the ``*_file`` secrets) are relative to its folder.
+            environ: ``TRIO_BROKER_…`` variables laid over the file (the daemon
+                passes ``os.environ``); ``None`` reads the file alone.
 
         Returns:
             The validated configuration.
@@ -713,7 +797,7 @@ class FylrConfig:
                 valid YAML (with line and column), is not a mapping, or any key is
                 wrong (see :meth:`from_mapping`).
         """
-        return cls.from_mapping(load_yaml_mapping(path))
+        return load_config(path, cls, environ=environ)
 
     @classmethod
     def from_mapping(cls, data: object) -> "FylrConfig":

@@ -19,8 +19,8 @@ Two operator routes sit beside them: ``POST /inspect/system/fylr/requeue``
 puts the failed queue rows back (all, or ``?id=N`` once or more;
 :func:`~trio_broker_daemons.fylr.failed.retry_failed`), and
 ``POST /inspect/system/fylr/sweep`` sweeps the storage folder now
-(:class:`~trio_broker_daemons.fylr.sweep.StorageSweeper`). Like the file API,
-they are not authenticated: the fylr's listener belongs on a trusted network.
+(:class:`~trio_broker_daemons.fylr.sweep.StorageSweeper`). All four need the
+``operator`` role (:mod:`~trio_broker_daemons.fylr.access`).
 """
 
 from __future__ import annotations
@@ -34,13 +34,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from trio_broker._version import __version__
 from trio_broker.trio.client import ClientStatistics
 from trio_broker.trio.inspection import iso_time
 from trio_broker.trio.store import QueueCounts
+from trio_broker_daemons.fylr.access import Role
 from trio_broker_daemons.fylr.failed import failed_items, retry_failed
+from trio_broker_daemons.fylr.guard import GuardedRoute, route
 from trio_broker_daemons.fylr.state import FileCounts, FylrState, FylrStatistics
 from trio_broker_daemons.fylr.sweep import StorageSweeper, result_document
 from trio_broker_daemons.runtime.logfmt import fields
@@ -115,8 +116,8 @@ async def metrics_text(state: FylrState) -> bytes:
     return bytes(generate_latest(registry))
 
 
-def routes(state: FylrState) -> list[Route]:
-    """``GET /inspect/system/fylr`` and ``GET /metrics`` on ``state``."""
+def routes(state: FylrState) -> list[GuardedRoute]:
+    """The inspection page, requeue, sweep and ``GET /metrics`` on ``state`` (operator)."""
 
     async def inspect_page(request: Request) -> Response:
         return JSONResponse(await inspect_document(state))
@@ -140,10 +141,10 @@ def routes(state: FylrState) -> list[Route]:
         return JSONResponse(result_document(result))
 
     return [
-        Route("/inspect/system/fylr", inspect_page, methods=["GET"]),
-        Route("/inspect/system/fylr/requeue", requeue, methods=["POST"]),
-        Route("/inspect/system/fylr/sweep", sweep, methods=["POST"]),
-        Route("/metrics", metrics, methods=["GET"]),
+        route("/inspect/system/fylr", inspect_page, role=Role.OPERATOR),
+        route("/inspect/system/fylr/requeue", requeue, role=Role.OPERATOR, methods=("POST",)),
+        route("/inspect/system/fylr/sweep", sweep, role=Role.OPERATOR, methods=("POST",)),
+        route("/metrics", metrics, role=Role.OPERATOR),
     ]
 
 

@@ -37,14 +37,20 @@ The document's schema is ``topology.schema.json`` beside this module
 and a little JavaScript, nothing fetched from elsewhere) draws it and follows
 the websocket.
 
-Routes (:func:`routes`):
+Routes (:func:`routes`), for the ``operator`` role:
 
 ``GET /inspect/system/topology``
-    the page, with the current document embedded.
+    the page, with the current document embedded, and a signed link to its
+    websocket (a browser cannot give a websocket a token): a browser opens the
+    page with the operator token as the password of its login prompt
+    (``Basic``), and the page follows the websocket with the link; once the
+    link has expired, the page reloads itself for a fresh one.
 ``GET /inspect/system/topology/data``
     the document as JSON.
 ``WS /inspect/system/topology/ws``
-    one JSON document per change (at most one a second) while connected.
+    one JSON document per change (at most one a second) while connected; the
+    operator token or the page's signed link, and an ``Origin`` that is the
+    fylr's own (or allowed).
 """
 
 from __future__ import annotations
@@ -63,7 +69,6 @@ from typing import Any, Final
 import trio
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
-from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from trio_broker._version import __version__
@@ -72,6 +77,8 @@ from trio_broker.core.errors import StoreUnavailable
 from trio_broker.trio.client import LinkState
 from trio_broker.trio.inspection import iso_time
 from trio_broker.trio.views import BackendView, publish_view, read_views
+from trio_broker_daemons.fylr.access import Access, Role
+from trio_broker_daemons.fylr.guard import GuardedRoute, route, websocket_route
 from trio_broker_daemons.fylr.state import FylrState
 
 __all__ = [
@@ -510,17 +517,27 @@ def topology_document(
 # -- routes ----------------------------------------------------------------------------------
 
 
-def _page(document: Mapping[str, Any]) -> str:
+WEBSOCKET_PATH: Final = "/inspect/system/topology/ws"
+
+
+def _page(document: Mapping[str, Any], websocket: str) -> str:
     template = importlib.resources.files(__package__).joinpath("static/topology.html").read_text()
     # </script> cannot appear inside the embedded JSON: json escapes "/" nowhere, so do it
     embedded = json.dumps(document).replace("</", "<\\/")
-    return template.replace("__TOPOLOGY_DOCUMENT__", embedded).replace(
-        "__TITLE__", html.escape(f"topology: {document['served_by']}")
+    return (
+        template.replace("__TOPOLOGY_DOCUMENT__", embedded)
+        .replace("__TOPOLOGY_WEBSOCKET__", json.dumps(websocket).replace("</", "<\\/"))
+        .replace("__TITLE__", html.escape(f"topology: {document['served_by']}"))
     )
 
 
-def routes(state: FylrState) -> list[BaseRoute]:
-    """The page, the JSON document and the websocket of one fylr process."""
+def routes(state: FylrState, access: Access) -> list[GuardedRoute]:
+    """The page, the JSON document and the websocket of one fylr process (operator).
+
+    Args:
+        state: the process's shared state.
+        access: signs the page's link to its websocket.
+    """
     topology = topology_of(state)
 
     async def current() -> dict[str, Any] | Response:
@@ -534,7 +551,10 @@ def routes(state: FylrState) -> list[BaseRoute]:
 
     async def page(request: Request) -> Response:
         document = await current()
-        return document if isinstance(document, Response) else HTMLResponse(_page(document))
+        if isinstance(document, Response):
+            return document
+        link = f"{WEBSOCKET_PATH}?{access.sign(WEBSOCKET_PATH, now=time.time())}"
+        return HTMLResponse(_page(document, link), headers={"cache-control": "no-store"})
 
     async def data(request: Request) -> Response:
         document = await current()
@@ -561,9 +581,9 @@ def routes(state: FylrState) -> list[BaseRoute]:
                     await topology.next_publication()
 
     return [
-        Route("/inspect/system/topology", page, methods=["GET"]),
-        Route("/inspect/system/topology/data", data, methods=["GET"]),
-        WebSocketRoute("/inspect/system/topology/ws", stream),
+        route("/inspect/system/topology", page, role=Role.OPERATOR),
+        route("/inspect/system/topology/data", data, role=Role.OPERATOR),
+        websocket_route(WEBSOCKET_PATH, stream, role=Role.OPERATOR, links=True),
     ]
 
 

@@ -22,7 +22,6 @@ Both daemons start the same way
 from __future__ import annotations
 
 import errno
-import ipaddress
 import logging
 import os
 import signal
@@ -35,6 +34,7 @@ from typing import Any
 import attrs
 import trio
 
+from trio_broker_daemons.config.rules import loopback_host
 from trio_broker_daemons.config.values import ConfigError
 
 __all__ = [
@@ -74,13 +74,7 @@ def exposed_listener_warning(host: str, port: int, token: str | None, *, what: s
         token: the configured bearer token.
         what: what a stranger could do, for the sentence (``"run jobs"``).
     """
-    if token is not None:
-        return None
-    try:
-        private = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        private = False
-    if private:
+    if token is not None or loopback_host(host):
         return None
     shown = f"[{host}]" if ":" in host else host
     return (
