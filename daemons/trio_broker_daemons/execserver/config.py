@@ -78,7 +78,7 @@ Top-level keys (:class:`ExecserverConfig`):
 ``cgroup`` (``"auto"``)
     ``auto``: when the daemon is given a cgroup v2 it may write (systemd's
     ``Delegate=yes``, a container's own cgroup), each job runs in a cgroup of
-    its own; ``off``: never (jobs are found by their process tree).
+    its own; ``off`` (or ``false``): never (jobs are found by their process tree).
 ``max_frame_bytes`` (1048576, >= 1024)
     Largest websocket frame accepted.
 ``env`` ({})
@@ -288,7 +288,7 @@ def _memory_budget(value: object) -> int | Literal["auto"]:
 def _cgroup(value: object) -> Literal["auto", "off"]:
     if value == "auto":
         return "auto"
-    if value == "off":
+    if value == "off" or value is False:  # YAML reads an unquoted off as false
         return "off"
     raise ConfigError(f"expected one of auto, off, got {show(value)}")
 
