@@ -26,5 +26,13 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
+# The execservers these tests start run their jobs as root when the tests run as
+# root. The daemon's default there is `nobody`, and the interpreter of this
+# suite's scripts may live in root's home (a virtualenv of root's Python), which
+# is closed to `nobody`. The tests of job_user itself ask for the default
+# (tests/support/processes.py: open_execserver_process(job_user=None)).
+if os.geteuid() == 0:
+    os.environ.setdefault("TRIO_BROKER_JOB_USER", "root")
+
 # PostgreSQL fixtures (pg_cluster, pg_dsn) for the queue store and dispatcher tests.
 from tests.support.pg import pg_cluster, pg_dsn  # noqa: E402, F401

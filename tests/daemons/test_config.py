@@ -487,6 +487,16 @@ ERROR_CASES = [
         "ping_interval: 20s\nservices:\n" + NOOP,
         "ping_timeout: expected a duration greater than ping_interval (20s), got 15s",
     ),
+    # the jobs' user and cgroup
+    ("job_user: ''\nservices:\n" + NOOP, "job_user: expected a non-empty string, got ''"),
+    (
+        "job_user: 'a b'\nservices:\n" + NOOP,
+        "job_user: expected a user name or number, got 'a b'",
+    ),
+    ("job_user: -1\nservices:\n" + NOOP, "job_user: expected a string, got -1 (quote it)"),
+    ("job_user: [x]\nservices:\n" + NOOP, "job_user: expected a string, got a list"),
+    ("cgroup: on\nservices:\n" + NOOP, "cgroup: expected one of auto, off, got true"),
+    ("cgroup: 'no'\nservices:\n" + NOOP, "cgroup: expected one of auto, off, got 'no'"),
     # services
     ("services: {}\n", "services: expected at least one service, got an empty mapping"),
     ("listen: 127.0.0.1:7000\n", "services: required key is missing"),
@@ -967,3 +977,23 @@ def test_turn_hold_and_priority_aging_keys(tmp_path: Path) -> None:
     off = load(tmp_path, 'turn_hold: "0"\npriority_aging: "0"\n' + services)
     assert (off.turn_hold, off.priority_aging) == (0.0, None)
     assert "priority_aging" in yaml_error(tmp_path, "priority_aging: soon\n" + services)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("", None),
+        ("job_user: nobody\n", "nobody"),
+        ("job_user: 65534\n", "65534"),
+        ("job_user: '4242:4242'\n", "4242:4242"),
+    ],
+)
+def test_job_user_values(tmp_path: Path, text: str, expected: str | None) -> None:
+    """A name, a number (also written as a YAML integer), UID:GID, or null."""
+    assert load(tmp_path, text + "services:\n" + NOOP).job_user == expected
+
+
+def test_cgroup_values(tmp_path: Path) -> None:
+    assert load(tmp_path, "services:\n" + NOOP).cgroup == "auto"
+    assert load(tmp_path, "cgroup: 'off'\nservices:\n" + NOOP).cgroup == "off"
+    assert load(tmp_path, "cgroup: off\nservices:\n" + NOOP).cgroup == "off"  # YAML's false

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -18,13 +19,14 @@ from tests.support.wire import WAIT, Peer, connect
 from trio_broker.core import protocol as p
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "trio_broker_daemons", *args],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
+        env=env,
     )
 
 
@@ -40,8 +42,17 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         ("services:\n  s: {argv: [echo], bultin: noop}\n", "services.s.bultin: unknown key"),
         ("services: {}\n", "services"),
         ("services: [\n", "line"),
+        ("cgroup: yes please\nservices:\n  s: {builtin: noop}\n", "cgroup: expected one of"),
     ],
-    ids=["type", "duration", "unknown-key", "nested-unknown-key", "no-services", "yaml"],
+    ids=[
+        "type",
+        "duration",
+        "unknown-key",
+        "nested-unknown-key",
+        "no-services",
+        "yaml",
+        "cgroup",
+    ],
 )
 def test_bad_config_exits_2_naming_the_key(tmp_path: Path, text: str, line: str) -> None:
     config = tmp_path / "exec.yml"
@@ -52,6 +63,23 @@ def test_bad_config_exits_2_naming_the_key(tmp_path: Path, text: str, line: str)
     assert len(lines) == 1, result.stderr
     assert line in lines[0]
     assert lines[0].startswith("trio-broker execserver: ")
+
+
+@pytest.mark.parametrize("where", ["file", "environment"])
+def test_a_job_user_not_on_this_host_exits_2(tmp_path: Path, where: str) -> None:
+    """An unknown job_user stops the start with one line naming the key, from either source."""
+    environ = {k: v for k, v in os.environ.items() if k != "TRIO_BROKER_JOB_USER"}
+    text = "services:\n  s: {builtin: noop}\n"
+    if where == "file":
+        text = "job_user: no-such-user-here\n" + text
+    else:
+        environ["TRIO_BROKER_JOB_USER"] = "no-such-user-here"
+    config = tmp_path / "exec.yml"
+    config.write_text(text)
+    result = run_cli("execserver", "--config", str(config), env=environ)
+    assert result.returncode == 2, result
+    (line,) = result.stderr.strip().splitlines()
+    assert "job_user: no user 'no-such-user-here' on this host" in line
 
 
 def test_missing_config_file_exits_2(tmp_path: Path) -> None:

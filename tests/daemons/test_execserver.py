@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -85,6 +86,7 @@ async def test_a_glued_dash_parameter_is_refused_and_an_allowed_one_runs(
         {
             "listen": "127.0.0.1:0",
             "name": "guarded",
+            "job_user": os.environ.get("TRIO_BROKER_JOB_USER"),  # grep reads tmp_path
             "slots": 1,
             "fast_reserve": 0,
             "temp_dir": str(tmp_path),

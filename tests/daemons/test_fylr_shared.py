@@ -102,6 +102,7 @@ async def execserver(services: Mapping[str, Any], slots: int = 2) -> AsyncIterat
         {
             "listen": "127.0.0.1:0",
             "name": "shared-exec",
+            "job_user": os.environ.get("TRIO_BROKER_JOB_USER"),  # gates in tmp_path
             "slots": slots,
             "fast_reserve": 0,
             "unknown_share": 1.0,

@@ -367,9 +367,13 @@ async def test_a_job_on_a_partitioned_execserver_is_lost_requeued_and_runs_once(
             with trio.fail_after(WAIT):
                 # the lost job went back to the queue, to be run at once
                 await until(fleet.fylr_page, lambda p: p["steps"].get("produce.requeued", 0) == 1)
-            stopped = [
-                j for j in (await fleet.exec_page(lost))["recent"] if j["service"] == "gated"
-            ]
+                # and the execserver, on its side, stopped it (it ends its processes
+                # first: its receipt may come a moment after the fylr's requeue)
+                page = await until(
+                    lambda: fleet.exec_page(lost),
+                    lambda p: any(j["service"] == "gated" for j in p["recent"]),
+                )
+            stopped = [j for j in page["recent"] if j["service"] == "gated"]
             assert [(j["receipt"]["status"], j["delivered"]) for j in stopped] == [
                 ("stopped", False)
             ]

@@ -14,7 +14,17 @@ from pathlib import Path
 import attrs
 import trio
 
-__all__ = ["DaemonProcess", "open_execserver_process", "open_fylr_process", "read_fifo"]
+__all__ = [
+    "ROOT_JOBS",
+    "DaemonProcess",
+    "open_execserver_process",
+    "open_fylr_process",
+    "read_fifo",
+]
+
+ROOT_JOBS = "root"
+"""The execservers' ``job_user`` here when these run as root (see
+:func:`open_execserver_process`)."""
 
 
 @attrs.frozen
@@ -44,6 +54,7 @@ async def open_execserver_process(
     ready_within: float = 60.0,
     stop_within: float = 60.0,
     prefix: Sequence[str] = (),
+    job_user: str | None = ROOT_JOBS,
     env: Mapping[str, str] | None = None,
 ) -> AsyncIterator[DaemonProcess]:
     """Run ``trio-broker execserver`` in a subprocess until the block ends.
@@ -58,12 +69,23 @@ async def open_execserver_process(
             ``["ip", "netns", "exec", "NAME"]`` to run it on a test host in a
             network namespace. It must exec the command (so that the signals reach
             the daemon itself) and pass the standard streams through.
-        env: the daemon's whole environment (default: this process's).
+        job_user: when these run as root, the daemon's ``job_user``
+            (``TRIO_BROKER_JOB_USER``) unless the environment sets one. Root runs
+            jobs as ``nobody`` by default, and an interpreter in root's home (a
+            virtualenv of root's Python) is closed to ``nobody``: the test
+            scripts keep running as root, as they did before ``job_user``.
+            ``None``: the daemon's default (the variable is not passed on).
+        env: more variables for the daemon's environment (over this process's).
 
     Yields:
         The process and its bound address. If it is still running when the block
         ends it is sent SIGTERM (which drains it) and waited for.
     """
+    environment = {**os.environ, **(env or {})}
+    if job_user is None:
+        environment.pop("TRIO_BROKER_JOB_USER", None)
+    elif os.geteuid() == 0:
+        environment.setdefault("TRIO_BROKER_JOB_USER", job_user)
     async with _open_daemon_process(
         "execserver",
         config,
@@ -71,7 +93,7 @@ async def open_execserver_process(
         ready_within=ready_within,
         stop_within=stop_within,
         prefix=prefix,
-        env=env,
+        env=environment,
     ) as daemon:
         yield daemon
 
@@ -138,13 +160,17 @@ async def _open_daemon_process(
         tempfile.TemporaryDirectory(prefix="trio-broker-daemon-") as tmp,
         contextlib.ExitStack() as files,
     ):
+        # open to a daemon that a prefix starts as another user: it reads its
+        # configuration and writes its ready file here
+        os.chmod(tmp, 0o755)
         if isinstance(config, str) and "\n" in config:
             path = Path(tmp) / f"{command}.yml"
             path.write_text(config)
         else:
             path = Path(config)
         ready = Path(tmp) / "ready"
-        os.mkfifo(ready)
+        os.mkfifo(ready, 0o666)
+        os.chmod(ready, 0o666)
         log = None if stderr is None else files.enter_context(stderr.open("ab"))
         process = await trio.lowlevel.open_process(
             [*prefix, sys.executable, "-m", "trio_broker_daemons", "--log-level", log_level,

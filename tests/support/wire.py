@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import ssl
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -120,10 +121,16 @@ async def connect(
 
 
 def execserver_config(**overrides: Any) -> ExecserverConfig:
-    """A test execserver on a free loopback port with a few handy services."""
+    """A test execserver on a free loopback port with a few handy services.
+
+    Its jobs run as the session's ``TRIO_BROKER_JOB_USER`` (tests/conftest.py: root
+    when the tests run as root): they talk to the tests through files in the
+    tests' own folders.
+    """
     data: dict[str, Any] = {
         "listen": "127.0.0.1:0",
         "name": "test-exec",
+        "job_user": os.environ.get("TRIO_BROKER_JOB_USER"),
         "slots": 2,
         "fast_reserve": 0,
         "unknown_share": 1.0,

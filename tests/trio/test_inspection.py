@@ -29,7 +29,7 @@ from trio_broker.trio.inspection import (
     execserver_document,
     execserver_metrics,
 )
-from trio_broker.trio.runner import RunnerStatistics, RunningJob
+from trio_broker.trio.runner import ContainmentInfo, RunnerStatistics, RunningJob
 
 
 def snapshot() -> tuple[BrokerStatistics, RunnerStatistics]:
@@ -160,6 +160,16 @@ def snapshot() -> tuple[BrokerStatistics, RunnerStatistics]:
         ),
         memory_used=30_000_000,
         memory_budget=8_000_000_000,
+        containment=ContainmentInfo(
+            mode="cgroup",
+            cgroup="/sys/fs/cgroup/system.slice/x.service/trio-broker-inst-1",
+            memory="cgroup",
+            reason=None,
+            subreaper=True,
+            dumpable=False,
+            keeper_pid=4200,
+            job_user="nobody",
+        ),
     )
     return broker, runner
 
@@ -299,6 +309,16 @@ DOCUMENT: dict[str, Any] = {
     ],
     "counters": {"wants": 11, "offers": 9},
     "caches": {},
+    "containment": {
+        "mode": "cgroup",
+        "cgroup": "/sys/fs/cgroup/system.slice/x.service/trio-broker-inst-1",
+        "memory": "cgroup",
+        "reason": None,
+        "subreaper": True,
+        "dumpable": False,
+        "keeper_pid": 4200,
+        "job_user": "nobody",
+    },
 }
 METRICS_HEAD = (
     "# HELP trio_broker_build_info The trio_broker version serving these figures (always 1).\n"
@@ -362,12 +382,14 @@ def test_the_document_of_a_snapshot() -> None:
 
 
 def test_the_document_without_runner_statistics() -> None:
-    """A runner that keeps no statistics leaves memory_used null and running empty."""
+    """A runner that keeps no statistics leaves memory_used and containment null, running empty."""
     document = execserver_document(statistics(with_runner=False))
     assert document["pool"]["memory_used"] is None
     assert document["running"] == []
-    assert {k: v for k, v in document.items() if k not in ("pool", "running")} == {
-        k: v for k, v in DOCUMENT.items() if k not in ("pool", "running")
+    assert document["containment"] is None
+    left_out = ("pool", "running", "containment")
+    assert {k: v for k, v in document.items() if k not in left_out} == {
+        k: v for k, v in DOCUMENT.items() if k not in left_out
     }
 
 

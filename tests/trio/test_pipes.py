@@ -849,21 +849,29 @@ async def test_execserver_receipt_carries_a_small_failure(
     pipe.close()
 
 
+# A stray that escapes the job's process tree entirely: out of its session, away
+# from its parent (a double fork) and without the job's tag (a clean environment),
+# holding the job's stdout. Only a cgroup would still hold it.
 STRAY = (
     "import os, sys\n"
     "sys.stdout.buffer.write(b'x' * 10000); sys.stdout.flush()\n"
-    "child = os.fork()\n"
-    "if child == 0:\n"
-    "    os.setsid()  # out of the job's process group, holding its stdout\n"
-    "    os.execvp('sleep', ['sleep', '300'])\n"
-    "open(sys.argv[1], 'w').write(str(child))\n"
+    "reader, writer = os.pipe()\n"
+    "if os.fork() == 0:\n"
+    "    os.setsid()\n"
+    "    child = os.fork()\n"
+    "    if child == 0:\n"
+    "        os.execve('/bin/sleep', ['sleep', '300'], dict())\n"
+    "    os.write(writer, str(child).encode())\n"
+    "    os._exit(0)\n"
+    "os.close(writer)\n"
+    "open(sys.argv[1], 'w').write(os.read(reader, 100).decode())\n"
 )
 
 
 async def test_stdout_held_open_by_a_stray_aborts_the_put(
     jobs_dir: Path, served: Served, tmp_path: Path
 ) -> None:
-    """A process outside the group holding stdout open: the PUT is cut off, the receipt says why."""
+    """An escaped process holds stdout open: the PUT is cut off, the receipt says why."""
     pid_file = tmp_path / "stray.pid"
     runner = make_runner(jobs_dir, {"stray": (PY, "-c", STRAY, str(pid_file))})
     pipe = served.registry.pipe_out(Collect())

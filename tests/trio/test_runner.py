@@ -20,6 +20,7 @@ import trio.testing
 from trio_broker.core.argv import TemplateError
 from trio_broker.core.protocol import Receipt
 from trio_broker.trio.command import CommandRunner, CommandSpec
+from trio_broker.trio.procgroup import TAG_ENV, JobTag, process_start
 from trio_broker.trio.runner import JobControl, JobRequest
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the runner reads /proc")
@@ -327,7 +328,7 @@ async def test_environment(
 async def test_the_job_environment_holds_nothing_of_the_runners_but_the_fixed_set(
     jobs_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A job's environment is PATH, HOME, LANG, TMPDIR, the FYLR_* pair and the configured env."""
+    """A job's environment is PATH, HOME, LANG, TMPDIR, the FYLR_* pair, its tag and the env."""
     monkeypatch.setenv("TRIO_BROKER_TEST_SECRET", "the daemon's own")
     monkeypatch.setenv("FYLR_SOMETHING_ELSE", "not configured either")
     monkeypatch.setenv("LANG", "C.UTF-8")
@@ -341,6 +342,9 @@ async def test_the_job_environment_holds_nothing_of_the_runners_but_the_fixed_se
     expected = {name: os.environ[name] for name in ("PATH", "HOME", "LANG") if name in os.environ}
     expected |= {"R": "runner", "S": "spec", "FYLR_EXEC_SUPERVISED": "1"}
     expected |= {"FYLR_CONVERT_THREADS": "1"}
+    tag = JobTag.parse(seen.pop(TAG_ENV))
+    assert tag is not None
+    assert (tag.owner_pid, tag.owner_start) == (os.getpid(), process_start(os.getpid()))
     assert seen == expected
 
 
@@ -349,7 +353,7 @@ async def test_work_directory_is_fresh_and_removed(jobs_dir: Path) -> None:
     receipt = await run_argv(jobs_dir, "sh", "-c", "pwd; ls -A | wc -l; mkdir d; echo x > d/f")
     workdir, entries = receipt.stdout_prefix.split()
     assert Path(workdir).parent == jobs_dir
-    assert Path(workdir).name.startswith("trio-broker-job-")
+    assert Path(workdir).name.startswith("trio-broker-work-")
     assert entries == "0"
     assert not await trio.Path(workdir).exists()
 

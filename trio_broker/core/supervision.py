@@ -1,6 +1,6 @@
 """The supervision rules of a running job: pure decisions, no trio, no clock, no I/O.
 
-The runner samples a job's process group every second or so and feeds the numbers
+The runner samples a job's processes every second or so and feeds the numbers
 to a :class:`Watchdog`; the watchdog answers with a :class:`Verdict` when the job
 must end, or ``None``. A :class:`MemoryBudget` shared by every running job says
 which job to end when all of them together use more memory than the host allows.
@@ -13,13 +13,19 @@ these objects with plain numbers.
 Theory of operation
 -------------------
 
+**Where the numbers come from** is the runner's business, not this module's: a
+job's memory is the resident memory of its processes, or, where the job runs in
+a cgroup of its own with the memory controller, that cgroup's counters (see
+:mod:`trio_broker.trio.cgroup`); its CPU time likewise. The rules below take
+whatever the runner measured as ``rss`` and ``cpu_seconds``.
+
 **Progress.** A job makes progress between two consecutive samples when any of
 these holds:
 
 * ``io_bytes`` grew: bytes moved on the job's pipes (stdout, stderr, stdin);
 * ``dir_bytes`` grew: the files of its work directory got bigger (a converter
   writing its output file without printing anything);
-* its process group used at least ``cpu_share`` of one core since the previous
+* its processes used at least ``cpu_share`` of one core since the previous
   sample: ``delta cpu_seconds >= cpu_share * delta time`` (and more than zero, so
   two samples at the same instant prove nothing).
 
@@ -32,7 +38,7 @@ The first sample compares against an empty job at ``started`` (no CPU, no bytes)
 1. ``timed_out``: ``now >= started + timeout`` (the wall-clock ceiling).
 2. ``stalled``: ``now >= last_progress + stall_timeout``, where ``last_progress``
    is the time of the latest sample that showed progress (``started`` before any).
-3. ``out_of_memory``: the sampled group RSS exceeds ``memory_limit``.
+3. ``out_of_memory``: the sampled memory of the job (``rss``) exceeds ``memory_limit``.
 
 Why this order: the deadline-based verdicts were already true at an earlier
 instant (the deadline), while a memory excess is only known at the sample that
@@ -268,8 +274,9 @@ class Watchdog:
 
         Args:
             now: the sample's time, never earlier than the previous one.
-            rss: the process group's resident memory in bytes.
-            cpu_seconds: the group's total CPU time (user + system) so far.
+            rss: the job's memory in bytes: its processes' resident memory, or
+                its cgroup's counters.
+            cpu_seconds: the job's total CPU time (user + system) so far.
             io_bytes: bytes moved on the job's pipes so far.
             dir_bytes: the total size of the files in the job's work directory.
 

@@ -2,11 +2,26 @@
 
 A :class:`CommandRunner` implements :class:`~trio_broker.trio.runner.Runner`. It runs
 each service as a configured argv template (:mod:`trio_broker.core.argv`, never a
-shell) in its own process group and work directory, with an environment of its
-own (:func:`job_environment`: a few of the runner's variables and the configured
-ones, never the rest), samples the group every ``sample_interval`` for
-:mod:`trio_broker.core.supervision`, and kills the whole group at the end. Linux
-only: it reads ``/proc`` (:mod:`trio_broker.trio.procgroup`).
+shell) as the leader of a new session, in a work folder of its own, as the
+configured user, with an environment of its own (:func:`job_environment`: a few
+of the runner's variables and the configured ones, never the rest); it samples the
+job's processes every ``sample_interval`` for :mod:`trio_broker.core.supervision`,
+and kills every one of them at the end. Linux only: it reads ``/proc``
+(:mod:`trio_broker.trio.procgroup`).
+
+A job's processes: with a :class:`~trio_broker.trio.containment.Containment` that
+has a delegated cgroup, the processes of the job's own cgroup (exact; killed with
+one write; memory from its counters). Otherwise its *process tree*: its session
+and process group, their descendants, and at the end every process carrying the
+job's tag in its environment (:data:`~trio_broker.trio.procgroup.TAG_ENV`), so a
+``setsid`` or a double fork does not outlive the job (see
+:mod:`trio_broker.trio.procgroup`). Each leader is started by one long-lived thread
+(:mod:`trio_broker.trio.spawn`) and, between fork and exec, enters the job's
+cgroup, becomes the job user and asks for ``SIGKILL`` when the runner's process
+dies (its parent-death signal).
+
+The work folder is locked while its job runs (:mod:`trio_broker.trio.workdir`), so
+that a sweep of stale folders never touches it, and is given to the job user.
 
 Starting a job: the job object is read (:class:`~trio_broker.core.job.JobSpec`), its
 ``params`` fill the template, its pipes are opened (:mod:`trio_broker.trio.pipe_io`),
@@ -34,8 +49,8 @@ pipe does to an ``ok`` end) is the supervision core's
 (what came first, the exit status, the pipes) and reports it there.
 
 The leader is waited for through a pidfd, which becomes readable when it exits
-but does not reap it: the group is signalled while the exited leader is still a
-zombie holding its pid, so the group id cannot have been reused by then.
+but does not reap it: the job is signalled while the exited leader is still a
+zombie holding its pid, so its session and group id cannot have been reused by then.
 
 Builtin services (``noop``, ``sleep``) run in-process and ignore pipes.
 """
@@ -48,12 +63,11 @@ import itertools
 import logging
 import math
 import os
-import shutil
+import secrets
 import signal
 import subprocess
-import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any, Final, Literal
 
@@ -76,6 +90,8 @@ from trio_broker.core.supervision import (
     verdict_ending,
 )
 from trio_broker.trio import procgroup
+from trio_broker.trio.cgroup import JobCgroup
+from trio_broker.trio.containment import Containment, JobUser, JobUserError, reap_adopted
 from trio_broker.trio.pipe_io import (
     PIPE_FINISH_TIMEOUT,
     InPipe,
@@ -90,14 +106,24 @@ from trio_broker.trio.pipe_io import (
     pump_stdout,
     wait_stdout_end,
 )
-from trio_broker.trio.runner import JobControl, JobRequest, RunnerStatistics, RunningJob
+from trio_broker.trio.procgroup import TAG_ENV, JobTag
+from trio_broker.trio.runner import (
+    ContainmentInfo,
+    JobControl,
+    JobRequest,
+    RunnerStatistics,
+    RunningJob,
+)
+from trio_broker.trio.spawn import Child, spawn
+from trio_broker.trio.workdir import WorkDir
 
 __all__ = ["INHERITED_ENV", "SUPERVISED_ENV", "CommandRunner", "CommandSpec", "job_environment"]
 
 logger = logging.getLogger(__name__)
 
-SUPERVISED_ENV: Final = ("FYLR_EXEC_SUPERVISED", "FYLR_CONVERT_THREADS")
-"""Variables the runner always sets itself."""
+SUPERVISED_ENV: Final = ("FYLR_EXEC_SUPERVISED", "FYLR_CONVERT_THREADS", TAG_ENV)
+"""Variables the runner always sets itself (the tag is set per job, see
+:class:`~trio_broker.trio.procgroup.JobTag`)."""
 INHERITED_ENV: Final = ("PATH", "HOME", "LANG", "TMPDIR")
 """The only variables a job takes from the runner's own environment (when it has them).
 
@@ -139,6 +165,7 @@ writes per megabyte streamed."""
 _CLEANUP_TIMEOUT: Final = 5.0  # shielded cleanup after a cancellation
 _GROUP_GONE_TIMEOUT: Final = 3.0  # for SIGKILLed members to die
 _GROUP_GONE_POLL: Final = 0.02
+_KILL_ROUNDS: Final = 20  # kill, wait, look again: a killed process cannot fork
 _STDERR_DRAIN_TIMEOUT: Final = 2.0  # for stderr to reach its end once the group is dead
 
 
@@ -255,6 +282,78 @@ class _Limits:
     kill_grace: float
 
 
+async def _wait_gone(pids: Iterable[int]) -> None:
+    """Return once none of ``pids`` runs (zombies count as gone).
+
+    Event-driven: a pidfd becomes readable when its process exits, even for a
+    process that is not our child; where there are no pidfds, it looks again soon.
+    """
+    pidfds = [procgroup.open_pidfd(pid) for pid in pids]
+    opened = [fd for fd in pidfds if fd is not None]
+    try:
+        async with trio.open_nursery() as nursery:
+            for fd in opened:
+                nursery.start_soon(trio.lowlevel.wait_readable, fd)
+    finally:
+        for fd in opened:
+            trio.lowlevel.notify_closing(fd)
+            os.close(fd)
+    if len(opened) < len(pidfds):  # gone already, or no pidfds here: look again soon
+        await trio.sleep(_GROUP_GONE_POLL)
+
+
+class _Members:
+    """Finds, samples and signals the processes of one job (blocking: call in a thread).
+
+    With a cgroup, they are the cgroup's. Without, they are the leader's session
+    and group, their descendants, the processes found so far (``known``) and, when
+    ``thorough``, the processes with the job's tag (see :mod:`procgroup`).
+    """
+
+    def __init__(self, leader: int, tag: JobTag, cgroup: JobCgroup | None) -> None:
+        self.leader = leader
+        self.tag = tag
+        self.cgroup = cgroup
+        self.known: dict[int, int] = {}
+        """pid → start time of every process found in the job so far (tree mode)."""
+
+    def _tree(self, *, thorough: bool) -> tuple[dict[int, procgroup.ProcessInfo], set[int]]:
+        table = procgroup.scan_processes()
+        extra = procgroup.tagged(table, self.tag.__eq__) if thorough else {}
+        members = procgroup.job_members(table, self.leader, known=self.known, extra=extra)
+        self.known = {pid: table[pid].start for pid in members}
+        return table, members
+
+    def sample(self) -> procgroup.GroupSample:
+        """Their memory and CPU time now."""
+        if self.cgroup is None:
+            return procgroup.sample_pids(*self._tree(thorough=False))
+        pids = self.cgroup.pids()
+        reading = procgroup.sample_pids(procgroup.read_pids(pids), pids)
+        memory, cpu = self.cgroup.memory_bytes(), self.cgroup.cpu_seconds()
+        return attrs.evolve(
+            reading,
+            rss=reading.rss if memory is None else memory,
+            cpu_seconds=reading.cpu_seconds if cpu is None else cpu,
+        )
+
+    def live(self, *, thorough: bool) -> tuple[int, ...]:
+        """The members that have not exited."""
+        if self.cgroup is not None:
+            pids = self.cgroup.pids()
+            return procgroup.sample_pids(procgroup.read_pids(pids), pids).live_pids
+        return procgroup.sample_pids(*self._tree(thorough=thorough)).live_pids
+
+    def signal(self, sig: signal.Signals, *, thorough: bool = False) -> tuple[int, ...]:
+        """Send ``sig`` to every live member; the ones it was sent to."""
+        if sig == signal.SIGKILL and self.cgroup is not None:
+            self.cgroup.kill()
+        procgroup.signal_group(self.leader, sig)
+        pids = self.live(thorough=thorough)
+        procgroup.signal_pids(pids, sig)
+        return pids
+
+
 class _CommandJob:
     """The state of one command while it runs (one per :meth:`CommandRunner.run`)."""
 
@@ -264,19 +363,19 @@ class _CommandJob:
         job_id: str,
         key: int,
         spec: CommandSpec,
-        process: trio.Process,
+        child: Child,
+        members: _Members,
         workdir: str,
         start: _Start,
         limits: _Limits,
         in_pipe: InPipe | None,
         out_pipe: OutPipe | None,
     ) -> None:
-        assert process.stdout is not None
-        assert process.stderr is not None
         self.job_id = job_id
         self.key = key
-        self.process = process
-        self.pgid = process.pid
+        self.child = child
+        self.pgid = child.pid
+        self.members = members
         self.workdir = workdir
         self.limits = limits
         self.finish_within = spec.stall_timeout or PIPE_FINISH_TIMEOUT
@@ -287,10 +386,9 @@ class _CommandJob:
             stall_timeout=spec.stall_timeout,
             memory_limit=spec.memory_limit,
         )
-        self.pidfd = procgroup.open_pidfd(process.pid)
         self.reaped = False
         self.rss: int | None = None
-        self.stdout = StdoutReader(process.stdout)
+        self.stdout = StdoutReader(child.stdout)
         self.stderr_bytes = 0
         self.stderr_line = LastLine()
         self.stderr_done = trio.Event()
@@ -312,8 +410,8 @@ class _CommandJob:
         """
         async with trio.open_nursery() as nursery:
             if self.in_pipe is not None:
-                assert self.process.stdin is not None
-                nursery.start_soon(self.in_pipe.pump, self.process.stdin, self.fault)
+                assert self.child.stdin is not None
+                nursery.start_soon(self.in_pipe.pump, self.child.stdin, self.fault)
             nursery.start_soon(pump_stdout, self.stdout, self.out_pipe, self.fault)
             nursery.start_soon(self.pump_stderr)
             ending = await self.supervise(control)
@@ -332,14 +430,13 @@ class _CommandJob:
     @property
     def exit_code(self) -> int:
         """The leader's exit status (negative: the signal); once it is reaped."""
-        code = self.process.returncode
+        code = self.child.returncode
         assert code is not None
         return code
 
     async def pump_stderr(self) -> None:
-        assert self.process.stderr is not None
         try:
-            while chunk := await self.process.stderr.receive_some(_READ_CHUNK):
+            while chunk := await self.child.stderr.receive_some(_READ_CHUNK):
                 self.stderr_bytes += len(chunk)
                 self.stderr_line.feed(chunk)
         finally:
@@ -372,7 +469,7 @@ class _CommandJob:
         return verdict
 
     def _read(self) -> tuple[procgroup.GroupSample, int]:
-        return procgroup.sample_group(self.pgid), procgroup.directory_bytes(self.workdir)
+        return self.members.sample(), procgroup.directory_bytes(self.workdir)
 
     async def supervise(self, control: JobControl) -> Ending | None:
         """Wait for the first of: the leader exits (``None``), a verdict, an abort, a pipe fault."""
@@ -429,74 +526,51 @@ class _CommandJob:
     # -- ending
 
     async def wait_leader_exited(self) -> None:
-        """Return once the leader has exited; reaps it only if no pidfd is available."""
-        if self.reaped:
-            return
-        if self.pidfd is not None:
-            await trio.lowlevel.wait_readable(self.pidfd)
-        else:
-            await self.process.wait()
-            self.reaped = True
-
-    def kill(self, sig: signal.Signals) -> None:
-        procgroup.signal_group(self.pgid, sig)
+        """Return once the leader has exited (a zombie: it is reaped by :meth:`kill_and_reap`)."""
+        if not self.reaped:
+            await self.child.wait_exited()
 
     async def terminate(self, grace: float) -> None:
-        """SIGTERM to the group, then up to ``grace`` seconds for the leader to exit."""
-        self.kill(signal.SIGTERM)
+        """SIGTERM to the job's processes, then up to ``grace`` seconds for the leader to exit."""
+        await trio.to_thread.run_sync(self.members.signal, signal.SIGTERM)
         with trio.move_on_after(grace):
             await self.wait_leader_exited()
 
     async def kill_and_reap(self) -> None:
-        """SIGKILL to the group, reap the leader, wait (bounded) for the members to die."""
-        self.kill(signal.SIGKILL)
-        await self.process.wait()
+        """SIGKILL to every process of the job, reap the leader, wait (bounded) until none runs.
+
+        Kill, wait, look again: a process forked while the first look ran is
+        found by the next one (a killed process cannot fork any more).
+        """
+        kill = partial(self.members.signal, signal.SIGKILL, thorough=True)
+        pids = await trio.to_thread.run_sync(kill)
+        await self.child.wait()
         self.reaped = True
         with trio.move_on_after(_GROUP_GONE_TIMEOUT) as scope:
-            await self._wait_group_gone()
-        if scope.cancelled_caught:
+            for _ in range(_KILL_ROUNDS):
+                await _wait_gone(pids)
+                pids = await trio.to_thread.run_sync(kill)
+                if not pids:
+                    break
+        if scope.cancelled_caught or pids:
             logger.warning(
-                "job %s: process group %d survived SIGKILL for %ss",
+                "job %s: processes %s survived SIGKILL for %ss",
                 self.job_id,
-                self.pgid,
+                list(pids),
                 _GROUP_GONE_TIMEOUT,
             )
 
-    async def _wait_group_gone(self) -> None:
-        """Return once no member of the group is alive (zombies do not count).
-
-        Event-driven: a pidfd becomes readable when its process exits, even for
-        a process that is not our child.
-        """
-        while True:
-            reading = await trio.to_thread.run_sync(procgroup.sample_group, self.pgid)
-            if not reading.live_pids:
-                return
-            pidfds = [procgroup.open_pidfd(pid) for pid in reading.live_pids]
-            opened = [fd for fd in pidfds if fd is not None]
-            try:
-                async with trio.open_nursery() as nursery:
-                    for fd in opened:
-                        nursery.start_soon(trio.lowlevel.wait_readable, fd)
-            finally:
-                for fd in opened:
-                    trio.lowlevel.notify_closing(fd)
-                    os.close(fd)
-            if len(opened) < len(pidfds):  # gone already, or no pidfds here: look again soon
-                await trio.sleep(_GROUP_GONE_POLL)
-
     async def close(self) -> None:
-        """Release everything; after a cancellation, first kill the group (shielded)."""
+        """Release everything; after a cancellation, first kill the job (shielded)."""
         with trio.CancelScope(shield=True), trio.move_on_after(_CLEANUP_TIMEOUT):
             if not self.reaped:
                 await self.kill_and_reap()
+            if self.members.cgroup is not None:
+                await trio.to_thread.run_sync(self.members.cgroup.remove)
         if not self.reaped:
             logger.warning("job %s: leader %d not reaped", self.job_id, self.pgid)
-        if self.pidfd is not None:
-            trio.lowlevel.notify_closing(self.pidfd)
-            os.close(self.pidfd)
-            self.pidfd = None
-        for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
+        self.child.close()
+        for stream in (self.child.stdin, self.child.stdout, self.child.stderr):
             if stream is not None:
                 with trio.CancelScope(shield=True):
                     await stream.aclose()
@@ -527,12 +601,12 @@ class _CommandJob:
         )
 
 
-def _widen_pipes(process: trio.Process) -> None:
+def _widen_pipes(child: Child) -> None:
     """Ask for larger kernel buffers on a bulk job's pipes; keep the default if refused."""
     set_size = getattr(fcntl, "F_SETPIPE_SZ", None)
     if set_size is None:  # not Linux
         return
-    for stream in (process.stdin, process.stdout):
+    for stream in (child.stdin, child.stdout):
         fileno = getattr(stream, "fileno", None)
         if fileno is not None:
             with contextlib.suppress(OSError):
@@ -590,6 +664,30 @@ class _Entry:
         )
 
 
+def _child_setup(cgroup_fd: int | None, user: JobUser | None, parent: int) -> Callable[[], None]:
+    """What a job's child does between fork and exec (in this order, see the module docstring).
+
+    Enter the job's cgroup (while it may: before it changes user), become the job
+    user, drop any ambient capabilities (the job gets none), then ask for SIGKILL
+    when the parent thread ends (after the change of user, which would clear it),
+    and make sure the parent has not died meanwhile.
+    It takes no lock and imports nothing (a forked child of a threaded process).
+    """
+
+    def setup() -> None:
+        if cgroup_fd is not None:
+            os.write(cgroup_fd, b"0")
+        if user is not None:
+            user.switch()
+        with contextlib.suppress(OSError):  # kernels before 4.3 have no ambient set
+            procgroup.clear_ambient_capabilities()
+        procgroup.set_parent_death_signal(signal.SIGKILL)
+        if os.getppid() != parent:
+            raise RuntimeError("the runner's process ended")
+
+    return setup
+
+
 class CommandRunner:
     """The reference runner: each service is a supervised command (or a builtin).
 
@@ -605,9 +703,17 @@ class CommandRunner:
         instance_id: copied into every receipt.
         sample_interval: seconds between samples of a running job.
         kill_grace: seconds between SIGTERM and SIGKILL when the runner ends a job.
+        job_user: the user commands run as; ``None``: the runner's own. Another
+            user's job gets the work folder, and as ``HOME`` its home folder (or
+            the work folder when it has none).
+        containment: what the runner's process set up for its jobs
+            (:func:`~trio_broker.trio.containment.serve_containment`): with a
+            delegated cgroup, each job runs in a cgroup of its own. ``None``: the
+            jobs are found by their process tree and tag.
 
     Raises:
         ValueError: a non-positive ``sample_interval`` or a negative ``kill_grace``.
+        JobUserError: this process cannot run jobs as ``job_user`` (a ``ValueError``).
     """
 
     def __init__(
@@ -620,11 +726,17 @@ class CommandRunner:
         instance_id: str = "",
         sample_interval: float = 1.0,
         kill_grace: float = 2.0,
+        job_user: JobUser | None = None,
+        containment: Containment | None = None,
     ) -> None:
         if not (math.isfinite(sample_interval) and sample_interval > 0):
             raise ValueError(f"sample_interval must be positive, got {sample_interval!r}")
         if not (math.isfinite(kill_grace) and kill_grace >= 0):
             raise ValueError(f"kill_grace must be non-negative, got {kill_grace!r}")
+        if job_user is not None:
+            problem = job_user.switch_problem()
+            if problem is not None:
+                raise JobUserError(problem)
         self._services = dict(services)
         self._env = dict(env)
         self._temp_dir = temp_dir
@@ -634,6 +746,10 @@ class CommandRunner:
             kill_grace=kill_grace,
         )
         self._instance_id = instance_id
+        self._job_user = job_user or JobUser.current()
+        self._switch = None if self._job_user.is_current else self._job_user
+        self._containment = containment
+        self._tag = JobTag.of_this_process(secrets.token_hex(4))
         self._keys = itertools.count()
         self._running: dict[int, _Entry] = {}
         self._connector = PipeConnector()
@@ -648,6 +764,24 @@ class CommandRunner:
                     ", ".join(overridden),
                 )
 
+    def containment(self) -> ContainmentInfo:
+        """How the runner contains its jobs (the inspection page shows it)."""
+        containment = self._containment or Containment(
+            cgroup=None, reason="no containment was set up for this runner"
+        )
+        delegation = containment.cgroup
+        memory_ok = delegation is not None and delegation.memory
+        return ContainmentInfo(
+            mode=containment.mode,
+            cgroup=None if delegation is None else str(delegation.instance),
+            memory="cgroup" if memory_ok else "processes",
+            reason=containment.reason if delegation is None else delegation.note,
+            subreaper=containment.subreaper,
+            dumpable=containment.dumpable,
+            keeper_pid=containment.keeper_pid,
+            job_user=self._job_user.name,
+        )
+
     def statistics(self) -> RunnerStatistics:
         """A snapshot of the running jobs and the memory they use."""
         running = tuple(entry.snapshot() for entry in self._running.values())
@@ -656,6 +790,7 @@ class CommandRunner:
             running=running,
             memory_used=sum(job.rss or 0 for job in running),
             memory_budget=None if budget is None else budget.total,
+            containment=self.containment(),
         )
 
     async def run(self, request: JobRequest, control: JobControl) -> Receipt:
@@ -690,8 +825,11 @@ class CommandRunner:
             urls = PipeUrls.of(job)
         except (ParameterError, JobSpecError) as exc:
             return start.error(str(exc))
+        user = self._switch
         try:
-            workdir = tempfile.mkdtemp(prefix="trio-broker-job-", dir=self._temp_dir)
+            workdir = WorkDir.create(
+                self._temp_dir, owner=None if user is None else (user.uid, user.gid)
+            )
         except OSError as exc:
             return start.error(f"cannot create a work directory: {exc}")
         # the job's own limits take precedence over the service's ("0": none)
@@ -701,7 +839,7 @@ class CommandRunner:
             stall_timeout=job.effective_stall_timeout(spec.stall_timeout),
         )
         try:
-            return await self._run_command(entry, spec, argv, workdir, control, start, urls)
+            return await self._run_command(entry, spec, argv, workdir.path, control, start, urls)
         except BaseExceptionGroup as group:
             # Our nurseries wrap the cancellation of the calling task in groups of
             # Cancelled; callers expect the plain Cancelled that trio.run_process raises.
@@ -711,13 +849,58 @@ class CommandRunner:
             raise cancelled from None
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(_CLEANUP_TIMEOUT):
-                await trio.to_thread.run_sync(
-                    partial(shutil.rmtree, workdir, ignore_errors=True), abandon_on_cancel=True
-                )
+                await trio.to_thread.run_sync(workdir.remove, abandon_on_cancel=True)
 
-    def _environment(self, spec: CommandSpec) -> dict[str, str]:
+    def _environment(self, spec: CommandSpec, workdir: str, tag: JobTag) -> dict[str, str]:
         """A job's environment: never the daemon's own (see :data:`INHERITED_ENV`)."""
-        return job_environment(spec, self._env)
+        inherit: Mapping[str, str] = os.environ
+        if self._switch is not None:  # another user: its own home, or the work folder
+            inherit = {**os.environ, "HOME": self._switch.home or workdir}
+        result = job_environment(spec, self._env, inherit=inherit)
+        result[TAG_ENV] = str(tag)
+        return result
+
+    def _job_cgroup(self, name: str) -> JobCgroup | None:
+        delegation = None if self._containment is None else self._containment.cgroup
+        if delegation is None:
+            return None
+        try:
+            return delegation.job(name)
+        except OSError as exc:
+            logger.warning("cannot make the cgroup of job %s, found by its tree: %s", name, exc)
+            return None
+
+    async def _start(
+        self,
+        argv: tuple[str, ...],
+        env: dict[str, str],
+        workdir: str,
+        *,
+        stdin: bool,
+        cgroup: JobCgroup | None,
+    ) -> Child | str:
+        """Start the leader; the child, or why it could not start."""
+        cgroup_fd = None if cgroup is None else cgroup.open_procs()
+        try:
+            return await spawn(
+                argv,
+                cwd=workdir,
+                env=env,
+                stdin=stdin,
+                setup=_child_setup(cgroup_fd, self._switch, os.getpid()),
+            )
+        except OSError as exc:
+            return f"cannot run {argv[0]!r}: {exc.strerror or exc}"
+        except ValueError as exc:  # e.g. a NUL in the configured env
+            return f"cannot run {argv[0]!r}: {exc}"
+        except subprocess.SubprocessError:
+            return (
+                f"cannot run {argv[0]!r}: the job's process could not enter its cgroup,"
+                f" become {self._job_user.name!r} or ask for its parent-death signal"
+            )
+        finally:
+            if cgroup_fd is not None:
+                os.close(cgroup_fd)
 
     async def _run_command(
         self,
@@ -729,32 +912,32 @@ class CommandRunner:
         start: _Start,
         urls: PipeUrls,
     ) -> Receipt:
+        tag = attrs.evolve(self._tag, job=f"{self._tag.job}-{entry.key}")
         async with contextlib.AsyncExitStack() as stack:
             try:
                 in_pipe, out_pipe = await open_pipes(stack, self._connector, urls)
             except PipeUnreachable as exc:  # the network's fault, not the input's
                 return start.ended("stopped", str(exc))
-            try:
-                process = await trio.lowlevel.open_process(
-                    argv,
-                    start_new_session=True,
-                    cwd=workdir,
-                    env=self._environment(spec),
-                    stdin=subprocess.DEVNULL if in_pipe is None else subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                )
-            except OSError as exc:
-                return start.error(f"cannot run {argv[0]!r}: {exc.strerror or exc}")
-            except ValueError as exc:  # e.g. a NUL in the configured env
-                return start.error(f"cannot run {argv[0]!r}: {exc}")
+            cgroup = self._job_cgroup(tag.job)
+            child = await self._start(
+                argv,
+                self._environment(spec, workdir, tag),
+                workdir,
+                stdin=in_pipe is not None,
+                cgroup=cgroup,
+            )
+            if isinstance(child, str):
+                if cgroup is not None:
+                    await trio.to_thread.run_sync(cgroup.remove)
+                return start.error(child)
             if urls.any:
-                _widen_pipes(process)
+                _widen_pipes(child)
             job = entry.job = _CommandJob(
                 job_id=entry.request.job_id,
                 key=entry.key,
                 spec=spec,
-                process=process,
+                child=child,
+                members=_Members(child.pid, tag, cgroup),
                 workdir=workdir,
                 start=start,
                 limits=self._limits,
@@ -766,4 +949,7 @@ class CommandRunner:
                 status, error = await job.run(control)
             finally:
                 await job.close()
+                if self._containment is not None and self._containment.subreaper:
+                    with trio.CancelScope(shield=True):  # the job's orphans were ours
+                        await trio.to_thread.run_sync(reap_adopted)
         return job.receipt(start, status, error)

@@ -255,9 +255,11 @@ def execserver_document(stats: ExecserverStatistics) -> dict[str, Any]:
         A JSON-ready object with the members ``instance_id``, ``name``,
         ``draining``, ``pool``, ``services``, ``connections``, ``running``,
         ``recent`` (newest first; each with its ``wait_s``, ``client`` and
-        receipt), ``counters`` and ``caches`` (each cached service's produce
-        cache: ``entries``, ``bytes``, ``max_size``, ``hits``, ``misses``).
-        Instants are ISO 8601 strings with their zone.
+        receipt), ``counters``, ``caches`` (each cached service's produce
+        cache: ``entries``, ``bytes``, ``max_size``, ``hits``, ``misses``) and
+        ``containment`` (how the runner keeps its jobs' processes together: its
+        :class:`~trio_broker.trio.runner.ContainmentInfo`, null when the runner
+        does not say). Instants are ISO 8601 strings with their zone.
     """
     broker, runner = stats.broker, stats.runner
     running = {job.job_id: job for job in runner.running} if runner else {}
@@ -310,6 +312,9 @@ def execserver_document(stats: ExecserverStatistics) -> dict[str, Any]:
         "caches": {name: dict(figures) for name, figures in runner.caches.items()}
         if runner
         else {},
+        "containment": (
+            attrs.asdict(runner.containment) if runner and runner.containment else None
+        ),
     }
 
 

@@ -12,8 +12,8 @@ with :func:`~trio_broker.core.job.ended_receipt` or
 * :class:`JobControl`: the execserver's handle on a running job (``CANCEL``,
   shutdown, a broken stream end it through :meth:`JobControl.abort`).
 * :class:`Runner`: the protocol a runner implements.
-* :class:`RunningJob`, :class:`RunnerStatistics`: what a runner that keeps
-  statistics reports in the execserver's inspection data.
+* :class:`RunningJob`, :class:`RunnerStatistics`, :class:`ContainmentInfo`: what
+  a runner that keeps statistics reports in the execserver's inspection data.
 
 The reference runner, which runs each service as a supervised command, is
 :class:`trio_broker.trio.command.CommandRunner`; the execserver's end of the pipes
@@ -32,6 +32,7 @@ from trio_broker.core.protocol import Receipt
 
 __all__ = [
     "AbortStatus",
+    "ContainmentInfo",
     "JobControl",
     "JobRequest",
     "ReportingRunner",
@@ -158,6 +159,29 @@ class RunningJob:
 
 
 @attrs.frozen(kw_only=True)
+class ContainmentInfo:
+    """How a runner keeps its jobs' processes together and away from its secrets."""
+
+    mode: Literal["cgroup", "process_tree"]
+    """``cgroup``: each job in a cgroup of its own; ``process_tree``: a job's
+    session, process group, descendants and tagged processes."""
+    cgroup: str | None
+    """The folder the jobs' cgroups are made in (cgroup mode)."""
+    memory: Literal["cgroup", "processes"]
+    """Where a job's memory is read: its cgroup's counters, or its processes' RSS."""
+    reason: str | None
+    """Why there is no cgroup, or why its memory counters are not used."""
+    subreaper: bool
+    """Whether the runner's process adopts its jobs' orphans."""
+    dumpable: bool
+    """Whether the runner's process's ``/proc`` files are readable by its user."""
+    keeper_pid: int | None
+    """The process that ends what the jobs left once the runner's process is gone."""
+    job_user: str
+    """The user jobs run as."""
+
+
+@attrs.frozen(kw_only=True)
 class RunnerStatistics:
     """A snapshot of a runner: its running jobs and the memory they use."""
 
@@ -168,6 +192,8 @@ class RunnerStatistics:
     caches: Mapping[str, Mapping[str, int]] = attrs.field(factory=dict)
     """Each cached service's produce cache figures (``entries``, ``bytes``,
     ``max_size``, ``hits``, ``misses``), by service; empty without a cache."""
+    containment: ContainmentInfo | None = None
+    """How the jobs are contained, when the runner says."""
 
 
 @runtime_checkable

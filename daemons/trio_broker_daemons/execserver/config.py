@@ -12,8 +12,8 @@ that starts with the dotted key path::
 Where values come from (the file, ``TRIO_BROKER_…`` variables, secret files) and
 the value conventions (durations, sizes, integers, strings) are the daemons'
 shared ones: :mod:`trio_broker_daemons.config`. ``null`` is accepted only where
-the documented default is null (``broker_token``, ``tls``, ``temp_dir``, and a
-service's ``timeout``, ``stall_timeout``, ``memory_limit``).
+the documented default is null (``broker_token``, ``tls``, ``temp_dir``,
+``job_user``, and a service's ``timeout``, ``stall_timeout``, ``memory_limit``).
 
 The placeholder ``{config_dir}`` in an argv element is the configuration file's
 folder (``argv: [python3, "{config_dir}/convert_image.py"]``). No other argv
@@ -67,7 +67,18 @@ Top-level keys (:class:`ExecserverConfig`):
     A job without progress this long is stalled; ``"0"`` = no stall supervision.
 ``temp_dir`` (null)
     Parent of the jobs' working directories; null = the system temp dir. A
-    relative path is relative to the configuration file.
+    relative path is relative to the configuration file. Several execservers
+    may share it: each locks the folders of its running jobs, and at start
+    removes the folders no live execserver holds.
+``job_user`` (null)
+    The user commands run as: a name, a number, or ``UID:GID`` for a user
+    without a name; null = the daemon's own user when it is not root, else
+    ``nobody``. Checked when the daemon starts
+    (:func:`~trio_broker_daemons.execserver.app.job_user_from`).
+``cgroup`` (``"auto"``)
+    ``auto``: when the daemon is given a cgroup v2 it may write (systemd's
+    ``Delegate=yes``, a container's own cgroup), each job runs in a cgroup of
+    its own; ``off`` (or ``false``): never (jobs are found by their process tree).
 ``max_frame_bytes`` (1048576, >= 1024)
     Largest websocket frame accepted.
 ``env`` ({})
@@ -282,6 +293,25 @@ def _memory_budget(value: object) -> int | Literal["auto"]:
         raise
 
 
+def _cgroup(value: object) -> Literal["auto", "off"]:
+    if value == "auto":
+        return "auto"
+    if value == "off" or value is False:  # YAML reads an unquoted off as false
+        return "off"
+    raise ConfigError(f"expected one of auto, off, got {show(value)}")
+
+
+def _job_user(value: object) -> str | None:
+    if value is None:
+        return None
+    if type(value) is int and value >= 0:  # a uid written as a YAML number
+        return str(value)
+    name = nonempty_string(value)
+    if any(character.isspace() or character == "\x00" for character in name):
+        raise ConfigError(f"expected a user name or number, got {show(value)}")
+    return name
+
+
 def _builtin(value: object) -> Builtin | None:
     if value is None:
         return None
@@ -351,6 +381,8 @@ _ParameterNames = Annotated[tuple[str, ...], Rule(_parameter_names)]
 _BuiltinValue = Annotated[Builtin | None, Rule(_builtin)]
 _Threads = Annotated[ThreadsSpec, Rule(check_threads)]
 _Env = Annotated[Mapping[str, str], Rule(_env)]
+_JobUser = Annotated[str | None, Rule(_job_user)]
+_Cgroup = Annotated[Literal["auto", "off"], Rule(_cgroup)]
 
 
 # -- the classes ---------------------------------------------------------------
@@ -456,6 +488,8 @@ class ExecserverConfig:
     priority_aging: _Timeout = None
     stall_timeout: _Stall = 600.0
     temp_dir: _OptionalPath = None
+    job_user: _JobUser = None
+    cgroup: _Cgroup = "auto"
     max_frame_bytes: _FrameBytes = 1048576
     env: _Env = attrs.field(factory=dict)
     services: _Services
