@@ -69,6 +69,8 @@ def execserver_config(**services: Any) -> ExecserverConfig:
             "fast_reserve": 0,
             "unknown_share": 1.0,
             "services": services or SERVICES,
+            # the suite's job user (tests/conftest.py): the commands read the tests' folders
+            "job_user": os.environ.get("TRIO_BROKER_JOB_USER"),
         }
     )
 
