@@ -9,6 +9,7 @@ broken transfer) and a client going away mid-stream.
 from __future__ import annotations
 
 import gzip
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -93,6 +94,8 @@ def execserver_config(slots: int = 2, **extra: Any) -> ExecserverConfig:
             "fast_reserve": 0,
             "unknown_share": 1.0,
             "services": SERVICES,
+            # the suite's job user (tests/conftest.py): the commands write the tests' folders
+            "job_user": os.environ.get("TRIO_BROKER_JOB_USER"),
             **extra,
         }
     )
