@@ -76,6 +76,14 @@ TestSoakFractionalShares = broker_machine(
 ).TestCase
 TestSoakFractionalShares.settings = _TENFOLD
 
+TestSoakBook = book_machine().TestCase
+TestSoakBook.settings = _TENFOLD
+
+TestSoakBookOnePriority = book_machine(
+    services=("x", "y", "z"), priorities=(0,), connections=2
+).TestCase
+TestSoakBookOnePriority.settings = _TENFOLD
+
 TestSoakBookAging = book_machine(priorities=(-2, -1, 0, 2, 5), aging=1.0).TestCase
 TestSoakBookAging.settings = _TENFOLD
 

@@ -801,7 +801,12 @@ class RoundRobinMachine(RuleBasedStateMachine):
         return offered
 
     def _owed(self, conn: int, priority: int, granted: int) -> bool:
-        """The turn hold's condition, from the grants this model saw."""
+        """The turn hold's condition, from the grants this model saw.
+
+        ``granted`` is the grant of the job that ended; a connection served
+        again at that priority since then counts from its latest grant there.
+        """
+        granted = max(granted, self.last_grant.get((conn, priority), granted))
         parked = [(c, prio) for (c, prio), n in self.parked.items() if n > 0]
         if any(prio > priority for _, prio in parked) or (conn, priority) in parked:
             return False
