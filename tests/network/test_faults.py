@@ -462,6 +462,10 @@ async def test_with_delay_and_loss_every_job_runs_once_and_every_byte_arrives(
             running_fylr(network, shared_dir / "state", classes, ping, execs)
         )
         backend_id = (await fleet.fylr_page())["backend_id"]
+        first = {
+            name: [c["id"] for c in ours(await fleet.exec_page(name), backend_id)]
+            for name in EXECSERVERS
+        }
         with trio.fail_after(WAIT):
             ids = {name: await put(fleet.fylr, name, data) for name, data in contents.items()}
             documents = {name: await ended(fleet.fylr, ids[name]) for name in contents}
@@ -493,9 +497,13 @@ async def test_with_delay_and_loss_every_job_runs_once_and_every_byte_arrives(
         page = await fleet.fylr_page()
         assert page["steps"].get("produce.requeued", 0) == 0
         for name in EXECSERVERS:
-            # the broker connection crossed its relay and never dropped
-            assert relays[f"broker {name}"].connections == 1
+            # the broker connection crossed its relay and never dropped: the one there
+            # before the uploads is the one there now (jobs waiting on a loaded machine
+            # may make the pool dial once more to look for another execserver behind
+            # the address; such a dial finds the same one and is closed, not kept)
+            assert relays[f"broker {name}"].connections >= 1
             (connection,) = ours(await fleet.exec_page(name), backend_id)
+            assert [connection["id"]] == first[name]
             # the pipes' base is the fylr's address on the test network, checked through its relay
             assert connection["callback_url"] == f"http://{fylr.address}:{FYLR_PORT}"
             assert connection["callback_check"] == "ok"
