@@ -39,7 +39,7 @@ from trio_broker.testing.sim.shrink import shrink
 from trio_broker.testing.sim.trace import Trace, plan
 
 SMALL = [name for name in SCENARIOS if not name.startswith("fleet-")]
-SEEDS = 20
+SEEDS = 10
 """Seeds per shipped scenario in make test (make soak runs ten thousand in all)."""
 
 
