@@ -56,7 +56,9 @@ def raise_fd_limit(wanted: int) -> None:
 
 
 @asynccontextmanager
-async def execserver(*, checkout: str | None = None) -> AsyncIterator[DaemonProcess]:
+async def execserver(
+    *, checkout: str | None = None, log_level: str = "warning"
+) -> AsyncIterator[DaemonProcess]:
     """The reference daemon with a no-op service (of ``checkout`` when given)."""
     config = (
         "listen: 127.0.0.1:0\n"
@@ -68,7 +70,7 @@ async def execserver(*, checkout: str | None = None) -> AsyncIterator[DaemonProc
     )
     prefix = [] if checkout is None else ["env", f"PYTHONPATH={checkout}:{checkout}/daemons"]
     # the daemon inherits this process's raised descriptor limit
-    async with open_execserver_process(config, prefix=prefix) as daemon:
+    async with open_execserver_process(config, prefix=prefix, log_level=log_level) as daemon:
         yield daemon
 
 
@@ -88,8 +90,12 @@ async def _hold(
     dialling: trio.CapacityLimiter,
     opened: trio.Semaphore,
     all_open: trio.Event,
+    closed: list[int],
 ) -> None:
-    """One connection: REGISTER, answer PINGs, and ping-pong without pause if asked."""
+    """One connection: REGISTER, answer PINGs, and ping-pong without pause if asked.
+
+    A connection the execserver closes is counted in ``closed`` and not redialled.
+    """
     async with dialling:  # a few dials at a time: the listen backlog is finite
         ws = await dial(host, port)
         name = f"load-{number}"
@@ -102,9 +108,13 @@ async def _hold(
         await all_open.wait()  # the ping-pong starts once every connection is open
         await ws.send_text(p.encode(p.Ping(nonce=str(next(nonces)))))
     while True:
-        text = await ws.receive()
+        try:
+            text = await ws.receive()
+        except trio.BrokenResourceError:
+            text = None
         if text is None:
-            raise RuntimeError(f"the execserver closed connection {number}")
+            closed.append(number)
+            return
         message = p.decode(text, accept=p.EXEC_TO_CLIENT)
         if isinstance(message, p.Ping):
             await ws.send_text(p.encode(p.Pong(nonce=message.nonce)))
@@ -113,25 +123,33 @@ async def _hold(
 
 
 async def generate(host: str, port: int, connections: int, pinging: int) -> None:
-    """Open the connections, say ``ready`` on stdout, hold them until stdin closes."""
+    """Open the connections, say ``ready`` on stdout, hold them until stdin closes;
+    then say how many the execserver closed meanwhile."""
     opened = trio.Semaphore(0, max_value=connections)
     dialling = trio.CapacityLimiter(DIALS)
     all_open = trio.Event()
+    closed: list[int] = []
     async with trio.open_nursery() as nursery:
         for number in range(connections):
             pings = number < pinging
-            nursery.start_soon(_hold, host, port, number, pings, dialling, opened, all_open)
+            args = (number, pings, dialling, opened, all_open, closed)
+            nursery.start_soon(_hold, host, port, *args)
         for _ in range(connections):
             await opened.acquire()
         all_open.set()
         print("ready", flush=True)
         await trio.to_thread.run_sync(sys.stdin.read, abandon_on_cancel=True)
         nursery.cancel_scope.cancel()
+    print(len(closed), flush=True)
 
 
 @asynccontextmanager
-async def load(daemon: DaemonProcess, connections: int, pinging: int) -> AsyncIterator[None]:
-    """The load generator process, from all connections open until the block ends."""
+async def load(daemon: DaemonProcess, connections: int, pinging: int) -> AsyncIterator[list[int]]:
+    """The load generator process, from all connections open until the block ends.
+
+    Yields a list that holds, after the block, how many connections the execserver
+    closed during the run (it closes a connection it thinks silent).
+    """
     argv = [sys.executable, __file__, "--generate", daemon.host, str(daemon.port)]
     argv += [str(connections), str(pinging)]
     proc = await trio.lowlevel.open_process(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -145,13 +163,19 @@ async def load(daemon: DaemonProcess, connections: int, pinging: int) -> AsyncIt
                 if not chunk:
                     raise RuntimeError("the load generator exited before it was ready")
                 line += chunk
-        yield
+        closed: list[int] = []
+        yield closed
     finally:
         with trio.CancelScope(shield=True):
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await proc.stdin.aclose()
+            rest = b""
             with trio.move_on_after(30):
+                while chunk := await proc.stdout.receive_some(64):
+                    rest += chunk
                 await proc.wait()
+            if rest.strip().isdigit():
+                closed.append(int(rest.strip()))
             if proc.returncode is None:
                 proc.kill()
             await proc.wait()
@@ -216,15 +240,19 @@ def _ms(samples: list[float], q: int) -> str:
     return f"{value * 1e3:,.1f} ms"
 
 
-async def main(connections: int, probes: int, jobs: int, compare: str | None) -> None:
+async def main(
+    connections: int, probes: int, jobs: int, compare: str | None, log_level: str
+) -> None:
     loads = ((10, 5), (connections, connections // 2))
     async with contextlib.AsyncExitStack() as stack:
-        daemons = {"this checkout": await stack.enter_async_context(execserver())}
+        here = execserver(log_level=log_level)
+        daemons = {"this checkout": await stack.enter_async_context(here)}
         if compare is not None:
-            daemons[compare] = await stack.enter_async_context(execserver(checkout=compare))
+            there = execserver(checkout=compare, log_level=log_level)
+            daemons[compare] = await stack.enter_async_context(there)
         for count, pinging in loads:
             for name, daemon in daemons.items():
-                async with load(daemon, count, pinging):
+                async with load(daemon, count, pinging) as closed:
                     began = time.perf_counter()
                     lives, firsts = await measure(daemon, probes, jobs)
                     took = time.perf_counter() - began
@@ -232,7 +260,8 @@ async def main(connections: int, probes: int, jobs: int, compare: str | None) ->
                     f"{count:>5} connections ({pinging} ping-ponging), {name}: "
                     f"/livez p50 {_ms(lives, 50)}, p99 {_ms(lives, 99)} ({probes} probes); "
                     f"first job p50 {_ms(firsts, 50)}, max {_ms(firsts, 100)} ({jobs} newcomers; "
-                    f"{took:.1f} s)",
+                    f"{took:.1f} s); closed by the execserver: "
+                    f"{closed[0] if closed else '?'}",
                     flush=True,
                 )
     print(f"({os.cpu_count()} CPUs, shared with other work: figures are noisy)")
@@ -248,6 +277,7 @@ if __name__ == "__main__":
         metavar="CHECKOUT",
         help="also run the daemon of this other checkout (e.g. one at main)",
     )
+    parser.add_argument("--log-level", default="warning", help="the execservers' log level")
     parser.add_argument("--generate", nargs=4, metavar=("HOST", "PORT", "N", "PINGING"))
     args = parser.parse_args()
     if args.generate:
@@ -256,4 +286,4 @@ if __name__ == "__main__":
         trio.run(generate, host, int(port), int(count), int(pinging))
     else:
         raise_fd_limit(2 * args.connections + 256)
-        trio.run(main, args.connections, args.probes, args.jobs, args.compare)
+        trio.run(main, args.connections, args.probes, args.jobs, args.compare, args.log_level)
