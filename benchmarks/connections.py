@@ -7,7 +7,8 @@ The execserver is the real ``trio-broker execserver`` daemon in its own process
 (4 slots, a ``builtin: noop`` service). The load comes from a second process (so
 that the probes below do not wait for the load generator's own event loop): it
 opens the connections, registers each, answers the execserver's ``PING`` with
-``PONG``, and on half of them ping-pongs without pause (a ``PING``, then the next
+``PONG`` and sends its own after sending nothing for 5 s (as any client does), and
+on half of them ping-pongs without pause (a ``PING``, then the next
 one as soon as its ``PONG`` came back: one frame in flight per connection).
 
 With the load running, this process measures, sequentially:
@@ -45,6 +46,8 @@ from trio_broker.trio.websocket import WebsocketConnection, connect
 SLOTS = 4
 DIALS = 32
 """Connections the load generator dials at once."""
+PING_INTERVAL = 5.0
+"""A load connection that sent nothing this long sends a PING (the protocol's rule)."""
 
 
 def raise_fd_limit(wanted: int) -> None:
@@ -90,6 +93,7 @@ async def _hold(
     dialling: trio.CapacityLimiter,
     opened: trio.Semaphore,
     all_open: trio.Event,
+    started: trio.Semaphore,
     closed: list[int],
 ) -> None:
     """One connection: REGISTER, answer PINGs, and ping-pong without pause if asked.
@@ -104,22 +108,39 @@ async def _hold(
             pass
     opened.release()
     nonces = iter(range(10**12))
-    if pinging:
-        await all_open.wait()  # the ping-pong starts once every connection is open
-        await ws.send_text(p.encode(p.Ping(nonce=str(next(nonces)))))
+    ponging = False
+    sent = trio.current_time()
     while True:
-        try:
-            text = await ws.receive()
-        except trio.BrokenResourceError:
-            text = None
+        if pinging and all_open.is_set():
+            # the ping-pong starts once every connection is open
+            await ws.send_text(p.encode(p.Ping(nonce=str(next(nonces)))))
+            sent = trio.current_time()
+            started.release()
+            pinging = False  # from now on, every PONG is answered by the next PING
+            ponging = True
+        text: str | bytes | None = ""
+        # like any client, PING after sending nothing for ping_interval (and look
+        # at least once a second whether the ping-pong should start)
+        with trio.move_on_at(min(sent + PING_INTERVAL, trio.current_time() + 1.0)):
+            try:
+                text = await ws.receive()
+            except trio.BrokenResourceError:
+                text = None
+        if text == "":
+            if trio.current_time() >= sent + PING_INTERVAL:
+                await ws.send_text(p.encode(p.Ping(nonce=str(next(nonces)))))
+                sent = trio.current_time()
+            continue
         if text is None:
             closed.append(number)
             return
         message = p.decode(text, accept=p.EXEC_TO_CLIENT)
         if isinstance(message, p.Ping):
             await ws.send_text(p.encode(p.Pong(nonce=message.nonce)))
-        elif isinstance(message, p.Pong) and pinging:
+            sent = trio.current_time()
+        elif isinstance(message, p.Pong) and ponging:
             await ws.send_text(p.encode(p.Ping(nonce=str(next(nonces)))))
+            sent = trio.current_time()
 
 
 async def generate(host: str, port: int, connections: int, pinging: int) -> None:
@@ -128,15 +149,18 @@ async def generate(host: str, port: int, connections: int, pinging: int) -> None
     opened = trio.Semaphore(0, max_value=connections)
     dialling = trio.CapacityLimiter(DIALS)
     all_open = trio.Event()
+    started = trio.Semaphore(0, max_value=max(1, pinging))
     closed: list[int] = []
     async with trio.open_nursery() as nursery:
         for number in range(connections):
             pings = number < pinging
-            args = (number, pings, dialling, opened, all_open, closed)
+            args = (number, pings, dialling, opened, all_open, started, closed)
             nursery.start_soon(_hold, host, port, *args)
         for _ in range(connections):
             await opened.acquire()
         all_open.set()
+        for _ in range(pinging):
+            await started.acquire()
         print("ready", flush=True)
         await trio.to_thread.run_sync(sys.stdin.read, abandon_on_cancel=True)
         nursery.cancel_scope.cancel()
