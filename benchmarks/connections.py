@@ -180,7 +180,7 @@ async def load(daemon: DaemonProcess, connections: int, pinging: int) -> AsyncIt
     assert proc.stdin is not None
     assert proc.stdout is not None
     try:
-        with trio.fail_after(300):
+        with trio.fail_after(900):  # a loaded machine dials slowly
             line = b""
             while not line.endswith(b"\n"):
                 chunk = await proc.stdout.receive_some(64)

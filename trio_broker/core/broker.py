@@ -1312,10 +1312,10 @@ class Broker(SansIOCore[Effect, _TimerKind]):
             addr=conn.addr,
         )
 
-    def _send_hello(self, conn: _Conn) -> None:
+    def _send_hello(self, conn: _Conn, hello: p.Hello | None = None) -> None:
         conn.hello_told = self._shared_hello()
         conn.hello_sent_at = self._now
-        self._send(conn, self._hello(conn))
+        self._send(conn, hello if hello is not None else self._hello(conn))
 
     def _arm_hello_round(self) -> None:
         """A HELLO round at the end of this whole second, unless one is armed."""
@@ -1334,11 +1334,17 @@ class Broker(SansIOCore[Effect, _TimerKind]):
         self._hello_changed = False
         deferred: list[_Conn] = []
         conns = self._conns
+        # one HELLO value per local address (they differ in addr only): the driver
+        # encodes a value it sees again in a row once
+        hellos: dict[str, p.Hello] = {}
         for conn in candidates:
             if conn.hello_told == shared or conns.get(conn.id) is not conn:
                 continue
             if conn.hello_sent_at + HELLO_INTERVAL <= now:
-                self._send_hello(conn)
+                hello = hellos.get(conn.addr)
+                if hello is None:
+                    hello = hellos[conn.addr] = self._hello(conn)
+                self._send_hello(conn, hello)
             else:
                 deferred.append(conn)  # told less than a second ago: the next round
         self._hello_deferred = deferred

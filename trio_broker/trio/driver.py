@@ -239,11 +239,15 @@ class CoreDriver(Generic[E]):
         links = self._links
         encode = p.encode
         own = self._own_frames
+        last: p.Message | None = None
+        text = ""
         for conn_id, message in core.frames_to_send():
             link = links.get(conn_id)
             if link is None:
                 continue  # the connection already ended
-            if not link.put(encode(message), counted=message.TYPE not in own):
+            if message is not last:  # one value sent to many (a HELLO round): encoded once
+                last, text = message, encode(message)
+            if not link.put(text, counted=message.TYPE not in own):
                 self._overflowed(conn_id, link)
         apply = self._apply
         for effect in core.effects():
