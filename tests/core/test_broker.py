@@ -136,9 +136,50 @@ def test_first_hello_at_once_and_counts_clients() -> None:
     broker.tick(now=101.0)
     hellos = [(c, m) for c, m in broker.frames_to_send() if isinstance(m, p.Hello)]
     assert [(c, m.clients, m.idle) for c, m in hellos] == [(first, 2, 2)]
-    broker.tick(now=101.2)  # the newcomer's window ends later; idle changed meanwhile
+    # the newcomer's window was still open at that round: it hears at the next one
+    assert broker.next_deadline() == pytest.approx(102.0)
+    broker.tick(now=101.2)
+    assert not [m for _, m in broker.frames_to_send() if isinstance(m, p.Hello)]
+    broker.tick(now=102.0)
     hellos = [(c, m) for c, m in broker.frames_to_send() if isinstance(m, p.Hello)]
     assert [(c, m.clients, m.idle) for c, m in hellos] == [(second, 2, 2)]
+
+
+def test_a_burst_of_arrivals_costs_each_open_connection_one_hello() -> None:
+    """N open connections and K newcomers within one second: each open connection
+    gets one HELLO for the whole burst (not one at once and one more a second
+    later), each newcomer its first HELLO and one with the burst's count."""
+    h = Harness(make_broker(), *(f"old{i}" for i in range(50)))
+    h.at(101.0)
+    h.frames()  # the first round: idle became 2
+    h.at(103.0)  # quiet: every window is long closed
+    for k in range(10):
+        h.now = 103.05 + k * 0.09
+        h.open(f"new{k}", register=False)
+    h.at(104.0)
+    h.at(105.0)
+    names = {conn: name for name, conn in h.conns.items()}
+    counted: dict[str, int] = dict.fromkeys(h.conns, 0)
+    for conn, message in h.broker.frames_to_send():
+        if isinstance(message, p.Hello):
+            counted[names[conn]] += 1
+    assert [counted[f"old{i}"] for i in range(50)] == [1] * 50
+    # the last newcomer's first HELLO already had the burst's count
+    assert [counted[f"new{k}"] for k in range(10)] == [2] * 9 + [1]
+
+
+def test_a_change_costs_no_work_per_connection() -> None:
+    """A change marks the broker changed and arms one round; it does not visit the
+    open connections (here: a thousand arrivals within one second arm one timer)."""
+    h = Harness(make_broker(), "a")
+    h.at(101.0)
+    h.frames()
+    timers = len(h.broker._timers)
+    for k in range(1000):
+        h.now = 101.1 + k * 0.0005
+        h.broker.open_connection("127.0.0.1:7000", now=h.now)
+    # per newcomer: its two liveness timers; for the HELLO changes: one round
+    assert len(h.broker._timers) - timers == 2 * 1000 + 1
 
 
 def test_changes_inside_the_window_are_coalesced() -> None:
@@ -470,6 +511,7 @@ def test_the_refusal_table_is_in_the_protocols_precedence_order() -> None:
         "unknown_token",
         "token_mismatch",
         "unknown_job",
+        "too_many_wants",
     ]
     every: tuple[ErrorCode, ...] = get_args(ErrorCode)
     assert codes == [code for code in every if code in codes]
@@ -556,7 +598,25 @@ ROW_CASES: dict[str, tuple[Callable[[Harness], p.Message], p.Error]] = {
         lambda h: p.Query(job_id="j"),
         p.Error(code="unknown_job", message="job_id 'j' is not live", job_id="j"),
     ),
+    "too_many_wants": (
+        lambda h: at_cap(h, want()),
+        p.Error(
+            code="too_many_wants",
+            message=(
+                "this connection already has 10000 wants parked or offered "
+                "(max_wants_per_connection); send it again once one is served or withdrawn"
+            ),
+            job_id="j",
+        ),
+    ),
 }
+
+
+def at_cap(h: Harness, message: p.Message) -> p.Message:
+    """``message``, once a's connection has max_wants_per_connection wants parked."""
+    for n in range(h.broker.config.max_wants_per_connection):
+        h.send("a", want(f"fill-{n}"))
+    return message
 
 
 @pytest.mark.parametrize("row", REFUSALS, ids=lambda row: row.code)
@@ -617,6 +677,16 @@ PAIRS: list[tuple[str, Callable[[Harness], p.Message], list[ErrorCode]]] = [
         "a JOB of a service not offered with a token offered for another service",
         lambda h: job("j", token_of(h, "a", "j"), service="nope"),
         ["unknown_service", "token_mismatch"],
+    ),
+    (
+        "a WANT repeating a live job on a connection at its cap",
+        lambda h: at_cap(h, want("fill-7")),
+        ["duplicate_job", "too_many_wants"],
+    ),
+    (
+        "a WANT of a service not offered on a connection at its cap",
+        lambda h: at_cap(h, want(service="nope")),
+        ["unknown_service", "too_many_wants"],
     ),
     (
         "a JOB with another connection's token",
@@ -1407,3 +1477,112 @@ def test_a_hold_is_taken_by_the_holders_want_while_no_lift_reached_it() -> None:
     broker.receive(x, p.Want(job_id="x3", service="s", priority=0), now=0.95)
     assert offers(0.95) == [(x, "x3")]
     broker.check_invariants()
+
+
+# -- limits: what one peer can make the broker keep -----------------------------------------------
+
+
+def test_wants_beyond_the_cap_are_refused_per_connection_and_change_nothing() -> None:
+    """max_wants_per_connection counts a connection's parked and offered wants; one more
+    WANT gets too_many_wants and is not parked; a withdrawn want makes room again;
+    another connection has its own count."""
+    h = Harness(broker_with(PoolConfig(size=1, max_slots={"s": 0}), max_wants_per_connection=3))
+    h.open("a")
+    h.open("b")
+    h.frames()
+    assert isinstance(h.want("a", "j0"), p.Offer)  # offered: counts
+    assert isinstance(h.want("a", "j1"), p.Queued)
+    assert isinstance(h.want("a", "j2"), p.Queued)
+    refused_want = h.want("a", "j3")
+    assert isinstance(refused_want, p.Error)
+    assert (refused_want.code, refused_want.job_id) == ("too_many_wants", "j3")
+    assert (h.conns["a"], "j3") not in h.broker.book
+    assert isinstance(h.want("b", "k0"), p.Queued)  # b's own count
+    h.send("a", p.Unwant(job_id="j1"))
+    assert isinstance(h.want("a", "j3"), p.Queued)
+    h.broker.check_invariants()
+
+
+def test_max_wants_per_connection_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_wants_per_connection must be at least 1, got 0"):
+        broker_with(PoolConfig(size=1, max_slots={"s": 0}), max_wants_per_connection=0)
+    assert (
+        BrokerConfig(
+            instance_id="i", name="n", pool=PoolConfig(size=1, max_slots={})
+        ).max_wants_per_connection
+        == 10_000
+    )
+
+
+def test_a_long_subject_is_kept_cut_and_the_job_runs() -> None:
+    """A JOB.subject of 300 kB starts its job; the broker keeps (StartJob, statistics,
+    the finished record) its first MAX_SUBJECT_CHARS - 1 characters and an ellipsis."""
+    h = Harness(make_broker(), "a")
+    offer = h.want("a", "j")
+    assert isinstance(offer, p.Offer)
+    subject = "x" * 300_000
+    h.send("a", p.Job(job_id="j", token=offer.token, service="s", subject=subject, job={}))
+    (start,) = [e for e in h.broker.effects() if isinstance(e, StartJob)]
+    assert start.subject == "x" * (p.MAX_SUBJECT_CHARS - 1) + "…"
+    finished = h.broker.job_ended(start.run_id, receipt(), now=h.now)
+    assert finished.subject == start.subject
+    assert [r.subject for r in h.broker.statistics().recent] == [start.subject]
+    short = "y" * p.MAX_SUBJECT_CHARS
+    assert p.clip_subject(short) == short
+    assert p.clip_subject(None) is None
+
+
+# -- liveness after a stall ------------------------------------------------------------------
+
+
+def test_a_stall_is_not_the_peers_silence() -> None:
+    """A tick long after its due deadline (the process was stopped) does not close a
+    connection whose silence is the stall: the peer's waiting frames are read first."""
+    h = Harness(
+        broker_with(PoolConfig(size=1, max_slots={"s": 0}), ping_interval=1.0, ping_timeout=3.0)
+    )
+    h.open("a")
+    h.frames()
+    due = h.broker.next_deadline()
+    assert due == pytest.approx(101.0)  # a's ping
+    h.now = 110.0  # stopped from 100 to 110: nothing ran, a's PINGs wait in the socket
+    h.broker.tick(now=h.now, due=due)
+    assert not [e for e in h.broker.effects() if isinstance(e, CloseConnection)]
+    h.send("a", p.Ping(nonce="sent during the stop"))  # the reader gets to it
+    assert isinstance(h.frames("a")[-1], p.Pong)
+    h.broker.check_invariants()
+
+
+def test_after_a_stall_a_silent_peer_is_closed_by_listening_time() -> None:
+    """Silence before and after the stall counts; the stall does not. A peer last heard
+    at 100 with a stall from 101 to 110 is closed at 112 (3 s of listening), not at 103."""
+    h = Harness(
+        broker_with(PoolConfig(size=1, max_slots={"s": 0}), ping_interval=1.0, ping_timeout=3.0)
+    )
+    h.open("a")
+    h.frames()
+    h.now = 110.0
+    h.broker.tick(now=h.now, due=101.0)
+    closes: list[float] = []
+    while not closes:
+        deadline = h.broker.next_deadline()
+        assert deadline is not None
+        assert deadline < 200
+        h.at(deadline)
+        if [e for e in h.broker.effects() if isinstance(e, CloseConnection)]:
+            closes.append(deadline)
+    assert closes == [pytest.approx(112.0)]
+
+
+def test_a_late_tick_of_less_than_a_second_is_no_stall() -> None:
+    """Ticks that come a little late (a busy loop) are no stall: the rule is the same."""
+    h = Harness(
+        broker_with(PoolConfig(size=1, max_slots={"s": 0}), ping_interval=1.0, ping_timeout=3.0)
+    )
+    h.open("a")
+    h.frames()
+    h.now = 103.5
+    h.broker.tick(now=h.now, due=103.49)  # 0.01 s late: not a stall
+    assert [e.reason for e in h.broker.effects() if isinstance(e, CloseConnection)] == [
+        "nothing received for 3s"
+    ]

@@ -328,6 +328,33 @@ def test_an_expired_offer_parks_the_want_again_and_other_codes_unpark_or_leave_i
     assert raw.core.waiting_count() == 1
 
 
+def test_a_want_refused_for_too_many_wants_is_sent_there_again_a_retry_tick_later() -> None:
+    """too_many_wants: the want is not parked on that connection; the job still waits
+    (nothing failed, its deadline untouched) and its WANT goes there again one
+    retry_tick later, until the execserver takes it."""
+    raw = ready_with_two()
+    raw.submit("j")
+    raw.take()
+    raw.error(1, "too_many_wants", "j", now=0.5)
+    assert raw.core.parked_on("j") == {2}
+    assert raw.take() == []
+    raw.error(2, "too_many_wants", "j", now=0.7)
+    assert raw.core.parked_on("j") == set()
+    assert raw.core.waiting_count() == 1
+    assert raw.of(Failed) == []
+    raw.tick(1.5)  # retry_tick (1 s) after the first refusal
+    assert raw.take() == [(1, "WANT")]
+    raw.tick(1.7)
+    assert raw.take() == [(2, "WANT")]
+    assert raw.core.parked_on("j") == {1, 2}
+    raw.receive(1, p.Queued(job_id="j"), now=1.8)
+    raw.error(2, "too_many_wants", "j", now=1.9)
+    raw.receive(1, p.Offer(job_id="j", token="t"), now=2.0)  # JOB sent: accepted
+    raw.tick(2.9)  # the job holds a slot: no WANT again on connection 2
+    assert [t for _, t in raw.take()] == ["JOB"]
+    assert raw.of(Failed) == []
+
+
 def test_a_refused_job_waits_again_everywhere_but_other_errors_leave_it_running() -> None:
     raw = ready_with_two()
     raw.submit("j")

@@ -329,6 +329,32 @@ MALFORMED: list[tuple[str | bytes, str, str, str | None]] = [
         "REGISTER.version: expected a string, got 1",
         None,
     ),
+    (
+        '{"type":"REGISTER","backend_id":"' + "b" * 201 + '","name":"n","version":"1"}',
+        "bad_field",
+        "REGISTER.backend_id: expected at most 200 characters, got 201",
+        None,
+    ),
+    (
+        '{"type":"REGISTER","backend_id":"b","name":"' + "é" * 300_000 + '","version":"1"}',
+        "bad_field",
+        "REGISTER.name: expected at most 200 characters, got 300000",
+        None,
+    ),
+    (
+        '{"type":"REGISTER","backend_id":"b","name":"n","version":"' + "v" * 201 + '"}',
+        "bad_field",
+        "REGISTER.version: expected at most 200 characters, got 201",
+        None,
+    ),
+    (
+        '{"type":"REGISTER","backend_id":"b","name":"n","version":"1","callback_url":"http://'
+        + "h" * 2042
+        + '"}',
+        "bad_field",
+        "REGISTER.callback_url: expected at most 2048 characters, got 2049",
+        None,
+    ),
     ('{"type":"PING"}', "bad_field", "PING.nonce: required member is missing", None),
     ('{"type":"PONG","nonce":{}}', "bad_field", "PONG.nonce: expected a string", None),
     (
@@ -440,3 +466,14 @@ def test_protocol_error_str() -> None:
     error = p.ProtocolError("bad_field", "WANT.priority: expected an integer", "j")
     assert str(error) == "bad_field: WANT.priority: expected an integer"
     assert (error.code, error.job_id) == ("bad_field", "j")
+
+
+def test_register_strings_up_to_their_bounds_are_taken() -> None:
+    """REGISTER's labels of 200 characters and a callback_url of 2,048 decode."""
+    url = "http://" + "h" * (p.MAX_URL_CHARS - 7)
+    text = p.encode(
+        p.Register(backend_id="b" * 200, name="é" * 200, version="v" * 200, callback_url=url)
+    )
+    message = p.decode(text)
+    assert isinstance(message, p.Register)
+    assert (len(message.name), len(message.callback_url or "")) == (200, p.MAX_URL_CHARS)

@@ -340,6 +340,14 @@ ERROR_CASES = [
         "max_frame_bytes: expected an integer >= 1024, got 1000",
     ),
     (
+        "max_wants_per_connection: 0\nservices:\n" + NOOP,
+        "max_wants_per_connection: expected an integer >= 1, got 0",
+    ),
+    (
+        "max_wants_per_connection: many\nservices:\n" + NOOP,
+        "max_wants_per_connection: expected an integer, got 'many'",
+    ),
+    (
         "unknown_share: 0\nservices:\n" + NOOP,
         "unknown_share: expected a number greater than 0 and at most 1, got 0",
     ),

@@ -57,6 +57,13 @@ def test_broker_config_takes_the_turn_hold_and_priority_aging() -> None:
     assert (default.turn_hold, default.pool.priority_aging) == (0.05, None)
 
 
+def test_broker_config_takes_max_wants_per_connection() -> None:
+    """max_wants_per_connection (default 10000) reaches the broker core."""
+    assert broker_config_from(config(), HOST).max_wants_per_connection == 10_000
+    wired = broker_config_from(config(max_wants_per_connection=25), HOST)
+    assert wired.max_wants_per_connection == 25
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="the runner reads /proc")
 async def test_command_runner_takes_threads_and_budget_from_the_host(tmp_path: Path) -> None:
     """A service's threads: 50% of the host's 8 CPUs reach the command as 4; the budget is 2 GiB."""

@@ -220,3 +220,16 @@ def test_a_config_error_from_the_environment_exits_2_naming_the_variable(tmp_pat
         f"trio-broker execserver: {config}: slots: expected an integer, got 'many'"
         " (from TRIO_BROKER_SLOTS)"
     ]
+
+
+def test_a_bad_max_wants_per_connection_exits_2_naming_the_key(tmp_path: Path) -> None:
+    """max_wants_per_connection below 1: one line naming the key path, exit 2."""
+    config = write(
+        tmp_path, {"listen": "127.0.0.1:0", "max_wants_per_connection": 0, "services": NOOP}
+    )
+    result = run_cli("execserver", "--config", str(config), env={"PATH": ""})
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"trio-broker execserver: {config}: max_wants_per_connection: expected an integer"
+        " >= 1, got 0"
+    ]

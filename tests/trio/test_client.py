@@ -526,9 +526,9 @@ async def test_an_idle_client_sleeps_between_timers() -> None:
             ticks = [0]
             core_tick = client._core.tick
 
-            def counting_tick(*, now: float) -> None:
+            def counting_tick(*, now: float, due: float | None = None) -> None:
                 ticks[0] += 1
-                core_tick(now=now)
+                core_tick(now=now, due=due)
 
             client._core.tick = counting_tick  # type: ignore[method-assign]
             pings = [0]

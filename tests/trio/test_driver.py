@@ -28,12 +28,12 @@ class RecordingBroker(Broker):
         super().__init__(config, now=now)
         self.ticks: list[tuple[float, float | None]] = []
 
-    def tick(self, *, now: float) -> None:
-        due = self.next_deadline()
-        self.ticks.append((now, due))
-        assert due is not None, f"ticked at {now} with no timer pending"
-        assert due <= now, f"ticked at {now} with {due} due"
-        super().tick(now=now)
+    def tick(self, *, now: float, due: float | None = None) -> None:
+        deadline = self.next_deadline()
+        self.ticks.append((now, deadline))
+        assert deadline is not None, f"ticked at {now} with no timer pending"
+        assert deadline <= now, f"ticked at {now} with {deadline} due"
+        super().tick(now=now, due=due)
 
 
 def driven(

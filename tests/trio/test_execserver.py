@@ -477,3 +477,49 @@ async def test_a_callback_url_that_is_no_url_fails_its_check_and_nothing_else(
         assert isinstance(await peer.want("still-served", "noop"), p.Offer)
     async with connect(handle) as other:
         assert isinstance(await other.want("another", "noop"), p.Offer)
+
+
+# -- bounded peers ----------------------------------------------------------------------
+
+
+async def test_oversized_register_strings_are_refused_and_kept_nowhere(
+    nursery: trio.Nursery,
+) -> None:
+    """100 connections each send a REGISTER whose name is 300 kB: each gets bad_field,
+    stays open and unregistered, and the inspection document stays small."""
+    handle = await start_execserver(nursery)
+    name = "n" * 300_000
+    async with contextlib.AsyncExitStack() as stack:
+        peers = [
+            await stack.enter_async_context(connect(handle, register=False)) for _ in range(100)
+        ]
+        for peer in peers:
+            await peer.send(p.Register(backend_id="b", name=name, version="1"))
+        for peer in peers:
+            error = await peer.expect(p.Error)
+            assert (error.code, error.job_id) == ("bad_field", None)
+            assert error.message == "REGISTER.name: expected at most 200 characters, got 300000"
+        statistics = handle.statistics().broker
+        assert [c.register for c in statistics.connections] == [None] * 100
+        async with httpx.AsyncClient() as http:
+            page = await http.get(f"{handle.http_url}/inspect/system/execserver")
+        assert page.status_code == 200
+        assert len(page.content) < 200_000  # 100 connections, no 300 kB string in sight
+        # a correct REGISTER still follows on the same connection
+        await peers[0].register()
+        assert isinstance(await peers[0].want("j", "noop"), p.Offer)
+
+
+async def test_wants_beyond_max_wants_per_connection_get_too_many_wants(
+    nursery: trio.Nursery,
+) -> None:
+    """The daemon's max_wants_per_connection reaches the broker: the third WANT on a
+    connection with two parked or offered is answered too_many_wants; another
+    connection is not affected."""
+    handle = await start_execserver(nursery, slots=1, max_wants_per_connection=2)
+    async with connect(handle) as a, connect(handle) as b:
+        assert isinstance(await a.want("j1", "noop"), p.Offer)
+        assert isinstance(await a.want("j2", "noop"), p.Queued)
+        await a.send(p.Want(job_id="j3", service="noop", priority=0))
+        await a.expect_error("too_many_wants", "j3")
+        assert isinstance(await b.want("k1", "noop"), p.Queued)

@@ -61,9 +61,44 @@ the codec decided ``bad_frame``, ``unknown_type`` and ``bad_field`` before the
 frame got here (the table repeats ``unknown_type`` for messages handed to
 :meth:`~Broker.receive` already decoded), then ``not_registered``,
 ``already_registered``, ``draining``, ``unknown_service``, ``duplicate_job``,
-``unknown_token``, ``token_mismatch`` and ``unknown_job``. So a ``JOB`` from an
+``unknown_token``, ``token_mismatch``, ``unknown_job`` and ``too_many_wants``
+(last: only a ``WANT`` breaks it, after every other rule a ``WANT`` can break). So a ``JOB`` from an
 unregistered connection while draining is ``not_registered``, and a ``JOB`` naming
 a service not offered here with a stale token is ``unknown_service``.
+
+HELLO rounds
+------------
+
+A connection's first ``HELLO`` goes out when it opens. Later changes of what
+every connection is told (services and their kinds, the pool, ``idle``,
+``clients``) only mark the broker *changed* and arm one *round* at the end of the
+current whole second (the seconds ``idle`` is cut into). The round tells each
+connection that is behind and was last told at least :data:`HELLO_INTERVAL`
+earlier; a connection told more recently (a newcomer) is passed over to the next
+round. So a change costs O(1) whatever the number of connections, a round costs
+O(connections) at most once a second, and a burst of arrivals within one second
+costs each open connection one ``HELLO``, not one per arrival. The draining
+``HELLO`` goes out at once, outside the rounds.
+
+Limits
+------
+
+A peer cannot make the broker keep more than it bounds: at most
+``max_wants_per_connection`` wants parked or offered per connection (one more
+``WANT`` is refused with ``too_many_wants``, and nothing changes); the strings of
+``REGISTER`` are bounded by the codec (``bad_field`` beyond); a ``JOB.subject`` is
+kept, logged and shown cut to :data:`~trio_broker.core.protocol.MAX_SUBJECT_CHARS`
+(:func:`~trio_broker.core.protocol.clip_subject`); frames and the frames queued
+per connection are bounded by the driver.
+
+Liveness after a stall
+----------------------
+
+Silence is judged by what a peer sent, not by when this process got round to
+reading it: time during which the code driving the broker could not run (the
+process was stopped, or starved) does not count as the peer's silence. The driver
+says so through :meth:`~Broker.tick`'s ``due`` (see
+:class:`~trio_broker.core.sansio.SansIOCore`).
 
 Errors by blame
 ---------------
@@ -119,7 +154,8 @@ ConnId: TypeAlias = int
 RunId: TypeAlias = int
 
 HELLO_INTERVAL: Final = 1.0
-"""Re-sent ``HELLO`` frames on one connection are at least this far apart."""
+"""Re-sent ``HELLO`` frames on one connection are at least this far apart, and
+HELLO rounds happen at the end of the broker's whole seconds."""
 
 
 def new_token() -> str:
@@ -150,6 +186,9 @@ class BrokerConfig:
         turn_hold: how long a slot freed by a connection that is owed the next turn
             waits for that connection's next ``WANT`` (0 = never held); see
             *Turn hold* in :mod:`trio_broker.core.book`.
+        max_wants_per_connection: how many wants one connection may have parked or
+            offered at once; a ``WANT`` beyond it is refused with ``too_many_wants``
+            (see *Limits* in the module docstring).
         recent_receipts: how many finished jobs :meth:`Broker.statistics` keeps.
         token_factory: makes offer tokens (tests pass a deterministic one).
     """
@@ -162,6 +201,7 @@ class BrokerConfig:
     ping_timeout: float = 15.0
     drain_timeout: float = 60.0
     turn_hold: float = 0.05
+    max_wants_per_connection: int = 10_000
     recent_receipts: int = 100
     token_factory: Callable[[], str] = attrs.field(default=new_token, repr=_name_of)
 
@@ -172,6 +212,10 @@ class BrokerConfig:
         for name in ("drain_timeout", "turn_hold"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_wants_per_connection < 1:
+            raise ValueError(
+                f"max_wants_per_connection must be at least 1, got {self.max_wants_per_connection}"
+            )
 
 
 @attrs.frozen(kw_only=True)
@@ -384,7 +428,6 @@ class _Conn:
     __slots__ = (
         "addr",
         "callback_check",
-        "hello_scheduled",
         "hello_sent_at",
         "hello_told",
         "id",
@@ -407,7 +450,6 @@ class _Conn:
         self.last_sent = now
         self.hello_told: Hashable = None
         self.hello_sent_at = now
-        self.hello_scheduled = False
         self.offers: dict[str, _Offer] = {}
         self.runs: dict[str, _Run] = {}
         # when each parked or offered job's WANT arrived (statistics: the wait)
@@ -519,6 +561,18 @@ REFUSALS: Final[tuple[Refusal, ...]] = (
         broken=lambda broker, conn, m: not broker._is_live(conn, m.job_id),
         text=lambda broker, conn, m: f"job_id {m.job_id!r} is not live",
     ),
+    Refusal(
+        code="too_many_wants",
+        frames=("WANT",),
+        # wanted_at holds exactly the connection's parked and offered wants: O(1)
+        broken=lambda broker, conn, m: (
+            len(conn.wanted_at) >= broker.config.max_wants_per_connection
+        ),
+        text=lambda broker, conn, m: (
+            f"this connection already has {len(conn.wanted_at)} wants parked or offered "
+            f"(max_wants_per_connection); send it again once one is served or withdrawn"
+        ),
+    ),
 )
 """The broker's refusals, first broken row first (see *Refusals* in the module docstring)."""
 
@@ -542,7 +596,7 @@ class Broker(SansIOCore[Effect, _TimerKind]):
 
     def __init__(self, config: BrokerConfig, *, now: float) -> None:
         super().__init__(now=now, liveness=Liveness(config.ping_interval, config.ping_timeout))
-        self.config = config
+        self.config: BrokerConfig = config
         self.pool: SlotPool = SlotPool(config.pool)
         self.book: WantBook[ConnId] = WantBook(aging=config.pool.priority_aging)
         self._now = now
@@ -582,6 +636,12 @@ class Broker(SansIOCore[Effect, _TimerKind]):
         self._second_scheduled = False
         self._hello_shared: Hashable = None
         self._hello_shared = self._shared_hello()
+        # HELLO rounds (see *HELLO* in the module docstring): whether the shared
+        # members changed since the last round, the connections a round passed over
+        # because their window was still open, and the armed round's time
+        self._hello_changed = False
+        self._hello_deferred: list[_Conn] = []
+        self._hello_round_at: float | None = None
         self._schedule_second()
 
     # -- inputs -----------------------------------------------------------------------
@@ -910,6 +970,7 @@ class Broker(SansIOCore[Effect, _TimerKind]):
     def _on_job(self, conn: _Conn, job: p.Job) -> None:
         job_id = job.job_id
         offer = self._offers[job.token]  # the refusals made sure: ours, for this job
+        subject = p.clip_subject(job.subject)  # kept, logged and shown: bounded
         self._forget_offer(offer)
         del conn.offers[offer.job_id]
         run = _Run(
@@ -917,7 +978,7 @@ class Broker(SansIOCore[Effect, _TimerKind]):
             conn.id,
             job_id,
             offer.service,
-            job.subject,
+            subject,
             offer.reserved,
             wait_s=self._now - conn.wanted_at.pop(job_id, self._now),
             client=conn.register.name if conn.register else None,
@@ -933,7 +994,7 @@ class Broker(SansIOCore[Effect, _TimerKind]):
                 conn=conn.id,
                 job_id=job_id,
                 service=offer.service,
-                subject=job.subject,
+                subject=subject,
                 job=job.job,
             )
         )
@@ -1136,17 +1197,15 @@ class Broker(SansIOCore[Effect, _TimerKind]):
                 )
                 self._drop_connection(conn.id)
         elif kind == "hello":
-            conn = self._conns.get(key)
-            if conn is not None:
-                conn.hello_scheduled = False
-                if conn.hello_told != self._hello_shared:
-                    self._send_hello(conn)
+            self._hello_round_at = None
+            self._hello_round(now)
         elif kind == "hold":
             hold = self._holds.get(key)
             if hold is not None and hold.expires_at <= now:
                 self._release_hold(key)
         elif kind == "second":
             self._second_scheduled = False
+            self._hello_round(now)  # the second closed: a changed idle goes out now
         elif kind == "drain":
             self._stop_runs(f"drain_timeout of {config.drain_timeout:g}s expired")
         elif kind == "stats":
@@ -1253,10 +1312,44 @@ class Broker(SansIOCore[Effect, _TimerKind]):
             addr=conn.addr,
         )
 
-    def _send_hello(self, conn: _Conn) -> None:
+    def _send_hello(self, conn: _Conn, hello: p.Hello | None = None) -> None:
         conn.hello_told = self._shared_hello()
         conn.hello_sent_at = self._now
-        self._send(conn, self._hello(conn))
+        self._send(conn, hello if hello is not None else self._hello(conn))
+
+    def _arm_hello_round(self) -> None:
+        """A HELLO round at the end of this whole second, unless one is armed."""
+        if self._hello_round_at is None:
+            self._hello_round_at = self._second_end
+            self._push_timer(self._second_end, "hello", None)
+
+    def _hello_round(self, now: float) -> None:
+        """Tell every connection that is behind and whose window closed; O(connections)
+        after a change, O(passed over) otherwise, and at most once a second."""
+        shared = self._shared_hello()
+        if shared != self._hello_shared:  # the second that just closed changed idle
+            self._hello_shared = shared
+            self._hello_changed = True
+        candidates = list(self._conns.values()) if self._hello_changed else self._hello_deferred
+        self._hello_changed = False
+        deferred: list[_Conn] = []
+        conns = self._conns
+        # one HELLO value per local address (they differ in addr only): the driver
+        # encodes a value it sees again in a row once
+        hellos: dict[str, p.Hello] = {}
+        for conn in candidates:
+            if conn.hello_told == shared or conns.get(conn.id) is not conn:
+                continue
+            if conn.hello_sent_at + HELLO_INTERVAL <= now:
+                hello = hellos.get(conn.addr)
+                if hello is None:
+                    hello = hellos[conn.addr] = self._hello(conn)
+                self._send_hello(conn, hello)
+            else:
+                deferred.append(conn)  # told less than a second ago: the next round
+        self._hello_deferred = deferred
+        if deferred:
+            self._arm_hello_round()
 
     def _schedule_second(self) -> None:
         """Wake at the end of this second only if the idle figure may change then."""
@@ -1308,18 +1401,11 @@ class Broker(SansIOCore[Effect, _TimerKind]):
         self._schedule_second()
         shared = self._shared_hello()
         if shared != self._hello_shared:
-            # Something every connection was told changed: each hears of it at
-            # once, or at the end of its one-second window.
+            # Something every connection was told changed: they hear of it in the
+            # round at the end of this second (O(1) now, whatever the connections).
             self._hello_shared = shared
-            now = self._now
-            for conn in self._conns.values():
-                if conn.hello_told != shared and not conn.hello_scheduled:
-                    due = conn.hello_sent_at + HELLO_INTERVAL
-                    if due <= now:
-                        self._send_hello(conn)
-                    else:
-                        conn.hello_scheduled = True
-                        self._push_timer(due, "hello", conn.id)
+            self._hello_changed = True
+            self._arm_hello_round()
         if self.draining and not self._runs and not self._drained_sent:
             self._drained_sent = True
             self._effects.append(Drained())

@@ -21,7 +21,9 @@ core sends ``JOB`` on that connection, ``UNWANT`` on every other connection wher
 the job is parked, and ``DECLINE`` for any offer that arrives later (offers and
 ``UNWANT`` cross on the wire by design). ``DONE`` finishes the job. A want whose
 offer expired (``ERROR offer_expired``) or whose ``JOB`` was refused
-(``unknown_token``, ``token_mismatch``, ``draining``) is parked again.
+(``unknown_token``, ``token_mismatch``, ``draining``) is parked again. A ``WANT``
+refused with ``too_many_wants`` (the connection's cap) is sent there again a
+``retry_tick`` later while the job still waits.
 
 Balancers and mixed fleets. An address is *balanced* (it fronts a fleet) once a
 connection's ``HELLO.addr`` differed from the socket's peer address given to
@@ -127,7 +129,7 @@ __all__ = [
     "PositionReport",
 ]
 
-_TimerKind: TypeAlias = Literal["deadline", "redial", "grow", "reprobe", "ping", "dead"]
+_TimerKind: TypeAlias = Literal["deadline", "redial", "grow", "reprobe", "ping", "dead", "repark"]
 
 _JOB_REFUSED: Final[frozenset[ErrorCode]] = frozenset(
     {"draining", "unknown_service", "unknown_token", "token_mismatch"}
@@ -135,7 +137,7 @@ _JOB_REFUSED: Final[frozenset[ErrorCode]] = frozenset(
 """The ``ERROR`` codes that refuse a ``JOB``: the job holds no slot and waits again."""
 
 _WANT_GONE: Final[frozenset[ErrorCode]] = frozenset(
-    {"draining", "unknown_service", "duplicate_job", "offer_expired"}
+    {"draining", "unknown_service", "duplicate_job", "offer_expired", "too_many_wants"}
 )
 """The ``ERROR`` codes after which a job's ``WANT`` is no longer parked there."""
 
@@ -612,6 +614,10 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
             job.parked_on.discard(conn.id)
             if code == "offer_expired" and job.state == "waiting":
                 self._park(job, conn)
+            elif code == "too_many_wants" and job.state == "waiting":
+                # the connection's cap: try there again later (the job still waits)
+                key = (job.job_id, conn.id)
+                self._push_timer(self._now + self.config.retry_tick, "repark", key)
 
     # -- wants -----------------------------------------------------------------------------
 
@@ -742,6 +748,12 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
                 self._dial(address)  # a duplicate of another address: look again
         elif kind == "grow":
             self._grow_timer = None
+        elif kind == "repark":
+            job_id, conn_id = key
+            job = self._jobs.get(job_id)
+            conn = self._conns.get(conn_id)
+            if job is not None and job.state == "waiting" and conn is not None:
+                self._park(job, conn)
         elif kind == "ping" or kind == "dead":
             conn = self._conns.get(key)
             if conn is not None and self._liveness_timer(kind, conn, now):

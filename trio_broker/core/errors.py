@@ -95,13 +95,16 @@ ErrorCode: TypeAlias = Literal[
     "token_mismatch",
     "unknown_job",
     "offer_expired",
+    "too_many_wants",
 ]
 """The ``ERROR.code`` values, in the precedence order of the protocol.
 
 A :class:`ProtocolError` carries one of the first three (the codec decides
 them); the execserver's broker refuses a decoded frame with one of the next
 eight, first broken rule first (the table ``REFUSALS`` of
-:mod:`trio_broker.core.broker`); ``offer_expired`` is news, not a refusal.
+:mod:`trio_broker.core.broker`); ``offer_expired`` is news, not a refusal;
+``too_many_wants`` refuses a ``WANT`` beyond the connection's cap, after every
+other rule a ``WANT`` can break.
 """
 
 

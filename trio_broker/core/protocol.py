@@ -18,7 +18,11 @@ Rules enforced here:
   range; counts are additionally non-negative. The byte counts of a receipt are
   the one exception: they are non-negative 64-bit integers, since a job's memory
   peak or output easily exceeds 2 GiB.
-* ``job_id`` and ``service`` are 1 to 200 characters (code points).
+* ``job_id`` and ``service`` are 1 to 200 characters (code points); the strings
+  of ``REGISTER`` are bounded too (``backend_id``, ``name`` and ``version`` at most
+  200 characters, ``callback_url`` at most 2,048), since the execserver keeps them
+  for as long as the connection lives. ``JOB.subject`` is a label of any length on
+  the wire; the broker keeps at most :data:`MAX_SUBJECT_CHARS` of it.
 * Strings are Unicode scalar values: a lone surrogate, escaped or not, makes the
   frame ``bad_frame`` (it cannot be represented as UTF-8).
 
@@ -48,6 +52,9 @@ __all__ = [
     "CLOSE_TOO_BIG",
     "EXEC_TO_CLIENT",
     "MAX_ID_CHARS",
+    "MAX_LABEL_CHARS",
+    "MAX_SUBJECT_CHARS",
+    "MAX_URL_CHARS",
     "PROTOCOL_VERSION",
     "STATS_TAG",
     "Cancel",
@@ -77,6 +84,7 @@ __all__ = [
     "Unsubscribe",
     "Unwant",
     "Want",
+    "clip_subject",
     "converter",
     "decode",
     "encode",
@@ -84,6 +92,13 @@ __all__ = [
 
 PROTOCOL_VERSION: Final = 1
 MAX_ID_CHARS: Final = 200
+MAX_LABEL_CHARS: Final = 200
+"""The longest ``REGISTER.backend_id``, ``name`` and ``version`` (code points)."""
+MAX_URL_CHARS: Final = 2048
+"""The longest ``REGISTER.callback_url`` (code points)."""
+MAX_SUBJECT_CHARS: Final = 200
+"""How much of a ``JOB.subject`` the execserver keeps (longer ones are cut: see
+:func:`clip_subject`)."""
 INT32_MIN: Final = -(2**31)
 INT32_MAX: Final = 2**31 - 1
 INT64_MAX: Final = 2**63 - 1
@@ -110,6 +125,8 @@ Status: TypeAlias = Literal[
 # checker they are plain ``str``/``int``; the converter hooks below enforce them.
 JobId = Annotated[str, "job_id: 1..200 characters"]
 ServiceName = Annotated[str, "service: 1..200 characters"]
+Label = Annotated[str, "a REGISTER label: 0..200 characters"]
+Url = Annotated[str, "a REGISTER callback_url: 0..2048 characters"]
 Count = Annotated[int, "int32 >= 0"]
 ByteCount = Annotated[int, "int64 >= 0"]
 JsonObject = Annotated[dict[str, Any], "any JSON object"]
@@ -164,10 +181,10 @@ class Register:
     """client → exec: who the client is; once, before any ``WANT``."""
 
     TYPE: ClassVar[str] = "REGISTER"
-    backend_id: str
-    name: str
-    version: str
-    callback_url: str | None = None
+    backend_id: Label
+    name: Label
+    version: Label
+    callback_url: Url | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -463,6 +480,33 @@ def _bounded_str(value: Any, _: Any) -> str:
     return value
 
 
+def _label(value: Any, _: Any) -> str:
+    if type(value) is not str:
+        raise _FieldError(f"expected a string, got {_show(value)}")
+    if len(value) > MAX_LABEL_CHARS:
+        raise _FieldError(f"expected at most {MAX_LABEL_CHARS} characters, got {len(value)}")
+    return value
+
+
+def _url(value: Any, _: Any) -> str:
+    if type(value) is not str:
+        raise _FieldError(f"expected a string, got {_show(value)}")
+    if len(value) > MAX_URL_CHARS:
+        raise _FieldError(f"expected at most {MAX_URL_CHARS} characters, got {len(value)}")
+    return value
+
+
+def clip_subject(subject: str | None) -> str | None:
+    """A ``JOB.subject`` as the execserver keeps it: at most :data:`MAX_SUBJECT_CHARS`.
+
+    A longer one is cut to its first ``MAX_SUBJECT_CHARS - 1`` characters followed
+    by ``…``, so the cut shows; the job itself is taken as usual.
+    """
+    if subject is None or len(subject) <= MAX_SUBJECT_CHARS:
+        return subject
+    return subject[: MAX_SUBJECT_CHARS - 1] + "…"
+
+
 def _int32(value: Any, _: Any) -> int:
     if type(value) is not int:
         raise _FieldError(f"expected an integer, got {_show(value)}")
@@ -585,6 +629,8 @@ def _make_converter() -> Any:
     conv.register_structure_hook(float, _number)
     conv.register_structure_hook(bool, _boolean)
     conv.register_structure_hook_func(lambda t: t in (JobId, ServiceName), _bounded_str)
+    conv.register_structure_hook_func(lambda t: t == Label, _label)
+    conv.register_structure_hook_func(lambda t: t == Url, _url)
     conv.register_structure_hook_func(lambda t: t == Count, _count)
     conv.register_structure_hook_func(lambda t: t == ByteCount, _byte_count)
     conv.register_structure_hook_func(lambda t: t == JsonObject, _json_object)

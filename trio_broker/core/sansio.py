@@ -16,6 +16,16 @@ cancelled and whose reason went away does nothing when it fires.
 Both sides also follow the same liveness rule (:class:`~trio_broker.core.liveness.Liveness`)
 per connection; :meth:`SansIOCore._liveness_timer` applies it at the ``"ping"``
 and ``"dead"`` timers and leaves only the closing to the side.
+
+Stalls. A peer is judged by what it sent, not by when this process got round to
+reading it. The code that sleeps until :meth:`SansIOCore.next_deadline` passes
+that deadline to :meth:`SansIOCore.tick` as ``due``; a tick that comes
+:data:`STALL_AFTER` or more after it shows that nothing of this process ran from
+``due`` to ``now`` (it was stopped, SIGSTOP, or starved), so nothing that peers
+sent meanwhile was read either. That span is a *stall*, and the ``"dead"`` rule
+does not count stalled time as a peer's silence: after a stop the readers get to
+what waits in the sockets before anyone is closed for silence. Ticks without
+``due`` (tests that jump the clock) record no stall.
 """
 
 from __future__ import annotations
@@ -23,12 +33,16 @@ from __future__ import annotations
 import heapq
 import itertools
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar, cast
+from collections import deque
+from typing import Any, ClassVar, Final, Generic, Literal, Protocol, TypeVar, cast
 
 from trio_broker.core import protocol as p
 from trio_broker.core.liveness import Liveness
 
-__all__ = ["Peer", "SansIOCore"]
+__all__ = ["STALL_AFTER", "Peer", "SansIOCore"]
+
+STALL_AFTER: Final = 1.0
+"""A tick this many seconds or more after its ``due`` deadline reveals a stall."""
 
 E = TypeVar("E")
 K = TypeVar("K", bound=str)
@@ -61,6 +75,8 @@ class SansIOCore(ABC, Generic[E, K]):
         self._timers: list[tuple[float, int, K, Any]] = []
         self._timer_seq = itertools.count()
         self._cancelled: set[int] = set()  # handles of cancelled timers still in the heap
+        # (start, end) of the stalls that may still matter to a liveness decision
+        self._stalls: deque[tuple[float, float]] = deque()
 
     # -- outputs ---------------------------------------------------------------------
 
@@ -81,9 +97,19 @@ class SansIOCore(ABC, Generic[E, K]):
 
     # -- the timer input -----------------------------------------------------------------
 
-    def tick(self, *, now: float) -> None:
-        """Run every timer due at ``now``. Drain frames and effects afterwards."""
+    def tick(self, *, now: float, due: float | None = None) -> None:
+        """Run every timer due at ``now``. Drain frames and effects afterwards.
+
+        Args:
+            now: the current time.
+            due: the deadline the caller slept until (the :meth:`next_deadline` it
+                was woken for), if it knows it. ``now`` at least :data:`STALL_AFTER`
+                past it is a stall: time no peer's silence is counted for (see
+                *Stalls* in the module docstring).
+        """
         self._enter(now)
+        if due is not None and now - due >= STALL_AFTER:
+            self._stalled(due, now)
         while (timer := self._pop_due(now)) is not None:
             self._fire(*timer, now)
         self._leave()
@@ -144,6 +170,25 @@ class SansIOCore(ABC, Generic[E, K]):
             return kind, key
         return None
 
+    def _stalled(self, start: float, end: float) -> None:
+        """Record a stall, and forget those no live peer's silence can reach back to."""
+        stalls = self._stalls
+        stalls.append((start, end))
+        # A peer still alive was heard within ping_timeout of listening time, so
+        # within ping_timeout plus the stalled time kept of the current time.
+        reach = self._liveness.ping_timeout + sum(e - s for s, e in stalls)
+        while stalls and stalls[0][1] <= end - reach:
+            stalls.popleft()
+
+    def _stalled_since(self, since: float, now: float) -> float:
+        """How much of ``[since, now]`` was stalled."""
+        total = 0.0
+        for start, end in self._stalls:
+            overlap = min(end, now) - max(start, since)
+            if overlap > 0:
+                total += overlap
+        return total
+
     def _watch(self, conn: Peer) -> None:
         """Start the liveness timers of a connection that just opened."""
         self._push_timer(self._now + self._liveness.ping_interval, cast(K, "ping"), conn.id)
@@ -161,7 +206,10 @@ class SansIOCore(ABC, Generic[E, K]):
                 self._send(conn, p.Ping(nonce=str(next(self._nonces))))
             self._push_timer(due, cast(K, "ping"), conn.id)
             return False
-        later = self._liveness.dead(conn.last_recv, now)
+        heard = conn.last_recv
+        if self._stalls:  # stalled time is not the peer's silence
+            heard += self._stalled_since(heard, now)
+        later = self._liveness.dead(heard, now)
         if later is None:
             return True
         self._push_timer(later, cast(K, "dead"), conn.id)

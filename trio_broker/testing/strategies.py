@@ -137,6 +137,7 @@ _BY_TYPE: dict[str, st.SearchStrategy[Any]] = {
                 "token_mismatch",
                 "unknown_job",
                 "offer_expired",
+                "too_many_wants",
             ]
         ),
         message=texts,

@@ -48,7 +48,10 @@ One timer task
     :meth:`CoreDriver.run_timers` sleeps until the core's ``next_deadline()`` and then
     calls ``tick(now=trio.current_time())``, so a ``MockClock`` drives every timeout.
     An input that moves the deadline earlier wakes it to re-arm; any other input
-    leaves it asleep, so an idle core costs nothing between its timers.
+    leaves it asleep, so an idle core costs nothing between its timers. Each tick
+    carries the deadline it was due at: a tick that comes long after it tells the
+    core that this process could not run (it was stopped), so that the peers'
+    frames that wait unread in the sockets are not taken for silence.
 
 The transport is anything with ``send_texts``, ``receive`` and ``close``
 (:class:`Transport`): both sides' broker websockets are a
@@ -138,7 +141,7 @@ class DrivenCore(Protocol[E]):
 
     def next_deadline(self) -> float | None: ...
 
-    def tick(self, *, now: float) -> None: ...
+    def tick(self, *, now: float, due: float | None = None) -> None: ...
 
     def receive_text(self, conn_id: int, text: str | bytes, *, now: float) -> None: ...
 
@@ -236,11 +239,15 @@ class CoreDriver(Generic[E]):
         links = self._links
         encode = p.encode
         own = self._own_frames
+        last: p.Message | None = None
+        text = ""
         for conn_id, message in core.frames_to_send():
             link = links.get(conn_id)
             if link is None:
                 continue  # the connection already ended
-            if not link.put(encode(message), counted=message.TYPE not in own):
+            if message is not last:  # one value sent to many (a HELLO round): encoded once
+                last, text = message, encode(message)
+            if not link.put(text, counted=message.TYPE not in own):
                 self._overflowed(conn_id, link)
         apply = self._apply
         for effect in core.effects():
@@ -310,7 +317,9 @@ class CoreDriver(Generic[E]):
                 # _armed keeps the deadline just served while tick() and flush()
                 # run: were it reset first, the flush would wake this task again
                 # at once, and an idle core would spin.
-                self.core.tick(now=now)
+                # due: a tick long after it shows this process could not run
+                # (stopped or starved): the core does not count that as silence
+                self.core.tick(now=now, due=self._armed)
                 self.flush()
             # else: woken by an earlier deadline; sleep again until that one
 

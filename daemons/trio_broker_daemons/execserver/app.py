@@ -265,6 +265,7 @@ def broker_config_from(
         ping_timeout=config.ping_timeout,
         drain_timeout=config.drain_timeout,
         turn_hold=config.turn_hold,
+        max_wants_per_connection=config.max_wants_per_connection,
     )
 
 

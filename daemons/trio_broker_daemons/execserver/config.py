@@ -81,6 +81,9 @@ Top-level keys (:class:`ExecserverConfig`):
     its own; ``off`` (or ``false``): never (jobs are found by their process tree).
 ``max_frame_bytes`` (1048576, >= 1024)
     Largest websocket frame accepted.
+``max_wants_per_connection`` (10000, >= 1)
+    Wants one broker connection may have parked or offered at once; one more
+    ``WANT`` is refused with ``ERROR too_many_wants`` (PROTOCOL.md, *Limits*).
 ``env`` ({})
     Added to every command's environment (string names and values).
 ``services`` (required, at least one)
@@ -368,6 +371,7 @@ _OptionalPath = Annotated[Path | None, Rule(_optional_path)]
 _Count = Annotated[int, Rule(integer(0))]
 _Reserve = Annotated[int, Rule(integer(-1))]
 _FrameBytes = Annotated[int, Rule(integer(1024))]
+_AtLeastOne = Annotated[int, Rule(integer(1))]
 _LegacySeconds = Annotated[int | None, Rule(_optional_seconds)]
 _Share = Annotated[float, Rule(_share)]
 _Positive = Annotated[float, Rule(positive_duration)]
@@ -491,6 +495,7 @@ class ExecserverConfig:
     job_user: _JobUser = None
     cgroup: _Cgroup = "auto"
     max_frame_bytes: _FrameBytes = 1048576
+    max_wants_per_connection: _AtLeastOne = 10_000
     env: _Env = attrs.field(factory=dict)
     services: _Services
 
