@@ -178,6 +178,7 @@ _CLEANUP_TIMEOUT: Final = 10.0
 _STARTED: Final[Mapping[str, FileState]] = {ACTION_METADATA: "metadata", ACTION_PRODUCE: "produce"}
 """The state a requeued step's file goes back from (to ``new``), by action."""
 _METADATA_FAILED: Final = "metadata: "
+"""How an original's ``error`` begins when its metadata step failed for good."""
 
 RESULT_RETRY_MIN: Final = 0.1
 RESULT_RETRY_MAX: Final = 5.0
@@ -185,7 +186,6 @@ RESULT_RETRY_MAX: Final = 5.0
 (seconds; the dispatcher's own for its writes)."""
 
 T = TypeVar("T")
-"""How an original's ``error`` begins when its metadata step failed for good."""
 TEST_EXIT_AFTER_FAILURE_SETTLED: Final = "TRIO_BROKER_FYLR_TEST_EXIT_AFTER_FAILURE_SETTLED"
 """TEST-ONLY: the environment variable that makes the process exit right after it
 settled a failure, before its row is written (see the module docstring)."""
@@ -550,9 +550,9 @@ class FileWorker:
             return
         name = cast(str, version.version)
         receipt, stored = await self._produce(start, recipe, job_id=step_job_id(item))
-        # A database error here may or may not have committed: the file is kept either
-        # way (an unreferenced file is the safe loss; the storage sweep removes it once
-        # it is old, now that it is settled).
+        # The job is done: its result waits for the database rather than the step being
+        # requeued (_record). A try whose connection broke may have committed: a later
+        # try then finds the version ended, by this very file (_references).
         produce_hash = version.produce_hash
         try:
             end = await self._record(
