@@ -456,10 +456,14 @@ def test_a_class_without_extensions_may_be_the_default() -> None:
         "host=/run/postgresql dbname=fylr user=fylr",
         "postgresql://localhost/fylr",
         "postgres://u:p@h:5432/d?application_name=fylr",
+        # multi-host, for a fail-over (daemons/README.md, Database fail-over)
+        "host=db1,db2 port=5432,5433 dbname=fylr user=fylr target_session_attrs=read-write",
+        "postgresql://fylr@db1:5432,db2:5433/fylr?target_session_attrs=read-write",
     ],
 )
 def test_database_strings(dsn: str) -> None:
-    """libpq key=value strings and URIs are accepted as written."""
+    """libpq key=value strings and URIs, multi-host ones included, are accepted as
+    written."""
     assert FylrConfig.from_mapping({**MINIMAL, "database": dsn}).database == dsn
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import re
 from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
@@ -693,3 +694,16 @@ async def test_a_multi_host_dsn_finds_the_writable_server(pg_dsn: str) -> None:
     async with open_store(dsn, pool_size=1) as store:
         await store.enqueue_many(items(2))
         assert (await store.counts()).ready == 2
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"pool_size": 0}, "pool_size must be at least 1, got 0"),
+        ({"reconnect_timeout": 0.0}, "reconnect_timeout must be above 0, got 0.0"),
+        ({"reconnect_timeout": -1.0}, "reconnect_timeout must be above 0, got -1.0"),
+    ],
+)
+def test_bad_pool_settings_are_refused(arguments: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Store("dbname=unused", **arguments)

@@ -70,6 +70,15 @@ afresh: with a libpq multi-host DSN and ``target_session_attrs=read-write`` it
 finds the new primary; the call may or may not have taken effect). Callers
 retry after a short back-off; fencing and ``return_claimed(keep=…)`` make every
 retry safe, so nothing is lost or done twice across a database restart.
+
+Reconnecting. The pool replaces a broken connection in the background with
+psycopg_pool's back-off, which starts at 1 s and doubles without a bound of its
+own: after an outage of T seconds the next try could come up to about T seconds
+after the server is back (a 15 s outage: the first call succeeded 12 s after the
+restart). The store bounds each replacement's tries to ``reconnect_timeout``
+(default :data:`RECONNECT_WINDOW` × ``connect_timeout``): then the pool gives
+that one up and the next call that finds no connection dials anew, from 1 s
+(``benchmarks/reconnect.py``).
 """
 
 from __future__ import annotations
@@ -107,6 +116,7 @@ from trio_broker.trio.store_values import (
 )
 
 __all__ = [
+    "RECONNECT_WINDOW",
     "ClaimRequest",
     "FailedItem",
     "ItemPosition",
@@ -134,6 +144,9 @@ Connection = psycopg.Connection[TupleRow]
 
 PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 ERROR_CHECK_INTERVAL = 1.0
+RECONNECT_WINDOW = 2.0
+"""The default ``reconnect_timeout`` of a :class:`Store`, in multiples of its
+``connect_timeout`` (see *Reconnecting* in the module docstring)."""
 """After a connection error the idle pooled connections are checked, at most this often."""
 
 
@@ -301,7 +314,14 @@ class Store:
     tests).
     """
 
-    def __init__(self, dsn: str, *, pool_size: int = 10, connect_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        pool_size: int = 10,
+        connect_timeout: float = 5.0,
+        reconnect_timeout: float | None = None,
+    ) -> None:
         """Create the store; :meth:`open` connects.
 
         Args:
@@ -310,9 +330,18 @@ class Store:
             connect_timeout: seconds a call waits for a pooled connection (and a
                 new connection for the server) before it raises
                 :class:`StoreUnavailable`.
+            reconnect_timeout: seconds the pool keeps trying to replace one broken
+                connection with its doubling back-off before it gives that one up
+                (the next call that needs a connection dials anew); default
+                :data:`RECONNECT_WINDOW` × ``connect_timeout``. See
+                *Reconnecting* in the module docstring.
         """
         if pool_size < 1:
             raise ValueError(f"pool_size must be at least 1, got {pool_size}")
+        if reconnect_timeout is None:
+            reconnect_timeout = RECONNECT_WINDOW * connect_timeout
+        if reconnect_timeout <= 0:
+            raise ValueError(f"reconnect_timeout must be above 0, got {reconnect_timeout}")
         self.dsn = dsn
         self.pool_size = pool_size
         self._timeout = connect_timeout
@@ -328,7 +357,7 @@ class Store:
                 "application_name": "trio_broker",
             },
             name="trio_broker",
-            reconnect_timeout=24 * 3600.0,
+            reconnect_timeout=reconnect_timeout,
         )
         self._limiter = trio.CapacityLimiter(pool_size)
         self._calls: Counter[str] = Counter()
@@ -839,6 +868,7 @@ async def open_store(
     *,
     pool_size: int = 10,
     connect_timeout: float = 5.0,
+    reconnect_timeout: float | None = None,
     migrate: bool = True,
     migrations: Sequence[Migration] = (),
     wait: float | None = None,
@@ -849,6 +879,7 @@ async def open_store(
         dsn: a libpq connection string or URL.
         pool_size: connections (and worker threads) at most.
         connect_timeout: seconds a call waits for a connection.
+        reconnect_timeout: as for :class:`Store`.
         migrate: apply the library's pending migrations (and ``migrations``) first.
         migrations: an application's own migrations, applied after the library's.
         wait: seconds to wait for the server at start (default: ``connect_timeout``).
@@ -856,7 +887,12 @@ async def open_store(
     Raises:
         StoreUnavailable: the server could not be reached.
     """
-    store = Store(dsn, pool_size=pool_size, connect_timeout=connect_timeout)
+    store = Store(
+        dsn,
+        pool_size=pool_size,
+        connect_timeout=connect_timeout,
+        reconnect_timeout=reconnect_timeout,
+    )
     await store.open(wait=wait)
     try:
         if migrate:

@@ -227,6 +227,11 @@ class _Collector:
             ),
             ("uploaded_bytes", "Bytes of recorded uploads.", stats.bytes_uploaded),
             ("downloads", "Downloads started.", stats.downloads),
+            (
+                "results_retried",
+                "Records of finished jobs' results tried again (database unavailable).",
+                stats.results_retried,
+            ),
         ]
         for name, text, value in http:
             metrics.append(CounterMetricFamily(f"trio_broker_fylr_{name}", text, value=value))

@@ -50,8 +50,9 @@ COUNTERS = (
     "uploads_failed",
     "bytes_uploaded",
     "downloads",
+    "results_retried",
 )
-"""The HTTP side's counters, by name."""
+"""The HTTP side's counters (and the worker's ``results_retried``), by name."""
 
 STEP_OUTCOMES: Final[tuple[str, ...]] = (*OUTCOMES, "requeued", "replayed", "resync")
 """How a step ends, the one vocabulary of the fylr's step counts.
@@ -80,6 +81,8 @@ class FylrStatistics:
         uploads_failed: uploads the storage folder failed to keep (answered 503).
         bytes_uploaded: bytes of the recorded uploads.
         downloads: downloads started.
+        results_retried: records of a finished job's result tried again because
+            the database was unavailable (the job is never run again for that).
         steps: step ends by ``"<action>.<outcome>"``, the outcome one of
             :data:`STEP_OUTCOMES` (``produce.ok``, ``produce.failed``,
             ``metadata.timed_out``, ``sync.ok``, ``produce.requeued`` …).
@@ -95,6 +98,7 @@ class FylrStatistics:
     uploads_failed: int
     bytes_uploaded: int
     downloads: int
+    results_retried: int
     steps: Mapping[str, int]
     dispatcher: DispatcherStatistics | None
     client: ClientStatistics | None
@@ -196,7 +200,7 @@ class FylrState:
     # -- counters --------------------------------------------------------------------------
 
     def count(self, counter: str, amount: int = 1) -> None:
-        """Add ``amount`` to one of the HTTP side's counters."""
+        """Add ``amount`` to one of the :data:`COUNTERS`."""
         self.counters[counter] += amount
         self.changed()
 
@@ -219,6 +223,7 @@ class FylrState:
             uploads_failed=c["uploads_failed"],
             bytes_uploaded=c["bytes_uploaded"],
             downloads=c["downloads"],
+            results_retried=c["results_retried"],
             steps=dict(self.steps),
             dispatcher=self.dispatcher.statistics() if self.dispatcher else None,
             client=self.client.statistics() if self.client else None,

@@ -90,6 +90,17 @@ raises :class:`FailedEarlier` with the reason the file recorded, so the row is
 written ``failed`` as the first run would have, and ``requeue --failed`` can
 retry it (the dispatcher's rule, *Settled but not written*).
 
+A finished job's result is recorded until the database takes it. Once a
+metadata or produce job has ended and its output is kept (a version's in
+storage), the step's last write (``end_metadata``, ``end_version``) is tried
+again after a back-off while it raises ``StoreUnavailable`` (a database restart,
+a fail-over to a standby), counted as ``results_retried``, instead of requeuing
+the step: a requeue would run the finished job a second time. The wait ends
+when the write commits, or when the dispatcher cancels the step (its row is no
+longer held by this fylr, or the fylr stops). A write whose connection broke may
+still have committed: a retry that finds the version already ended keeps the
+stored file when the row references it.
+
 Test-only hook: with the environment variable named by
 :data:`TEST_EXIT_AFTER_FAILURE_SETTLED` set (to anything non-empty), the process
 exits at once (``os._exit``, status :data:`TEST_EXIT_STATUS`) right after it
@@ -103,13 +114,13 @@ import contextlib
 import difflib
 import logging
 import os
-from collections.abc import Collection, Mapping
-from typing import Any, Final, cast
+from collections.abc import Awaitable, Callable, Collection, Mapping
+from typing import Any, Final, TypeVar, cast
 
 import trio
 
 from trio_broker.core import protocol as p
-from trio_broker.core.dispatch import Decision, Verdict
+from trio_broker.core.dispatch import Backoff, Decision, Verdict
 from trio_broker.core.endings import JobFailed, receipt_failure
 from trio_broker.core.errors import (
     JobStopped,
@@ -168,6 +179,13 @@ _STARTED: Final[Mapping[str, FileState]] = {ACTION_METADATA: "metadata", ACTION_
 """The state a requeued step's file goes back from (to ``new``), by action."""
 _METADATA_FAILED: Final = "metadata: "
 """How an original's ``error`` begins when its metadata step failed for good."""
+
+RESULT_RETRY_MIN: Final = 0.1
+RESULT_RETRY_MAX: Final = 5.0
+"""The back-off range of a finished job's result while the database is unavailable
+(seconds; the dispatcher's own for its writes)."""
+
+T = TypeVar("T")
 TEST_EXIT_AFTER_FAILURE_SETTLED: Final = "TRIO_BROKER_FYLR_TEST_EXIT_AFTER_FAILURE_SETTLED"
 """TEST-ONLY: the environment variable that makes the process exit right after it
 settled a failure, before its row is written (see the module docstring)."""
@@ -462,8 +480,10 @@ class FileWorker:
             else:  # the command failed: no metadata, and the file goes on
                 error = f"metadata: {failure.line}"
             state.step(ACTION_METADATA, receipt.status)
-        applied = await self.files.end_metadata(
-            file_id, metadata=metadata, mimetype=mimetype, error=error
+        applied = await self._record(
+            lambda: self.files.end_metadata(
+                file_id, metadata=metadata, mimetype=mimetype, error=error
+            )
         )
         state.changed(file_id)
         log.info(
@@ -530,23 +550,27 @@ class FileWorker:
             return
         name = cast(str, version.version)
         receipt, stored = await self._produce(start, recipe, job_id=step_job_id(item))
-        # A database error here may or may not have committed: the file is kept either
-        # way (an unreferenced file is the safe loss; the storage sweep removes it once
-        # it is old, now that it is settled).
+        # The job is done: its result waits for the database rather than the step being
+        # requeued (_record). A try whose connection broke may have committed: a later
+        # try then finds the version ended, by this very file (_references).
+        produce_hash = version.produce_hash
         try:
-            end = await self.files.end_version(
-                version_id,
-                version.produce_hash,
-                stored=stored,
-                mimetype=recipe.mimetype or OCTET_STREAM,
-                metadata=version_metadata(name, recipe, receipt),
+            end = await self._record(
+                lambda: self.files.end_version(
+                    version_id,
+                    produce_hash,
+                    stored=stored,
+                    mimetype=recipe.mimetype or OCTET_STREAM,
+                    metadata=version_metadata(name, recipe, receipt),
+                )
             )
+            applied = end.applied or await self._references(version_id, stored.key)
         finally:
             self.storage.settled(stored.key)
-        if not end.applied:  # a replay, or a removed version: keep nothing
+        if not applied:  # a replay, or a removed version: keep nothing
             with contextlib.suppress(OSError):  # else the storage sweep removes it
                 await self.storage.delete(stored.key)
-        state.step(ACTION_PRODUCE, receipt.status if end.applied else "replayed")
+        state.step(ACTION_PRODUCE, receipt.status if applied else "replayed")
         state.changed(original.id, version_id)
         log.info(
             "version produced",
@@ -577,6 +601,28 @@ class FileWorker:
             subject=f"{original.filename} #{original.id} {version.version}",
             job_id=job_id,
         )
+
+    async def _record(self, write: Callable[[], Awaitable[T]]) -> T:
+        """``await write()``, tried again after a back-off while the database is unavailable
+        (a finished job's result: see *A finished job's result* in the module docstring)."""
+        backoff = Backoff(RESULT_RETRY_MIN, RESULT_RETRY_MAX)
+        while True:
+            try:
+                return await write()
+            except StoreUnavailable as exc:
+                delay = backoff.failed()
+                self.state.count("results_retried")
+                log.log(
+                    logging.WARNING if delay == RESULT_RETRY_MIN else logging.DEBUG,
+                    "a finished job's result waits for the database",
+                    extra=fields(reason=str(exc), delay=delay),
+                )
+            await trio.sleep(delay)
+
+    async def _references(self, version_id: int, key: str) -> bool:
+        """Whether the version's row holds ``key`` (an earlier try of its end committed)."""
+        row = await self._record(lambda: self.files.get(version_id))
+        return row is not None and row.storage_key == key
 
     async def _failed_earlier(self, version_id: int) -> None:
         """Raise :class:`FailedEarlier` when the version ended ``error`` by its own
