@@ -184,6 +184,7 @@ class StartJob:
     service: str
     subject: str | None
     job: dict[str, Any]
+    traceparent: str | None = None  # JOB.traceparent, passed through
 
 
 @attrs.frozen(kw_only=True)
@@ -935,6 +936,7 @@ class Broker(SansIOCore[Effect, _TimerKind]):
                 service=offer.service,
                 subject=job.subject,
                 job=job.job,
+                traceparent=job.traceparent,
             )
         )
 

@@ -63,6 +63,7 @@ from trio_broker.core.client import (
 )
 from trio_broker.core.endings import run_failure
 from trio_broker.core.errors import BrokerError, ClientClosed
+from trio_broker.trio import tracing
 from trio_broker.trio.driver import CLOSE_TIMEOUT, MAX_FRAME_BYTES, CoreDriver
 from trio_broker.trio.pipes import InPipe, OutPipe, PipeRegistry, Sink, serve_pipes
 from trio_broker.trio.websocket import HandshakeRefused
@@ -160,12 +161,13 @@ class LinkState:
 
 
 class _Waiter:
-    __slots__ = ("done", "error", "receipt")
+    __slots__ = ("done", "error", "receipt", "slot_span")
 
     def __init__(self) -> None:
         self.done = trio.Event()
         self.receipt: p.Receipt | None = None
         self.error: BrokerError | None = None
+        self.slot_span: tracing.Span = None  # trio_broker.slot_wait, until an offer is taken
 
 
 def _split_address(address: str) -> tuple[str, int]:
@@ -301,6 +303,10 @@ class BrokerClient:
         waiter = _Waiter()
         self._waiters[job_id] = waiter
         ended = False
+        waiter.slot_span = tracing.start_span(
+            "trio_broker.slot_wait",
+            attributes={"trio_broker.service": service, "trio_broker.priority": priority},
+        )
         try:
             self._core.submit(
                 job_id,
@@ -309,6 +315,7 @@ class BrokerClient:
                 priority=priority,
                 subject=subject,
                 pipes=members or None,
+                traceparent=tracing.current_traceparent(),
                 now=trio.current_time(),
             )
             self._driver.flush()
@@ -317,6 +324,12 @@ class BrokerClient:
             ended = True
         finally:
             del self._waiters[job_id]
+            failure = waiter.error or (None if ended else "cancelled")
+            tracing.end_span(
+                waiter.slot_span,
+                error=None if failure is None else str(failure),
+                **{"trio_broker.outcome": "offer" if failure is None else "no_offer"},
+            )
             if not ended and not self._closed:
                 # Cancelled or timed out: withdraw the want, or CANCEL the job.
                 self._core.cancel(job_id, now=trio.current_time())
@@ -566,7 +579,11 @@ class BrokerClient:
                     waiter.done.set()
             case Accepted():
                 # The caller of run() waits for the job's end, not for its slot, and
-                # the core already counts the job as running: only the log hears of it.
+                # the core already counts the job as running: only the log and the
+                # slot wait's span hear of it.
+                waiter = self._waiters.get(effect.job_id)
+                if waiter is not None:
+                    tracing.end_span(waiter.slot_span, **{"trio_broker.outcome": "offer"})
                 log.debug(
                     "job %r holds a slot on connection %d (%s)",
                     effect.job_id,

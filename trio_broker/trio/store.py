@@ -81,7 +81,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 import psycopg
 import trio
@@ -92,7 +92,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
 from trio_broker.core.errors import StoreUnavailable
-from trio_broker.trio import queue_sql
+from trio_broker.trio import queue_sql, tracing
 from trio_broker.trio.schema import Migration, apply_migrations, load_migrations
 from trio_broker.trio.store_values import (
     ClaimRequest,
@@ -107,6 +107,7 @@ from trio_broker.trio.store_values import (
 )
 
 __all__ = [
+    "TRACEPARENT",
     "ClaimRequest",
     "FailedItem",
     "ItemPosition",
@@ -179,6 +180,19 @@ def _check_priority(priority: int) -> None:
 # -- on the caller's connection ------------------------------------------------------------
 
 
+TRACEPARENT: Final = "traceparent"
+"""The payload member in which :func:`enqueue_in` records the trace an item was
+queued in (a W3C ``traceparent``), for the dispatcher's step span to continue."""
+
+
+def _traced(payload: Mapping[str, Any], traceparent: str | None) -> dict[str, Any]:
+    """The payload with the current trace context, unless it has one or there is none."""
+    body = dict(payload)
+    if traceparent is not None and TRACEPARENT not in body:
+        body[TRACEPARENT] = traceparent
+    return body
+
+
 def enqueue_in(conn: Connection, items: Iterable[NewItem]) -> list[int]:
     """Add items on ``conn``, inside the caller's transaction; returns their ids in order.
 
@@ -193,7 +207,10 @@ def enqueue_in(conn: Connection, items: Iterable[NewItem]) -> list[int]:
         await store.call(hand_on)
 
     The items become claimable when the transaction commits, and vanish with it
-    when it rolls back.
+    when it rolls back. With OpenTelemetry (the ``otel`` extra) and a span
+    current, each item's payload records it as :data:`TRACEPARENT` (unless the
+    payload has that member already): the dispatcher's span for the item's
+    step joins that trace (:mod:`trio_broker.trio.tracing`).
 
     Args:
         conn: a connection borrowed through :meth:`Store.call` (in a transaction,
@@ -208,11 +225,12 @@ def enqueue_in(conn: Connection, items: Iterable[NewItem]) -> list[int]:
         _check_priority(item.priority)
     if not items:
         return []
+    traceparent = tracing.current_traceparent()
     params = {
         "refs": [i.file_ref for i in items],
         "actions": [i.action for i in items],
         "priorities": [i.priority for i in items],
-        "payloads": [Jsonb(dict(i.payload)) for i in items],
+        "payloads": [Jsonb(_traced(i.payload, traceparent)) for i in items],
         "starts": [i.start_after for i in items],
     }
     return [row[0] for row in conn.execute(queue_sql.ENQUEUE, params).fetchall()]
