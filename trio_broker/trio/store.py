@@ -93,6 +93,7 @@ from psycopg_pool import ConnectionPool
 
 from trio_broker.core.errors import StoreUnavailable
 from trio_broker.trio import queue_sql, tracing
+from trio_broker.trio.inspection import Histogram
 from trio_broker.trio.schema import Migration, apply_migrations, load_migrations
 from trio_broker.trio.store_values import (
     ClaimRequest,
@@ -754,6 +755,33 @@ class Store:
             return _counts(row)
 
         return await self.call(run, kind="counts")
+
+    async def ready_ages(self, bounds: Sequence[float]) -> dict[int, Histogram]:
+        """The ages of the ready rows (seconds since each was enqueued) per priority, as
+        histograms over ``bounds`` (ascending upper bounds; ``+Inf`` follows): how long
+        the claimable work has been waiting, now (one statement: for metrics)."""
+        bounds = tuple(float(b) for b in bounds)
+        if list(bounds) != sorted(set(bounds)):
+            raise ValueError(f"bounds must be ascending and distinct, got {bounds}")
+
+        def run(conn: Connection) -> dict[int, Histogram]:
+            rows = conn.execute(queue_sql.READY_AGES, {"bounds": list(bounds)}).fetchall()
+            counts: dict[int, list[int]] = {}
+            totals: dict[int, float] = {}
+            for priority, bucket, count, total in rows:
+                counts.setdefault(priority, [0] * (len(bounds) + 1))[bucket] = count
+                totals[priority] = totals.get(priority, 0.0) + total
+            return {
+                priority: Histogram(
+                    bounds=bounds,
+                    counts=tuple(c),
+                    total=totals[priority],
+                    count=sum(c),
+                )
+                for priority, c in counts.items()
+            }
+
+        return await self.call(run, kind="ready_ages")
 
     async def figures(self) -> QueueFigures:
         """The rows by state, in all and per priority, with the oldest ready row's age and
