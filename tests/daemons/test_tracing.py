@@ -9,6 +9,7 @@ own (``tracing.set_tracer_provider``), so no other test is traced.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -24,6 +25,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from tests.daemons.test_fylr import TEXT, TEXT_CLASS, ended, fylr_and_execserver, put, settled
 from tests.support.wire import WAIT, connect, start_execserver
+from trio_broker import ClientConfig, NoExecserver, open_broker_client
 from trio_broker.core import protocol as p
 from trio_broker.trio import tracing
 
@@ -220,3 +222,24 @@ def test_without_opentelemetry_the_same_paths_run_and_trace_nothing() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["ok", "1", "False"]
+
+
+async def test_a_slot_wait_that_fails_is_counted_and_traced_by_its_outcome(
+    spans: InMemorySpanExporter,
+) -> None:
+    """No execserver reachable: the run fails at once; its wait is counted under
+    ``no_execserver`` and its span ends as an error saying why."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{unused.getsockname()[1]}"  # bound, never listening
+        config = ClientConfig(backend_id="b", name="b", version="1", addresses=(address,))
+        async with open_broker_client(config, wait_connected=WAIT) as client:
+            with pytest.raises(NoExecserver):
+                await client.run("noop", {})
+            waits = client.statistics().slot_waits
+    assert list(waits) == [("noop", "no_execserver")]
+    assert waits["noop", "no_execserver"].count == 1
+    (wait,) = named(spans.get_finished_spans(), "trio_broker.slot_wait")
+    assert (wait.attributes or {})["trio_broker.outcome"] == "no_execserver"
+    assert wait.status.status_code == StatusCode.ERROR
+    assert "no execserver" in (wait.status.description or "")

@@ -347,16 +347,18 @@ class BrokerClient:
             ended = True
         finally:
             del self._waiters[job_id]
-            failure = waiter.error or (None if ended else "cancelled")
+            outcome = None
             if waiter.error is not None:
-                self._waited(waiter, _WAIT_OUTCOMES.get(type(waiter.error), "failed"))
+                outcome = _WAIT_OUTCOMES.get(type(waiter.error), "failed")
             elif not ended:
-                self._waited(waiter, "cancelled")
-            tracing.end_span(
-                waiter.slot_span,
-                error=None if failure is None else str(failure),
-                **{"trio_broker.outcome": "offer" if failure is None else "no_offer"},
-            )
+                outcome = "cancelled"
+            if outcome is not None:
+                self._waited(waiter, outcome)
+                tracing.end_span(
+                    waiter.slot_span,
+                    error=str(waiter.error or "the caller gave up waiting"),
+                    **{"trio_broker.outcome": outcome},
+                )
             if not ended and not self._closed:
                 # Cancelled or timed out: withdraw the want, or CANCEL the job.
                 self._core.cancel(job_id, now=trio.current_time())
