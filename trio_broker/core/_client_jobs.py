@@ -51,6 +51,7 @@ class JobRecord:
         "state",
         "subject",
         "timer",
+        "traceparent",
         "waits",
     )
 
@@ -77,6 +78,7 @@ class JobRecord:
         self.conn: ConnId | None = None
         self.timer: int | None = None
         self.waits = 0  # how many times the job started waiting (stale queue entries)
+        self.traceparent: str | None = None  # JOB.traceparent
 
     def __repr__(self) -> str:
         return (

@@ -228,6 +228,7 @@ class StartJob:
     service: str
     subject: str | None
     job: dict[str, Any]
+    traceparent: str | None = None  # JOB.traceparent, passed through
 
 
 @attrs.frozen(kw_only=True)
@@ -996,6 +997,7 @@ class Broker(SansIOCore[Effect, _TimerKind]):
                 service=offer.service,
                 subject=subject,
                 job=job.job,
+                traceparent=job.traceparent,
             )
         )
 

@@ -293,9 +293,12 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         priority: int = 0,
         subject: str | None = None,
         pipes: dict[str, str] | None = None,
+        traceparent: str | None = None,
         now: float,
     ) -> None:
         """Ask for a slot for this job; the outcome arrives as an effect.
+
+        ``traceparent`` (the caller's W3C trace context) travels in the ``JOB`` frame.
 
         ``pipes`` maps members of the job object to paths on the client's own
         listener (``{"stdin_url": "/pipe/<id>"}``); the URLs are completed with
@@ -323,6 +326,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
             return
         deadline = now + self.config.connect_timeout
         record = JobRecord(job_id, service, priority, subject, job, deadline=deadline, pipes=pipes)
+        record.traceparent = traceparent
         self._jobs.add(record)
         self._start_waiting(record)
         self._park_everywhere(record)
@@ -587,6 +591,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
                 service=job.service,
                 subject=job.subject,
                 job=body,
+                traceparent=job.traceparent,
             ),
         )
         self._effects.append(Accepted(job_id=job.job_id, conn=conn.id))

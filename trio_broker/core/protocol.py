@@ -39,7 +39,7 @@ from typing import Annotated, Any, ClassVar, Final, Literal, TypeAlias, get_args
 import attrs
 import orjson
 from cattrs.errors import ClassValidationError, IterableValidationError
-from cattrs.gen import make_dict_structure_fn
+from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 from cattrs.preconf.orjson import make_converter
 
 from trio_broker.core.errors import ErrorCode, ProtocolError
@@ -232,6 +232,8 @@ class Job:
     service: ServiceName
     subject: str | None = None
     job: JsonObject
+    traceparent: str | None = None
+    """The caller's trace context (W3C ``traceparent``), written only when set."""
 
 
 @attrs.frozen(kw_only=True)
@@ -654,6 +656,13 @@ converter: Final = _make_converter()
 """The project's cattrs converter for wire messages (strict primitives)."""
 
 
+# JOB.traceparent, an addition to version 1, is left out of the frame when null,
+# so a client that traces nothing sends the JOB frames it always sent.
+converter.register_unstructure_hook(
+    Job,
+    make_dict_unstructure_fn(Job, converter, traceparent=override(omit_if_default=True)),
+)
+
 # The converter's hooks per message class, looked up once rather than per frame.
 _UNSTRUCTURE: Final[dict[type[Any], Callable[[Any], dict[str, Any]]]] = {
     cls: converter.get_unstructure_hook(cls) for cls in MESSAGE_TYPES.values()
@@ -690,7 +699,8 @@ def _first_failure(exc: BaseException) -> tuple[str, str]:
 def encode(message: Message) -> str:
     """Serialise a message to the text of one frame.
 
-    Every member is written, nulls included, with ``type`` first.
+    Every member is written, nulls included, with ``type`` first; the one
+    exception is ``JOB.traceparent``, an addition to version 1, written only when set.
     """
     cls = type(message)
     return orjson.dumps({"type": cls.TYPE, **_UNSTRUCTURE[cls](message)}).decode()

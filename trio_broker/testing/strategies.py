@@ -108,6 +108,7 @@ _BY_TYPE: dict[str, st.SearchStrategy[Any]] = {
         service=ids,
         subject=st.none() | texts,
         job=json_objects,
+        traceparent=st.none() | texts,
     ),
     "DECLINE": st.builds(p.Decline, token=texts),
     "CANCEL": st.builds(p.Cancel, job_id=ids),

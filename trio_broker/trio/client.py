@@ -42,7 +42,7 @@ import secrets
 import ssl
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator, Mapping
-from typing import Any, assert_never
+from typing import Any, Final, assert_never
 
 import attrs
 import trio
@@ -62,8 +62,16 @@ from trio_broker.core.client import (
     PositionReport,
 )
 from trio_broker.core.endings import run_failure
-from trio_broker.core.errors import BrokerError, ClientClosed
+from trio_broker.core.errors import (
+    BrokerError,
+    ClientClosed,
+    NoExecserver,
+    NoSlot,
+    UnknownService,
+)
+from trio_broker.trio import tracing
 from trio_broker.trio.driver import CLOSE_TIMEOUT, MAX_FRAME_BYTES, CoreDriver
+from trio_broker.trio.inspection import WAIT_BUCKETS, Buckets, Histogram
 from trio_broker.trio.pipes import InPipe, OutPipe, PipeRegistry, Sink, serve_pipes
 from trio_broker.trio.websocket import HandshakeRefused
 from trio_broker.trio.websocket import connect as websocket_connect
@@ -126,6 +134,10 @@ class ClientStatistics:
         finished, failed: jobs ended since the client started (receipts of any
             status count as finished; ``failed`` counts the exceptions raised).
         surplus_offers: offers declined because another execserver was faster.
+        slot_waits: seconds from :meth:`BrokerClient.run` asking for a slot to the
+            offer it took (``offer``) or to its failure (``no_slot``,
+            ``no_execserver``, ``unknown_service``, ``closed``, ``cancelled``:
+            the caller gave up), by ``(service, outcome)``.
     """
 
     addresses: tuple[AddressState, ...]
@@ -134,6 +146,7 @@ class ClientStatistics:
     finished: int
     failed: int
     surplus_offers: int
+    slot_waits: Mapping[tuple[str, str], Histogram] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)
@@ -160,12 +173,23 @@ class LinkState:
 
 
 class _Waiter:
-    __slots__ = ("done", "error", "receipt")
+    __slots__ = ("asked", "done", "error", "receipt", "service", "slot_span")
 
-    def __init__(self) -> None:
+    def __init__(self, service: str) -> None:
         self.done = trio.Event()
         self.receipt: p.Receipt | None = None
         self.error: BrokerError | None = None
+        self.service = service
+        self.asked: float | None = trio.current_time()  # None once the slot wait is counted
+        self.slot_span: tracing.Span = None  # trio_broker.slot_wait, until an offer is taken
+
+
+_WAIT_OUTCOMES: Final[dict[type[BrokerError], str]] = {
+    NoSlot: "no_slot",
+    NoExecserver: "no_execserver",
+    UnknownService: "unknown_service",
+    ClientClosed: "closed",
+}
 
 
 def _split_address(address: str) -> tuple[str, int]:
@@ -240,6 +264,7 @@ class BrokerClient:
         self._connection_tasks = 0
         self._no_connection_tasks = trio.Event()
         self._watchers = 0
+        self._slot_waits: dict[tuple[str, str], Buckets] = {}
 
     # -- public API --------------------------------------------------------------------------
 
@@ -298,9 +323,13 @@ class BrokerClient:
             members["stdin_url"] = stdin.path
         if stdout is not None:
             members["stdout_url"] = stdout.path
-        waiter = _Waiter()
+        waiter = _Waiter(service)
         self._waiters[job_id] = waiter
         ended = False
+        waiter.slot_span = tracing.start_span(
+            "trio_broker.slot_wait",
+            attributes={"trio_broker.service": service, "trio_broker.priority": priority},
+        )
         try:
             self._core.submit(
                 job_id,
@@ -309,6 +338,7 @@ class BrokerClient:
                 priority=priority,
                 subject=subject,
                 pipes=members or None,
+                traceparent=tracing.current_traceparent(),
                 now=trio.current_time(),
             )
             self._driver.flush()
@@ -317,6 +347,18 @@ class BrokerClient:
             ended = True
         finally:
             del self._waiters[job_id]
+            outcome = None
+            if waiter.error is not None:
+                outcome = _WAIT_OUTCOMES.get(type(waiter.error), "failed")
+            elif not ended:
+                outcome = "cancelled"
+            if outcome is not None:
+                self._waited(waiter, outcome)
+                tracing.end_span(
+                    waiter.slot_span,
+                    error=str(waiter.error or "the caller gave up waiting"),
+                    **{"trio_broker.outcome": outcome},
+                )
             if not ended and not self._closed:
                 # Cancelled or timed out: withdraw the want, or CANCEL the job.
                 self._core.cancel(job_id, now=trio.current_time())
@@ -461,6 +503,7 @@ class BrokerClient:
             finished=self._finished,
             failed=self._failed,
             surplus_offers=core.surplus_offers,
+            slot_waits={key: b.snapshot() for key, b in sorted(self._slot_waits.items())},
         )
 
     def callback_base(self, conn_id: int) -> str | None:
@@ -566,7 +609,12 @@ class BrokerClient:
                     waiter.done.set()
             case Accepted():
                 # The caller of run() waits for the job's end, not for its slot, and
-                # the core already counts the job as running: only the log hears of it.
+                # the core already counts the job as running: only the log and the
+                # slot wait's span hear of it.
+                waiter = self._waiters.get(effect.job_id)
+                if waiter is not None:
+                    self._waited(waiter, "offer")
+                    tracing.end_span(waiter.slot_span, **{"trio_broker.outcome": "offer"})
                 log.debug(
                     "job %r holds a slot on connection %d (%s)",
                     effect.job_id,
@@ -586,6 +634,16 @@ class BrokerClient:
                 self._log_peer_error(effect)
             case _:
                 assert_never(effect)
+
+    def _waited(self, waiter: _Waiter, outcome: str) -> None:
+        """Count a run's slot wait once, by its service and how it ended."""
+        if waiter.asked is None:
+            return
+        buckets = self._slot_waits.get((waiter.service, outcome))
+        if buckets is None:
+            buckets = self._slot_waits[waiter.service, outcome] = Buckets(WAIT_BUCKETS)
+        buckets.observe(max(0.0, trio.current_time() - waiter.asked))
+        waiter.asked = None
 
     def _log_peer_error(self, effect: PeerError) -> None:
         if effect.error.code == "offer_expired":

@@ -117,8 +117,9 @@ from trio_broker.core.admission import AdmissionConfig, ClaimPlan, InstanceLoad
 from trio_broker.core.callers import CallerAnswer, answer_caller
 from trio_broker.core.dispatch import Backoff, Decision, DispatchConfig, DispatchCore, Key
 from trio_broker.core.errors import RetryLater, StoreUnavailable
+from trio_broker.trio import tracing
 from trio_broker.trio.host import cpu_count
-from trio_broker.trio.store import ClaimRequest, Outcome, QueueItem, Store
+from trio_broker.trio.store import TRACEPARENT, ClaimRequest, Outcome, QueueItem, Store
 
 __all__ = [
     "Action",
@@ -534,6 +535,25 @@ class Dispatcher:
 
     async def _run_and_settle(self, item: QueueItem, action: Action) -> bool:
         """Run the handler, decide, settle; whether the decision is queued for writing."""
+        traceparent = item.payload.get(TRACEPARENT)
+        with tracing.span(
+            "trio_broker.step",
+            traceparent=traceparent if isinstance(traceparent, str) else None,
+            remote=True,
+            kind="consumer",
+            attributes={
+                "trio_broker.action": item.action,
+                "trio_broker.item": item.id,
+                "trio_broker.file_ref": item.file_ref,
+                "trio_broker.priority": item.priority,
+                "trio_broker.attempt": item.attempts,
+            },
+        ) as opened:
+            return await self._run_and_settle_traced(item, action, opened)
+
+    async def _run_and_settle_traced(
+        self, item: QueueItem, action: Action, opened: tracing.Span
+    ) -> bool:
         core = self._core
         key = (item.id, item.attempts)
         failure: BaseException | None = None
@@ -548,6 +568,9 @@ class Dispatcher:
         if key in self._lost:
             return False
         decision = core.finished(item, failure)  # the one decision; its slot is free
+        tracing.set_attributes(opened, {"trio_broker.outcome": decision.verdict.outcome})
+        if decision.verdict.kind == "fail":
+            tracing.set_error(opened, decision.verdict.error or "failed")
         self._claim_wanted.set()
         if action.settle is not None:
             await self._settle(action.settle, item, decision)

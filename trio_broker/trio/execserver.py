@@ -72,6 +72,7 @@ from trio_broker.core.broker import (
     StartJob,
 )
 from trio_broker.core.job import error_receipt
+from trio_broker.trio import tracing
 from trio_broker.trio.driver import CLOSE_TIMEOUT, MAX_FRAME_BYTES, CoreDriver
 from trio_broker.trio.inspection import (
     METRICS_CONTENT_TYPE,
@@ -278,16 +279,44 @@ class _Service:
     # -- tasks ----------------------------------------------------------------------
 
     async def _run_job(self, effect: StartJob) -> None:
+        attributes = {
+            "trio_broker.service": effect.service,
+            "trio_broker.job_id": effect.job_id,
+            "trio_broker.subject": effect.subject,
+            "trio_broker.instance": self.core.config.name,
+        }
+        # the job's span joins the caller's trace through JOB.traceparent
+        with tracing.span(
+            "trio_broker.job",
+            traceparent=effect.traceparent,
+            remote=True,
+            kind="server",
+            attributes=attributes,
+        ) as opened:
+            receipt = await self._run_runner(effect)
+            tracing.set_attributes(
+                opened,
+                {
+                    "trio_broker.status": receipt.status,
+                    "trio_broker.exit_code": receipt.exit_code,
+                    "trio_broker.duration_s": receipt.duration_s,
+                },
+            )
+            if receipt.status != "ok":
+                tracing.set_error(opened, receipt.error or receipt.status)
+        self._job_ended(effect, receipt)
+
+    async def _run_runner(self, effect: StartJob) -> p.Receipt:
         control = self.controls[effect.run_id]
         request = JobRequest(
             job_id=effect.job_id, service=effect.service, subject=effect.subject, job=effect.job
         )
         started = trio.current_time()
         try:
-            receipt = await self.runner.run(request, control)
+            return await self.runner.run(request, control)
         except Exception as exc:
             log.exception("the runner failed on job %r", effect.job_id)
-            receipt = error_receipt(
+            return error_receipt(
                 f"the runner failed: {type(exc).__name__}: {exc}",
                 started_at=0.0,
                 duration_s=trio.current_time() - started,
@@ -295,6 +324,8 @@ class _Service:
             )
         finally:
             del self.controls[effect.run_id]
+
+    def _job_ended(self, effect: StartJob, receipt: p.Receipt) -> None:
         finished = self.core.job_ended(effect.run_id, receipt, now=trio.current_time())
         self.driver.flush()
         self.figures.record(finished)

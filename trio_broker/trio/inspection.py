@@ -51,6 +51,7 @@ __all__ = [
     "METRICS_CONTENT_TYPE",
     "OUTCOMES",
     "WAIT_BUCKETS",
+    "Buckets",
     "ExecserverStatistics",
     "Histogram",
     "JobFigures",
@@ -122,7 +123,10 @@ class JobStatistics:
     services: Mapping[str, ServiceJobs] = attrs.field(factory=dict)
 
 
-class _Buckets:
+class Buckets:
+    """A histogram being counted: :meth:`observe` values, :meth:`snapshot` a frozen
+    :class:`Histogram` (``bounds``: the buckets' upper bounds, ``+Inf`` follows)."""
+
     __slots__ = ("bounds", "count", "counts", "total")
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
@@ -150,15 +154,15 @@ class JobFigures:
     """
 
     def __init__(self) -> None:
-        self._services: dict[str, tuple[_Buckets, _Buckets, dict[p.Status, int]]] = {}
+        self._services: dict[str, tuple[Buckets, Buckets, dict[p.Status, int]]] = {}
 
     def record(self, job: FinishedJob) -> None:
         """Count one ended job."""
         figures = self._services.get(job.service)
         if figures is None:
             figures = self._services[job.service] = (
-                _Buckets(WAIT_BUCKETS),
-                _Buckets(DURATION_BUCKETS),
+                Buckets(WAIT_BUCKETS),
+                Buckets(DURATION_BUCKETS),
                 dict.fromkeys(OUTCOMES, 0),
             )
         wait, duration, statuses = figures
@@ -428,8 +432,8 @@ def _job_families(stats: ExecserverStatistics) -> list[Metric]:
         "Seconds a job ran, from the runner taking it to its receipt.",
         labels=["service"],
     )
-    empty_wait = _Buckets(WAIT_BUCKETS).snapshot()
-    empty_duration = _Buckets(DURATION_BUCKETS).snapshot()
+    empty_wait = Buckets(WAIT_BUCKETS).snapshot()
+    empty_duration = Buckets(DURATION_BUCKETS).snapshot()
     for name in names:
         service = jobs.services.get(name)
         statuses = service.statuses if service else {}

@@ -57,6 +57,7 @@ __all__ = [
     "PUBLISH_VIEW",
     "QUEUE_TABLE",
     "READY",
+    "READY_AGES",
     "READ_VIEWS",
     "REGISTER_BACKEND",
     "REQUEUE_ID",
@@ -307,6 +308,21 @@ COUNTS_BY_PRIORITY: Final = sql.SQL(
 """Rows by state per priority (ready, delayed, claimed, failed after the priority), then
 the age in seconds of the oldest ready row (since it was enqueued; null without one)
 and the soonest ``start_after`` of a delayed row (null without one)."""
+
+READY_AGES: Final = sql.SQL(
+    "SELECT priority, bucket, count(*), sum(age) FROM ("
+    " SELECT priority, age,"
+    " (SELECT count(*) FROM unnest(%(bounds)s::float8[]) AS b(le) WHERE b.le < age)::int"
+    " AS bucket"
+    " FROM (SELECT priority,"
+    " greatest(0, extract(epoch FROM now() - created_at))::float8 AS age"
+    " FROM broker_queue WHERE {ready}) AS ready_rows"
+    ") AS aged GROUP BY priority, bucket ORDER BY priority DESC, bucket"
+).format(ready=READY)
+"""The ready rows' ages (seconds since enqueued) per priority, counted into the
+buckets of ``%(bounds)s`` (ascending upper bounds; a row goes into the first bound
+at or above its age, index ``len(bounds)`` past the last): priority, bucket index,
+rows, the sum of their ages."""
 
 ITEM_BY_ID: Final = sql.SQL("SELECT {} FROM broker_queue WHERE id = %s").format(ITEM_COLUMNS)
 ROWS_OF: Final = sql.SQL(

@@ -90,7 +90,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 import psycopg
 import trio
@@ -101,7 +101,8 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
 from trio_broker.core.errors import StoreUnavailable
-from trio_broker.trio import queue_sql
+from trio_broker.trio import queue_sql, tracing
+from trio_broker.trio.inspection import Histogram
 from trio_broker.trio.schema import Migration, apply_migrations, load_migrations
 from trio_broker.trio.store_values import (
     ClaimRequest,
@@ -117,6 +118,7 @@ from trio_broker.trio.store_values import (
 
 __all__ = [
     "RECONNECT_WINDOW",
+    "TRACEPARENT",
     "ClaimRequest",
     "FailedItem",
     "ItemPosition",
@@ -192,6 +194,19 @@ def _check_priority(priority: int) -> None:
 # -- on the caller's connection ------------------------------------------------------------
 
 
+TRACEPARENT: Final = "traceparent"
+"""The payload member in which :func:`enqueue_in` records the trace an item was
+queued in (a W3C ``traceparent``), for the dispatcher's step span to continue."""
+
+
+def _traced(payload: Mapping[str, Any], traceparent: str | None) -> dict[str, Any]:
+    """The payload with the current trace context, unless it has one or there is none."""
+    body = dict(payload)
+    if traceparent is not None and TRACEPARENT not in body:
+        body[TRACEPARENT] = traceparent
+    return body
+
+
 def enqueue_in(conn: Connection, items: Iterable[NewItem]) -> list[int]:
     """Add items on ``conn``, inside the caller's transaction; returns their ids in order.
 
@@ -206,7 +221,10 @@ def enqueue_in(conn: Connection, items: Iterable[NewItem]) -> list[int]:
         await store.call(hand_on)
 
     The items become claimable when the transaction commits, and vanish with it
-    when it rolls back.
+    when it rolls back. With OpenTelemetry (the ``otel`` extra) and a span
+    current, each item's payload records it as :data:`TRACEPARENT` (unless the
+    payload has that member already): the dispatcher's span for the item's
+    step joins that trace (:mod:`trio_broker.trio.tracing`).
 
     Args:
         conn: a connection borrowed through :meth:`Store.call` (in a transaction,
@@ -221,11 +239,12 @@ def enqueue_in(conn: Connection, items: Iterable[NewItem]) -> list[int]:
         _check_priority(item.priority)
     if not items:
         return []
+    traceparent = tracing.current_traceparent()
     params = {
         "refs": [i.file_ref for i in items],
         "actions": [i.action for i in items],
         "priorities": [i.priority for i in items],
-        "payloads": [Jsonb(dict(i.payload)) for i in items],
+        "payloads": [Jsonb(_traced(i.payload, traceparent)) for i in items],
         "starts": [i.start_after for i in items],
     }
     return [row[0] for row in conn.execute(queue_sql.ENQUEUE, params).fetchall()]
@@ -765,6 +784,33 @@ class Store:
             return _counts(row)
 
         return await self.call(run, kind="counts")
+
+    async def ready_ages(self, bounds: Sequence[float]) -> dict[int, Histogram]:
+        """The ages of the ready rows (seconds since each was enqueued) per priority, as
+        histograms over ``bounds`` (ascending upper bounds; ``+Inf`` follows): how long
+        the claimable work has been waiting, now (one statement: for metrics)."""
+        bounds = tuple(float(b) for b in bounds)
+        if list(bounds) != sorted(set(bounds)):
+            raise ValueError(f"bounds must be ascending and distinct, got {bounds}")
+
+        def run(conn: Connection) -> dict[int, Histogram]:
+            rows = conn.execute(queue_sql.READY_AGES, {"bounds": list(bounds)}).fetchall()
+            counts: dict[int, list[int]] = {}
+            totals: dict[int, float] = {}
+            for priority, bucket, count, total in rows:
+                counts.setdefault(priority, [0] * (len(bounds) + 1))[bucket] = count
+                totals[priority] = totals.get(priority, 0.0) + total
+            return {
+                priority: Histogram(
+                    bounds=bounds,
+                    counts=tuple(c),
+                    total=totals[priority],
+                    count=sum(c),
+                )
+                for priority, c in counts.items()
+            }
+
+        return await self.call(run, kind="ready_ages")
 
     async def figures(self) -> QueueFigures:
         """The rows by state, in all and per priority, with the oldest ready row's age and

@@ -109,6 +109,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from trio_broker.trio import tracing
 from trio_broker.trio.store import StoreUnavailable
 from trio_broker_daemons.fylr import metrics, probes, renditions, topology
 from trio_broker_daemons.fylr.access import Access, Role
@@ -344,7 +345,26 @@ class FileApi:
         return file_document(row, versions, base=self.state.base_url, sign=sign)
 
     async def upload(self, request: Request) -> Response:
-        """``PUT /eas/put?filename=…&priority=…``: store the body, record the file."""
+        """``PUT /eas/put?filename=…&priority=…``: store the body, record the file.
+
+        Traced (the ``otel`` extra): one ``fylr.upload`` span, child of the
+        request's ``traceparent`` header when it has one; the steps the upload
+        queues join its trace.
+        """
+        with tracing.span(
+            "fylr.upload",
+            traceparent=request.headers.get("traceparent"),
+            remote=True,
+            kind="server",
+            attributes={"fylr.filename": request.query_params.get("filename")},
+        ) as opened:
+            response = await self._upload(request, opened)
+            tracing.set_attributes(opened, {"http.response.status_code": response.status_code})
+            if response.status_code >= 400:
+                tracing.set_error(opened, f"answered {response.status_code}")
+            return response
+
+    async def _upload(self, request: Request, opened: tracing.Span) -> Response:
         state = self.state
         filename = request.query_params.get("filename", "")
         problem = None
@@ -373,6 +393,7 @@ class FileApi:
             return unavailable(f"the database is unavailable: {exc}")
         state.count("uploads")
         state.count("bytes_uploaded", stored.size)
+        tracing.set_attributes(opened, {"fylr.file": row.id, "fylr.size": stored.size})
         state.wake_dispatcher()
         state.changed(row.id)
         log.info(

@@ -75,6 +75,7 @@ from trio_broker_daemons.fylr.pgcluster import open_pg_cluster
 from trio_broker_daemons.fylr.remote_steps import CopyStep
 from trio_broker_daemons.fylr.state import FylrState, FylrStatistics
 from trio_broker_daemons.fylr.storage import Storage
+from trio_broker_daemons.fylr.timing import timed
 from trio_broker_daemons.fylr.topology import topology_of
 from trio_broker_daemons.fylr.worker import FileWorker
 from trio_broker_daemons.runtime.logfmt import fields
@@ -376,13 +377,15 @@ def _log_open_roles(config: FylrConfig, url: str) -> None:
 
 def _actions(state: FylrState) -> list[Action]:
     """The dispatcher's actions: the file worker's steps (an original's own produce step
-    handled before a version's), the local actions, and the copy of a remote source."""
+    handled before a version's), the local actions, and the copy of a remote source,
+    each timed (:mod:`~trio_broker_daemons.fylr.timing`)."""
     worker = FileWorker(state)
-    return [
+    actions = [
         *OwnProduceStep(worker).wrap(worker.actions()),
         *LocalActions(worker).actions(),
         *CopyStep(state).actions(),
     ]
+    return timed(state, actions)  # each step's duration by action, service and outcome
 
 
 async def _heartbeat(state: FylrState) -> None:

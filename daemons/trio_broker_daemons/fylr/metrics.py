@@ -26,24 +26,31 @@ puts the failed queue rows back (all, or ``?id=N`` once or more;
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
 
 import attrs
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeHistogramMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from trio_broker._version import __version__
 from trio_broker.trio.client import ClientStatistics
-from trio_broker.trio.inspection import iso_time
+from trio_broker.trio.inspection import Histogram, iso_time
 from trio_broker.trio.store import QueueCounts
 from trio_broker_daemons.fylr.access import Role
 from trio_broker_daemons.fylr.failed import failed_items, retry_failed
 from trio_broker_daemons.fylr.guard import GuardedRoute, route
 from trio_broker_daemons.fylr.state import FileCounts, FylrState, FylrStatistics
 from trio_broker_daemons.fylr.sweep import StorageSweeper, result_document
+from trio_broker_daemons.fylr.trouble import band_name
 from trio_broker_daemons.runtime.logfmt import fields
 
 __all__ = ["inspect_document", "metrics_text", "routes"]
@@ -110,10 +117,57 @@ async def metrics_text(state: FylrState) -> bytes:
         StoreUnavailable: the database could not be read.
     """
     queue = await state.store.counts()
+    ages = await state.store.ready_ages(QUEUE_AGE_BUCKETS)
     counted = await state.file_counts()
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(state.statistics(), queue, counted, state.sweeper))
+    stats = state.statistics()
+    registry.register(_Collector(stats, queue, counted, state.sweeper))
+    registry.register(_Histograms(stats, ages))
     return bytes(generate_latest(registry))
+
+
+QUEUE_AGE_BUCKETS: Final = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
+                            7200.0, 21600.0, 86400.0)  # fmt: skip
+"""Upper bounds (seconds) of the queue-age histogram's buckets (``+Inf`` follows)."""
+
+
+class _Histograms:
+    """The histograms of one scrape: the ready rows' ages per priority band (a gauge
+    histogram: the queue as it is now), the broker client's slot waits by service
+    and outcome, and the steps' durations by action, service and outcome."""
+
+    def __init__(self, stats: FylrStatistics, ages: Mapping[int, Histogram]) -> None:
+        self.stats = stats
+        self.ages = ages
+
+    def collect(self) -> list[Metric]:
+        ages = GaugeHistogramMetricFamily(
+            "trio_broker_fylr_queue_age_seconds",
+            "Ages of the claimable queue rows (seconds since enqueued), by priority band.",
+            labels=["band"],
+        )
+        for priority, histogram in sorted(self.ages.items(), reverse=True):
+            ages.add_metric(
+                [band_name(priority)], histogram.cumulative(), gsum_value=histogram.total
+            )
+        waits = HistogramMetricFamily(
+            "trio_broker_fylr_slot_wait_seconds",
+            "Seconds a job waited for a slot, by service and outcome (offer: it got one;"
+            " no_slot, no_execserver, unknown_service, closed, cancelled: it did not).",
+            labels=["service", "outcome"],
+        )
+        client = self.stats.client
+        for (service, outcome), histogram in (client.slot_waits if client else {}).items():
+            waits.add_metric([service, outcome], histogram.cumulative(), histogram.total)
+        steps = HistogramMetricFamily(
+            "trio_broker_fylr_step_duration_seconds",
+            "Seconds from a step's start to the dispatcher's decision, by action, the"
+            " service its job asked for (local: none) and the decision's outcome.",
+            labels=["action", "service", "outcome"],
+        )
+        for (action, service, outcome), histogram in self.stats.step_durations.items():
+            steps.add_metric([action, service, outcome], histogram.cumulative(), histogram.total)
+        return [ages, waits, steps]
 
 
 def routes(state: FylrState) -> list[GuardedRoute]:

@@ -32,7 +32,7 @@ import trio
 
 from trio_broker.trio.client import BrokerClient, ClientStatistics
 from trio_broker.trio.dispatcher import Dispatcher, DispatcherStatistics
-from trio_broker.trio.inspection import OUTCOMES
+from trio_broker.trio.inspection import DURATION_BUCKETS, OUTCOMES, Buckets, Histogram
 from trio_broker.trio.pipes import PipeRegistry, PipeStatistics
 from trio_broker.trio.store import Store
 from trio_broker_daemons.fylr.config import FileClass, FylrConfig
@@ -89,6 +89,8 @@ class FylrStatistics:
         dispatcher: the dispatcher's snapshot (``None`` before it started).
         client: the broker client's snapshot (``None`` without execservers).
         pipes: the one-time pipes' counts and bytes.
+        step_durations: seconds from a step's start to the dispatcher's decision,
+            by ``(action, service, outcome)`` (:mod:`~trio_broker_daemons.fylr.timing`).
     """
 
     backend_id: str
@@ -103,6 +105,7 @@ class FylrStatistics:
     dispatcher: DispatcherStatistics | None
     client: ClientStatistics | None
     pipes: PipeStatistics
+    step_durations: Mapping[tuple[str, str, str], Histogram] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)
@@ -159,6 +162,7 @@ class FylrState:
         self.closed = trio.Event()
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.steps: dict[str, int] = {}
+        self._step_durations: dict[tuple[str, str, str], Buckets] = {}
         self._watchers: dict[int, trio.Event] = {}
         self._watching: dict[int, int] = {}
         self._changed = trio.Event()
@@ -212,6 +216,15 @@ class FylrState:
         self.steps[key] = self.steps.get(key, 0) + 1
         self.changed()
 
+    def observe_step(self, action: str, service: str, outcome: str, seconds: float) -> None:
+        """Count one step's duration (its start to its decision) by action, service and
+        the decision's outcome."""
+        key = (action, service, outcome)
+        buckets = self._step_durations.get(key)
+        if buckets is None:
+            buckets = self._step_durations[key] = Buckets(DURATION_BUCKETS)
+        buckets.observe(max(0.0, seconds))
+
     def statistics(self) -> FylrStatistics:
         """A frozen snapshot of the counters, the dispatcher, the client and the pipes."""
         c = self.counters
@@ -228,6 +241,7 @@ class FylrState:
             dispatcher=self.dispatcher.statistics() if self.dispatcher else None,
             client=self.client.statistics() if self.client else None,
             pipes=self.pipes.statistics(),
+            step_durations={k: b.snapshot() for k, b in sorted(self._step_durations.items())},
         )
 
     async def file_counts(self) -> FileCounts:

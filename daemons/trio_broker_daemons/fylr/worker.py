@@ -156,6 +156,7 @@ from trio_broker_daemons.fylr.remote import RemoteSourceFailed
 from trio_broker_daemons.fylr.remote_files import RemotePipeSource
 from trio_broker_daemons.fylr.state import FylrState
 from trio_broker_daemons.fylr.storage import FileReader, Storage, StoredFile, StoredKind
+from trio_broker_daemons.fylr.timing import step_service
 from trio_broker_daemons.runtime.logfmt import fields
 
 __all__ = [
@@ -368,6 +369,7 @@ class FileWorker:
                 is :func:`service_notice` (the closest offered name).
             NoExecserver, NoSlot, JobLost, ClientClosed: see :meth:`BrokerClient.run`.
         """
+        step_service(service)
         client = self.state.client
         if client is None:
             raise NoExecserver("no execserver is configured")
