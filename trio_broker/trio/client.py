@@ -63,6 +63,7 @@ from trio_broker.core.client import (
 )
 from trio_broker.core.endings import run_failure
 from trio_broker.core.errors import BrokerError, ClientClosed
+from trio_broker.trio.attempt_note import note_receipt
 from trio_broker.trio.driver import CLOSE_TIMEOUT, MAX_FRAME_BYTES, CoreDriver
 from trio_broker.trio.pipes import InPipe, OutPipe, PipeRegistry, Sink, serve_pipes
 from trio_broker.trio.websocket import HandshakeRefused
@@ -329,6 +330,7 @@ class BrokerClient:
             raise waiter.error
         assert waiter.receipt is not None
         self._finished += 1
+        note_receipt(waiter.receipt)
         return waiter.receipt
 
     def pipe_in(self, source: AsyncIterable[bytes]) -> InPipe:
