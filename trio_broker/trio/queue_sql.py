@@ -3,9 +3,9 @@
 Theory of operation
 ===================
 
-The library's queue lives in two tables of the database
+The library's queue lives in three tables of the database
 (:mod:`trio_broker.trio.schema`, migrations ``001_queue.sql`` to
-``003_broker_names.sql``):
+``004_attempts.sql``):
 
 ``broker_queue``
     one row per item of work: ``new`` (claimable once ``start_after`` has
@@ -15,6 +15,14 @@ The library's queue lives in two tables of the database
 ``broker_backends``
     one row per backend (a client process draining the queue) with its heartbeat,
     and the view of the installation it published (:mod:`trio_broker.trio.views`).
+``broker_attempts``
+    one row per claim of a queue row that ended other than complete (migration
+    ``004_attempts.sql``): the backend, the execserver instance whose receipt
+    came back, when the claim began and ended, the outcome's name, the reason
+    and the receipt's decisive line; written by the same statement as the
+    outcome (:data:`FINISH`) or the operator's cancel (:data:`CANCEL`), deleted
+    with the row. ``broker_queue.waits_because`` is the reason of a row's last
+    requeue until its next claim.
 
 This module only *writes* SQL; :mod:`trio_broker.trio.store` runs it (and
 :mod:`trio_broker.trio.views` the views' two statements). No other module names

@@ -52,6 +52,19 @@ of this module, which take that connection: :func:`enqueue_in`,
 has an async method on the store that borrows a pooled connection for it instead
 (the name without ``_in``; :meth:`Store.enqueue_many` for :func:`enqueue_in`).
 
+Attempts. Every outcome that does not complete its row (a requeue, a failure)
+keeps the claim's end in ``broker_attempts`` in the same statement
+(:class:`Attempt`: backend, execserver instance, start, end, outcome, reason,
+decisive line); a requeue's reason becomes the row's ``waits_because`` until its
+next claim. :meth:`Store.attempts` reads them; a row that completes takes its
+attempts with it.
+
+Operators. :meth:`Store.items` pages rows by id with filters (state,
+priority, action, age, file); :func:`cancel_in` (:meth:`Store.cancel`) fails a
+new or claimed row with a note (the holder's re-check cancels its handler);
+:func:`delete_items_in` deletes a file's rows and attempts; :func:`failed_ids_in`
+names a file's failed rows for :func:`requeue_failed_in`.
+
 Inspection. :meth:`Store.counts` counts the rows by state;
 :meth:`Store.figures` adds the same per priority, the oldest ready row's age and
 the soonest delayed row's start; :meth:`Store.positions`
