@@ -133,3 +133,21 @@ async def test_cancel_and_delete_take_rows_from_their_backend(store: Store) -> N
     assert [(d.file_ref, d.status) for d in deleted] == [("f1", "failed"), ("f2", "claimed")]
     assert await store.attempts(running.id) == []
     assert [row.file_ref for row in (await store.items())[0]] == ["f3"]
+
+
+async def test_a_stale_backends_claims_end_as_stale_attempts(store: Store) -> None:
+    """The sweep that requeues a silent backend's rows keeps each claim's end as a
+    ``stale`` attempt naming that backend, and the rows wait for nothing."""
+    ids = await store.enqueue_many([NewItem(file_ref=r, action="a") for r in ("f1", "f2")])
+    await store.register_backend("gone", "G")
+    claimed = await store.claim("gone", 2)
+    assert await store.requeue_stale(0.0) == 2
+    for item in claimed:
+        [attempt] = await store.attempts(item.id)
+        assert (attempt.attempt, attempt.backend_id, attempt.outcome) == (1, "gone", "stale")
+        assert attempt.reason == "requeued: backend gone stopped heartbeating"
+        assert attempt.started_at == item.claimed_at
+        row = await store.item(item.id)
+        assert row is not None
+        assert (row.status, row.waits_because) == ("new", None)
+    assert sorted(item.id for item in claimed) == ids

@@ -47,6 +47,7 @@ from psycopg import sql
 
 __all__ = [
     "ATTEMPTS_OF",
+    "ATTEMPTS_TABLE",
     "ATTEMPT_COLUMNS",
     "BACKENDS_TABLE",
     "CANCEL",
@@ -94,7 +95,9 @@ QUEUE_TABLE: Final = "broker_queue"
 """The queue's items (migration ``003_broker_names.sql`` renamed it from ``file_queue``)."""
 BACKENDS_TABLE: Final = "broker_backends"
 """The backends and their heartbeats (renamed from ``backends`` by the same migration)."""
-TABLES: Final = (QUEUE_TABLE, BACKENDS_TABLE)
+ATTEMPTS_TABLE: Final = "broker_attempts"
+"""Each claim's end (migration ``004_attempts.sql``)."""
+TABLES: Final = (QUEUE_TABLE, BACKENDS_TABLE, ATTEMPTS_TABLE)
 """Every table of the library's queue."""
 
 CLAIM_ORDER: Final[tuple[tuple[str, bool], ...]] = (("priority", True), ("id", False))
@@ -526,20 +529,32 @@ WITH stale AS (
     DELETE FROM broker_backends
      WHERE heartbeat < now() - %(threshold)s * interval '1 second'
     RETURNING backend_id
+), back AS (
+    UPDATE broker_queue q
+       SET status = 'new',
+           claimed_by = NULL,
+           claimed_at = NULL,
+           start_after = now(),
+           waits_because = NULL,
+           last_error = 'requeued: backend ' || q.claimed_by || ' stopped heartbeating'
+     WHERE q.status = 'claimed'
+       AND (q.claimed_by IN (SELECT backend_id FROM stale)
+            OR NOT EXISTS (SELECT 1 FROM broker_backends b WHERE b.backend_id = q.claimed_by))
+    RETURNING q.id, q.last_error
+), noted AS (
+    INSERT INTO broker_attempts (item_id, attempt, file_ref, action, backend_id,
+                                 started_at, ended_at, outcome, reason)
+    SELECT old.id, old.attempts, old.file_ref, old.action, old.claimed_by,
+           coalesce(old.claimed_at, now()), now(), 'stale', back.last_error
+      FROM back JOIN broker_queue old ON old.id = back.id
+     WHERE old.claimed_by IS NOT NULL
+    ON CONFLICT (item_id, attempt) DO NOTHING
 )
-UPDATE broker_queue q
-   SET status = 'new',
-       claimed_by = NULL,
-       claimed_at = NULL,
-       start_after = now(),
-       last_error = 'requeued: backend ' || q.claimed_by || ' stopped heartbeating'
- WHERE q.status = 'claimed'
-   AND (q.claimed_by IN (SELECT backend_id FROM stale)
-        OR NOT EXISTS (SELECT 1 FROM broker_backends b WHERE b.backend_id = q.claimed_by))
-RETURNING q.id
+SELECT id FROM back
 """)
 """Delete the backends silent for ``%(threshold)s`` seconds and requeue their rows (and
-the rows of backends not registered at all)."""
+the rows of backends not registered at all), each claim's end kept as a ``stale``
+attempt; returns the ids requeued."""
 
 READ_VIEWS: Final = sql.SQL(
     "SELECT backend_id, name, started, heartbeat, view, view_at, now()"
