@@ -345,6 +345,17 @@ class FileStore:
 
         return await self.store.call(run, kind="files_get")
 
+    async def get_many(self, file_ids: Sequence[int]) -> dict[int, FileRow]:
+        """The rows of ``file_ids`` that exist, by id (one statement)."""
+
+        def run(conn: Connection) -> dict[int, FileRow]:
+            found = conn.execute(
+                f"SELECT {_COLUMNS} FROM files WHERE id = ANY(%s::bigint[])", (list(file_ids),)
+            ).fetchall()
+            return {row.id: row for row in map(_row, found)}
+
+        return await self.store.call(run, kind="files_get_many")
+
     async def with_versions(self, file_id: int) -> tuple[FileRow, list[FileRow]] | None:
         """A row and, for an original, its versions by id; ``None`` for an unknown id."""
 

@@ -591,13 +591,8 @@ class WorkApi:
     # -- helpers -------------------------------------------------------------------------
 
     async def _file_rows(self, items: Sequence[QueueItem]) -> Mapping[int, FileRow]:
-        ids = {i for i in map(_file_id, items) if i is not None}
-        found: dict[int, FileRow] = {}
-        for file_id in sorted(ids):
-            row = await self.files.get(file_id)
-            if row is not None:
-                found[file_id] = row
-        return found
+        ids = sorted({i for i in map(_file_id, items) if i is not None})
+        return await self.files.get_many(ids) if ids else {}
 
     def _service(self, item: QueueItem, row: FileRow) -> str | None:
         if item.action not in EXEC_ACTIONS:
