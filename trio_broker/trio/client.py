@@ -70,6 +70,7 @@ from trio_broker.core.errors import (
     UnknownService,
 )
 from trio_broker.trio import tracing
+from trio_broker.trio.attempt_note import note_receipt
 from trio_broker.trio.driver import CLOSE_TIMEOUT, MAX_FRAME_BYTES, CoreDriver
 from trio_broker.trio.inspection import WAIT_BUCKETS, Buckets, Histogram
 from trio_broker.trio.pipes import InPipe, OutPipe, PipeRegistry, Sink, serve_pipes
@@ -371,6 +372,7 @@ class BrokerClient:
             raise waiter.error
         assert waiter.receipt is not None
         self._finished += 1
+        note_receipt(waiter.receipt)
         return waiter.receipt
 
     def pipe_in(self, source: AsyncIterable[bytes]) -> InPipe:

@@ -118,6 +118,7 @@ from trio_broker.core.callers import CallerAnswer, answer_caller
 from trio_broker.core.dispatch import Backoff, Decision, DispatchConfig, DispatchCore, Key
 from trio_broker.core.errors import RetryLater, StoreUnavailable
 from trio_broker.trio import tracing
+from trio_broker.trio.attempt_note import AttemptNote, noting
 from trio_broker.trio.host import cpu_count
 from trio_broker.trio.store import TRACEPARENT, ClaimRequest, Outcome, QueueItem, Store
 
@@ -369,6 +370,8 @@ class Dispatcher:
         self._claim_lock = trio.Lock()
         self._scopes: dict[Key, trio.CancelScope] = {}
         self._lost: set[Key] = set()
+        # what each decided item's jobs told (instance, decisive line), until written
+        self._notes: dict[Key, AttemptNote] = {}
 
     # -- public API ------------------------------------------------------------------------
 
@@ -398,6 +401,19 @@ class Dispatcher:
     def wake(self) -> None:
         """Claim now instead of at the next tick (after enqueueing urgent work)."""
         self._claim_wanted.set()
+
+    async def recheck(self) -> None:
+        """Re-check this backend's claims now instead of at the next heartbeat.
+
+        After an operator took a row away (cancelled it, deleted its file): the
+        item whose row is no longer held is cancelled at once (a running job
+        gets the broker's ``CANCEL``) and no outcome of it is written.
+
+        Raises:
+            StoreUnavailable: the database could not be read (the next
+                heartbeat re-checks).
+        """
+        await self._recheck()
 
     def statistics(self) -> DispatcherStatistics:
         """A frozen snapshot of the counters and what is in flight."""
@@ -523,6 +539,8 @@ class Dispatcher:
                 settled = await self._run_and_settle(item, action)
         finally:
             del self._scopes[key]
+            if not settled:
+                self._notes.pop(key, None)
             if key in self._lost:
                 # the row is another holder's now: no decision of this run counts
                 self._lost.discard(key)
@@ -557,24 +575,27 @@ class Dispatcher:
         core = self._core
         key = (item.id, item.attempts)
         failure: BaseException | None = None
-        try:
-            if action.exec_bound:
-                await action.handler(item)
-            else:
-                async with self._local_slots:
+        with noting() as note:
+            try:
+                if action.exec_bound:
                     await action.handler(item)
-        except* Exception as group:
-            failure = group
+                else:
+                    async with self._local_slots:
+                        await action.handler(item)
+            except* Exception as group:
+                failure = group
         if key in self._lost:
             return False
         decision = core.finished(item, failure)  # the one decision; its slot is free
         tracing.set_attributes(opened, {"trio_broker.outcome": decision.verdict.outcome})
         if decision.verdict.kind == "fail":
             tracing.set_error(opened, decision.verdict.error or "failed")
+        self._notes[key] = note
         self._claim_wanted.set()
         if action.settle is not None:
             await self._settle(action.settle, item, decision)
         if key in self._lost:
+            self._notes.pop(key, None)
             return False
         core.settled(decision)
         if decision.verdict.kind == "fail":
@@ -627,23 +648,31 @@ class Dispatcher:
         batch = core.take_outcomes()
         if not batch:
             return
-        outcomes = [
-            Outcome(
-                item_id=d.item_id,
-                attempts=d.attempts,
-                kind=d.verdict.kind,
-                delay=d.verdict.delay,
-                error=d.verdict.error,
-            )
-            for d in batch
-        ]
+        outcomes = [self._outcome(d) for d in batch]
         try:
             applied = await self._store.finish(self.config.backend_id, outcomes)
         except BaseException:
             core.write_failed()
             raise
+        for d in batch:
+            self._notes.pop(d.key, None)
         core.written(applied)
         self._notify()
+
+    def _outcome(self, decision: Decision) -> Outcome:
+        """The outcome to write for a decision, with what its jobs told."""
+        note = self._notes.get(decision.key)
+        verdict = decision.verdict
+        return Outcome(
+            item_id=decision.item_id,
+            attempts=decision.attempts,
+            kind=verdict.kind,
+            delay=verdict.delay,
+            error=verdict.error,
+            outcome=verdict.outcome,
+            instance_id=None if note is None else note.instance_id,
+            line=None if note is None else note.line,
+        )
 
     # -- heartbeats ------------------------------------------------------------------------
 

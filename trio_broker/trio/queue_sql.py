@@ -3,9 +3,9 @@
 Theory of operation
 ===================
 
-The library's queue lives in two tables of the database
+The library's queue lives in three tables of the database
 (:mod:`trio_broker.trio.schema`, migrations ``001_queue.sql`` to
-``003_broker_names.sql``):
+``004_attempts.sql``):
 
 ``broker_queue``
     one row per item of work: ``new`` (claimable once ``start_after`` has
@@ -15,6 +15,14 @@ The library's queue lives in two tables of the database
 ``broker_backends``
     one row per backend (a client process draining the queue) with its heartbeat,
     and the view of the installation it published (:mod:`trio_broker.trio.views`).
+``broker_attempts``
+    one row per claim of a queue row that ended other than complete (migration
+    ``004_attempts.sql``): the backend, the execserver instance whose receipt
+    came back, when the claim began and ended, the outcome's name, the reason
+    and the receipt's decisive line; written by the same statement as the
+    outcome (:data:`FINISH`) or the operator's cancel (:data:`CANCEL`), deleted
+    with the row. ``broker_queue.waits_because`` is the reason of a row's last
+    requeue until its next claim.
 
 This module only *writes* SQL; :mod:`trio_broker.trio.store` runs it (and
 :mod:`trio_broker.trio.views` the views' two statements). No other module names
@@ -38,21 +46,28 @@ from typing import Any, Final
 from psycopg import sql
 
 __all__ = [
+    "ATTEMPTS_OF",
+    "ATTEMPTS_TABLE",
+    "ATTEMPT_COLUMNS",
     "BACKENDS_TABLE",
+    "CANCEL",
     "CLAIMED_REFS",
     "CLAIM_ORDER",
     "COMPLETE_ID",
     "COUNTS",
     "COUNTS_BY_PRIORITY",
+    "DELETE_OF_REFS",
     "DELETE_UNCLAIMED",
     "ENQUEUE",
     "FAILED",
+    "FAILED_OF_REFS",
     "FAIL_ID",
     "FINISH",
     "HEARTBEAT",
     "HELD",
     "ITEM_BY_ID",
     "ITEM_COLUMNS",
+    "ITEM_STATES",
     "LIVE_BACKENDS",
     "PUBLISH_VIEW",
     "QUEUE_TABLE",
@@ -70,6 +85,7 @@ __all__ = [
     "ahead_of",
     "claim_key",
     "claim_query",
+    "list_items_query",
     "order_by",
     "positions_query",
     "ready",
@@ -80,7 +96,9 @@ QUEUE_TABLE: Final = "broker_queue"
 """The queue's items (migration ``003_broker_names.sql`` renamed it from ``file_queue``)."""
 BACKENDS_TABLE: Final = "broker_backends"
 """The backends and their heartbeats (renamed from ``backends`` by the same migration)."""
-TABLES: Final = (QUEUE_TABLE, BACKENDS_TABLE)
+ATTEMPTS_TABLE: Final = "broker_attempts"
+"""Each claim's end (migration ``004_attempts.sql``)."""
+TABLES: Final = (QUEUE_TABLE, BACKENDS_TABLE, ATTEMPTS_TABLE)
 """Every table of the library's queue."""
 
 CLAIM_ORDER: Final[tuple[tuple[str, bool], ...]] = (("priority", True), ("id", False))
@@ -141,12 +159,13 @@ READY: Final = ready()
 # -- items ---------------------------------------------------------------------------------
 
 ITEM_COLUMNS: Final = sql.SQL(
-    "id, file_ref, action, priority, payload, attempts, status, claimed_by, last_error"
+    "id, file_ref, action, priority, payload, attempts, status, claimed_by, last_error,"
+    " waits_because, start_after, created_at, claimed_at"
 )
 """The columns a :class:`~trio_broker.trio.store.QueueItem` is read from, in its order."""
 _ITEM_OF_Q = sql.SQL(
     "q.id, q.file_ref, q.action, q.priority, q.payload, q.attempts, q.status,"
-    " q.claimed_by, q.last_error"
+    " q.claimed_by, q.last_error, q.waits_because, q.start_after, q.created_at, q.claimed_at"
 )
 
 ENQUEUE: Final = sql.SQL(
@@ -196,14 +215,20 @@ def claim_query(shape: ClaimShape) -> sql.Composed:
     )
     return sql.SQL(
         "WITH {ctes} UPDATE broker_queue q"
-        " SET status = 'claimed', claimed_by = %s, claimed_at = now(), attempts = q.attempts + 1"
+        " SET status = 'claimed', claimed_by = %s, claimed_at = now(), attempts = q.attempts + 1,"
+        " waits_because = NULL"
         " WHERE q.id IN ({picked})"
         " RETURNING {columns}"
     ).format(ctes=sql.SQL(", ").join(ctes), picked=picked, columns=_ITEM_OF_Q)
 
 
 FINISH: Final = sql.SQL("""
-WITH done AS (
+WITH old AS (
+    SELECT q.id, q.attempts, q.file_ref, q.action, q.claimed_at
+      FROM broker_queue q
+     WHERE q.id = ANY(%(o_ids)s::bigint[])
+       AND q.status = 'claimed' AND q.claimed_by = %(backend)s
+), done AS (
     DELETE FROM broker_queue q
      USING unnest(%(c_ids)s::bigint[], %(c_attempts)s::integer[]) AS d(id, attempts)
      WHERE q.id = d.id AND q.attempts = d.attempts
@@ -215,30 +240,51 @@ WITH done AS (
            claimed_by = NULL,
            claimed_at = NULL,
            start_after = now() + d.delay * interval '1 second',
-           last_error = coalesce(d.error, q.last_error)
+           last_error = coalesce(d.error, q.last_error),
+           waits_because = CASE WHEN d.status = 'new' THEN d.error END
       FROM unnest(%(o_ids)s::bigint[], %(o_attempts)s::integer[], %(o_status)s::text[],
                   %(o_delay)s::float8[], %(o_error)s::text[])
            AS d(id, attempts, status, delay, error)
      WHERE q.id = d.id AND q.attempts = d.attempts
        AND q.status = 'claimed' AND q.claimed_by = %(backend)s
     RETURNING q.id
+), forgotten AS (
+    DELETE FROM broker_attempts a USING done WHERE a.item_id = done.id
+), noted AS (
+    INSERT INTO broker_attempts (item_id, attempt, file_ref, action, backend_id, instance_id,
+                                 started_at, ended_at, outcome, reason, decisive_line)
+    SELECT old.id, old.attempts, old.file_ref, old.action, %(backend)s, n.instance,
+           coalesce(old.claimed_at, now()), now(), n.outcome, n.error, n.line
+      FROM back
+      JOIN old ON old.id = back.id
+      JOIN unnest(%(o_ids)s::bigint[], %(o_outcome)s::text[], %(o_instance)s::text[],
+                  %(o_line)s::text[], %(o_error)s::text[]) AS n(id, outcome, instance, line, error)
+        ON n.id = back.id
+    ON CONFLICT (item_id, attempt) DO NOTHING
 )
 SELECT id FROM done UNION ALL SELECT id FROM back
 """)
 """Record outcomes of one backend's claims, fenced by ``(id, attempts)``: completes
-(``c_*``: deleted) and the others (``o_*``: new again or failed). Returns the ids
-that took effect. Parameters: ``backend``, ``c_ids``, ``c_attempts``, ``o_ids``,
-``o_attempts``, ``o_status``, ``o_delay``, ``o_error``."""
+(``c_*``: deleted, with their attempts) and the others (``o_*``: new again or failed,
+each claim's end kept in ``broker_attempts``; a requeued row's error becomes its
+``waits_because``). Returns the ids that took effect. Parameters: ``backend``,
+``c_ids``, ``c_attempts``, ``o_ids``, ``o_attempts``, ``o_status``, ``o_delay``,
+``o_error``, ``o_outcome``, ``o_instance``, ``o_line``."""
 
-COMPLETE_ID: Final = sql.SQL("DELETE FROM broker_queue WHERE id = %s")
+COMPLETE_ID: Final = sql.SQL(
+    "WITH done AS (DELETE FROM broker_queue WHERE id = %(id)s RETURNING id),"
+    " forgotten AS (DELETE FROM broker_attempts WHERE item_id IN (SELECT id FROM done))"
+    " SELECT id FROM done"
+)
 FAIL_ID: Final = sql.SQL(
     "UPDATE broker_queue SET status = 'failed', claimed_by = NULL, claimed_at = NULL,"
     " last_error = %s WHERE id = %s"
 )
 REQUEUE_ID: Final = sql.SQL(
     "UPDATE broker_queue SET status = 'new', claimed_by = NULL, claimed_at = NULL,"
-    " start_after = now() + %s * interval '1 second',"
-    " last_error = coalesce(%s, last_error) WHERE id = %s"
+    " start_after = now() + %(delay)s * interval '1 second',"
+    " last_error = coalesce(%(error)s, last_error), waits_because = %(error)s"
+    " WHERE id = %(id)s"
 )
 RETURN_CLAIMED: Final = sql.SQL(
     "UPDATE broker_queue SET status = 'new', claimed_by = NULL, claimed_at = NULL,"
@@ -280,7 +326,7 @@ def requeue_failed_query(with_ids: bool) -> sql.Composed:
         "WITH old AS (SELECT id, last_error FROM broker_queue"
         " WHERE status = 'failed'{which} ORDER BY id FOR UPDATE)"
         " UPDATE broker_queue q SET status = 'new', start_after = now(), claimed_by = NULL,"
-        " claimed_at = NULL,"
+        " claimed_at = NULL, waits_because = NULL,"
         " last_error = %(note)s || '; it had failed: ' || coalesce(old.last_error, 'no reason')"
         " FROM old WHERE q.id = old.id"
         " RETURNING q.id, q.file_ref, q.action, q.priority, q.payload, q.attempts,"
@@ -369,6 +415,109 @@ def positions_query(with_actions: bool) -> sql.Composed:
     )
 
 
+# -- operators: listing, attempts, cancelling, deleting ------------------------------------
+
+ITEM_STATES: Final = ("ready", "delayed", "claimed", "failed")
+"""The states a listing filters by: ``ready`` (new, claimable now), ``delayed`` (new,
+``start_after`` ahead), ``claimed``, ``failed``."""
+
+_STATE_CONDITIONS: Final = {
+    "ready": READY,
+    "delayed": sql.SQL("status = 'new' AND start_after > now()"),
+    "claimed": sql.SQL("status = 'claimed'"),
+    "failed": sql.SQL("status = 'failed'"),
+}
+
+
+def list_items_query(
+    *, states: bool, priorities: bool, actions: bool, older_than: bool, refs: bool
+) -> sql.Composed:
+    """Rows (:data:`ITEM_COLUMNS`, then the database's now) after the cursor
+    ``%(after)s`` by id, at most ``%(limit)s``, with the filters asked for:
+    ``%(states)s`` (names of :data:`ITEM_STATES`, any of them), ``%(priorities)s``,
+    ``%(actions)s``, ``%(older_than)s`` (seconds since the row was enqueued, at
+    least), ``%(refs)s`` (file refs)."""
+    conditions: list[sql.Composable] = [sql.SQL("id > %(after)s")]
+    if states:
+        conditions.append(
+            sql.SQL("({})").format(
+                sql.SQL(" OR ").join(
+                    sql.SQL("({} = ANY(%(states)s::text[]) AND {})").format(
+                        sql.Literal(name), condition
+                    )
+                    for name, condition in _STATE_CONDITIONS.items()
+                )
+            )
+        )
+    if priorities:
+        conditions.append(sql.SQL("priority = ANY(%(priorities)s::integer[])"))
+    if actions:
+        conditions.append(sql.SQL("action = ANY(%(actions)s::text[])"))
+    if older_than:
+        conditions.append(
+            sql.SQL("created_at <= now() - %(older_than)s::float8 * interval '1 second'")
+        )
+    if refs:
+        conditions.append(sql.SQL("file_ref = ANY(%(refs)s::text[])"))
+    return sql.SQL(
+        "SELECT {columns}, now() FROM broker_queue WHERE {conditions} ORDER BY id LIMIT %(limit)s"
+    ).format(columns=ITEM_COLUMNS, conditions=sql.SQL(" AND ").join(conditions))
+
+
+ATTEMPT_COLUMNS: Final = sql.SQL(
+    "item_id, attempt, backend_id, instance_id, started_at, ended_at, outcome, reason,"
+    " decisive_line"
+)
+"""The columns an :class:`~trio_broker.trio.store.Attempt` is read from, in its order."""
+ATTEMPTS_OF: Final = sql.SQL(
+    "SELECT {} FROM broker_attempts WHERE item_id = %s ORDER BY attempt"
+).format(ATTEMPT_COLUMNS)
+"""The ended claims of one row, first first."""
+
+CANCEL: Final = sql.SQL("""
+WITH old AS (
+    SELECT id, attempts, file_ref, action, status, claimed_by, claimed_at
+      FROM broker_queue
+     WHERE id = %(id)s AND status IN ('new', 'claimed')
+       FOR UPDATE
+), cancelled AS (
+    UPDATE broker_queue q
+       SET status = 'failed', claimed_by = NULL, claimed_at = NULL, waits_because = NULL,
+           last_error = %(note)s
+      FROM old WHERE q.id = old.id
+), noted AS (
+    INSERT INTO broker_attempts (item_id, attempt, file_ref, action, backend_id,
+                                 started_at, ended_at, outcome, reason)
+    SELECT old.id, old.attempts, old.file_ref, old.action, old.claimed_by,
+           coalesce(old.claimed_at, now()), now(), 'cancelled', %(note)s
+      FROM old WHERE old.status = 'claimed'
+    ON CONFLICT (item_id, attempt) DO NOTHING
+)
+SELECT id, file_ref, action, status, claimed_by FROM old
+""")
+"""Cancel one new or claimed row (``%(id)s``): it becomes ``failed`` with ``%(note)s``
+(a claimed one's claim ends as a ``cancelled`` attempt; its backend finds the row no
+longer held and cancels the job). Returns ``id, file_ref, action, status, claimed_by``
+as the row was, or nothing when it was neither new nor claimed."""
+
+FAILED_OF_REFS: Final = sql.SQL(
+    "SELECT id FROM broker_queue WHERE status = 'failed' AND file_ref = ANY(%s::text[]) ORDER BY id"
+)
+"""The ids of the failed rows of some files."""
+
+DELETE_OF_REFS: Final = sql.SQL("""
+WITH gone AS (
+    DELETE FROM broker_queue WHERE file_ref = ANY(%(refs)s::text[])
+    RETURNING id, file_ref, action, status, claimed_by
+), forgotten AS (
+    DELETE FROM broker_attempts WHERE file_ref = ANY(%(refs)s::text[])
+)
+SELECT id, file_ref, action, status, claimed_by FROM gone ORDER BY id
+""")
+"""Delete every row of some files, claimed ones too, and their attempts; returns
+``id, file_ref, action, status, claimed_by`` of the rows deleted (a claimed row's
+backend finds it no longer held and cancels its job)."""
+
 # -- backends ------------------------------------------------------------------------------
 
 REGISTER_BACKEND: Final = sql.SQL(
@@ -396,20 +545,32 @@ WITH stale AS (
     DELETE FROM broker_backends
      WHERE heartbeat < now() - %(threshold)s * interval '1 second'
     RETURNING backend_id
+), back AS (
+    UPDATE broker_queue q
+       SET status = 'new',
+           claimed_by = NULL,
+           claimed_at = NULL,
+           start_after = now(),
+           waits_because = NULL,
+           last_error = 'requeued: backend ' || q.claimed_by || ' stopped heartbeating'
+     WHERE q.status = 'claimed'
+       AND (q.claimed_by IN (SELECT backend_id FROM stale)
+            OR NOT EXISTS (SELECT 1 FROM broker_backends b WHERE b.backend_id = q.claimed_by))
+    RETURNING q.id, q.last_error
+), noted AS (
+    INSERT INTO broker_attempts (item_id, attempt, file_ref, action, backend_id,
+                                 started_at, ended_at, outcome, reason)
+    SELECT old.id, old.attempts, old.file_ref, old.action, old.claimed_by,
+           coalesce(old.claimed_at, now()), now(), 'stale', back.last_error
+      FROM back JOIN broker_queue old ON old.id = back.id
+     WHERE old.claimed_by IS NOT NULL
+    ON CONFLICT (item_id, attempt) DO NOTHING
 )
-UPDATE broker_queue q
-   SET status = 'new',
-       claimed_by = NULL,
-       claimed_at = NULL,
-       start_after = now(),
-       last_error = 'requeued: backend ' || q.claimed_by || ' stopped heartbeating'
- WHERE q.status = 'claimed'
-   AND (q.claimed_by IN (SELECT backend_id FROM stale)
-        OR NOT EXISTS (SELECT 1 FROM broker_backends b WHERE b.backend_id = q.claimed_by))
-RETURNING q.id
+SELECT id FROM back
 """)
 """Delete the backends silent for ``%(threshold)s`` seconds and requeue their rows (and
-the rows of backends not registered at all)."""
+the rows of backends not registered at all), each claim's end kept as a ``stale``
+attempt; returns the ids requeued."""
 
 READ_VIEWS: Final = sql.SQL(
     "SELECT backend_id, name, started, heartbeat, view, view_at, now()"

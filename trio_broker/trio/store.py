@@ -52,6 +52,19 @@ of this module, which take that connection: :func:`enqueue_in`,
 has an async method on the store that borrows a pooled connection for it instead
 (the name without ``_in``; :meth:`Store.enqueue_many` for :func:`enqueue_in`).
 
+Attempts. Every outcome that does not complete its row (a requeue, a failure)
+keeps the claim's end in ``broker_attempts`` in the same statement
+(:class:`Attempt`: backend, execserver instance, start, end, outcome, reason,
+decisive line); a requeue's reason becomes the row's ``waits_because`` until its
+next claim. :meth:`Store.attempts` reads them; a row that completes takes its
+attempts with it.
+
+Operators. :meth:`Store.items` pages rows by id with filters (state,
+priority, action, age, file); :func:`cancel_in` (:meth:`Store.cancel`) fails a
+new or claimed row with a note (the holder's re-check cancels its handler);
+:func:`delete_items_in` deletes a file's rows and attempts; :func:`failed_ids_in`
+names a file's failed rows for :func:`requeue_failed_in`.
+
 Inspection. :meth:`Store.counts` counts the rows by state;
 :meth:`Store.figures` adds the same per priority, the oldest ready row's age and
 the soonest delayed row's start; :meth:`Store.positions`
@@ -105,6 +118,8 @@ from trio_broker.trio import queue_sql, tracing
 from trio_broker.trio.inspection import Histogram
 from trio_broker.trio.schema import Migration, apply_migrations, load_migrations
 from trio_broker.trio.store_values import (
+    Attempt,
+    CancelledItem,
     ClaimRequest,
     FailedItem,
     ItemPosition,
@@ -119,6 +134,8 @@ from trio_broker.trio.store_values import (
 __all__ = [
     "RECONNECT_WINDOW",
     "TRACEPARENT",
+    "Attempt",
+    "CancelledItem",
     "ClaimRequest",
     "FailedItem",
     "ItemPosition",
@@ -130,10 +147,13 @@ __all__ = [
     "Store",
     "StoreStatistics",
     "StoreUnavailable",
+    "cancel_in",
     "claimed_in",
+    "delete_items_in",
     "delete_unclaimed_in",
     "describe_dsn",
     "enqueue_in",
+    "failed_ids_in",
     "failed_in",
     "open_store",
     "requeue_failed_in",
@@ -166,6 +186,24 @@ def _item(row: Sequence[Any]) -> QueueItem:
         status=row[6],
         claimed_by=row[7],
         last_error=row[8],
+        waits_because=row[9],
+        start_after=row[10],
+        created_at=row[11],
+        claimed_at=row[12],
+    )
+
+
+def _attempt(row: Sequence[Any]) -> Attempt:
+    return Attempt(
+        item_id=row[0],
+        attempt=row[1],
+        backend_id=row[2],
+        instance_id=row[3],
+        started_at=row[4],
+        ended_at=row[5],
+        outcome=row[6],
+        reason=row[7],
+        decisive_line=row[8],
     )
 
 
@@ -309,6 +347,55 @@ def requeue_failed_in(
     params = {"ids": None if ids is None else list(ids), "note": note}
     rows = [_failed(row) for row in conn.execute(query, params).fetchall()]
     return sorted(rows, key=lambda row: row.id)
+
+
+def cancel_in(
+    conn: Connection, item_id: int, *, note: str = "cancelled by an operator"
+) -> CancelledItem | None:
+    """Cancel one new or claimed row on ``conn`` (the caller's transaction).
+
+    The row becomes ``failed`` with ``note`` as its reason, so that it stays
+    for someone to read and can be put back like any failed row
+    (:func:`requeue_failed_in`). A claimed row's claim ends as a ``cancelled``
+    attempt; the backend that held it no longer finds it among its claims at
+    its next re-check (:meth:`Dispatcher.recheck
+    <trio_broker.trio.dispatcher.Dispatcher.recheck>`), cancels its handler (a
+    running job gets the broker's ``CANCEL``) and writes no outcome for it.
+
+    Returns:
+        The row as it was, or ``None`` when it was neither new nor claimed
+        (failed already, finished, or unknown).
+    """
+    row = conn.execute(queue_sql.CANCEL, {"id": item_id, "note": note}).fetchone()
+    if row is None:
+        return None
+    return CancelledItem(
+        id=row[0], file_ref=row[1], action=row[2], status=row[3], claimed_by=row[4]
+    )
+
+
+def failed_ids_in(conn: Connection, file_refs: Sequence[str]) -> list[int]:
+    """The ids of the failed rows of ``file_refs`` (by id), read on ``conn``."""
+    rows = conn.execute(queue_sql.FAILED_OF_REFS, (list(file_refs),)).fetchall()
+    return [row[0] for row in rows]
+
+
+def delete_items_in(conn: Connection, file_refs: Sequence[str]) -> list[CancelledItem]:
+    """Delete every row of ``file_refs`` and their attempts, on ``conn``.
+
+    For an application that deletes what the rows were about, in the same
+    transaction. Claimed rows go too: their backends find them no longer held at
+    their next re-check and cancel their handlers (a running job gets the
+    broker's ``CANCEL``).
+
+    Returns:
+        The rows deleted, as they were.
+    """
+    rows = conn.execute(queue_sql.DELETE_OF_REFS, {"refs": list(file_refs)}).fetchall()
+    return [
+        CancelledItem(id=row[0], file_ref=row[1], action=row[2], status=row[3], claimed_by=row[4])
+        for row in rows
+    ]
 
 
 def describe_dsn(dsn: str) -> str:
@@ -614,6 +701,9 @@ class Store:
             "o_status": ["failed" if o.kind == "fail" else "new" for o in others],
             "o_delay": [float(o.delay) for o in others],
             "o_error": [o.error for o in others],
+            "o_outcome": [o.outcome or o.kind for o in others],
+            "o_instance": [o.instance_id for o in others],
+            "o_line": [o.line for o in others],
         }
 
         def run(conn: Connection) -> set[int]:
@@ -627,7 +717,7 @@ class Store:
             return await self._fenced(item, "complete")
 
         def run(conn: Connection) -> bool:
-            return conn.execute(queue_sql.COMPLETE_ID, (item,)).rowcount == 1
+            return conn.execute(queue_sql.COMPLETE_ID, {"id": item}).rowcount == 1
 
         return await self.call(run, kind="complete")
 
@@ -649,7 +739,8 @@ class Store:
             return await self._fenced(item, "requeue", delay=delay_s, error=error)
 
         def run(conn: Connection) -> bool:
-            cur = conn.execute(queue_sql.REQUEUE_ID, (float(delay_s), error, item))
+            params = {"delay": float(delay_s), "error": error, "id": item}
+            cur = conn.execute(queue_sql.REQUEUE_ID, params)
             return cur.rowcount == 1
 
         return await self.call(run, kind="requeue")
@@ -889,6 +980,79 @@ class Store:
         return await self.call(
             lambda conn: delete_unclaimed_in(conn, action, file_refs), kind="delete_unclaimed"
         )
+
+    async def items(
+        self,
+        *,
+        after: int = 0,
+        limit: int = 100,
+        states: Sequence[str] | None = None,
+        priorities: Sequence[int] | None = None,
+        actions: Sequence[str] | None = None,
+        older_than_s: float | None = None,
+        file_refs: Sequence[str] | None = None,
+    ) -> tuple[list[QueueItem], datetime.datetime | None]:
+        """A page of rows by id, for operators: the ones after ``after`` that match.
+
+        Args:
+            after: the cursor: only rows with a larger id (0: from the start).
+            limit: at most this many rows.
+            states: only rows in one of these states
+                (:data:`~trio_broker.trio.queue_sql.ITEM_STATES`).
+            priorities: only rows of these priorities.
+            actions: only rows of these actions.
+            older_than_s: only rows enqueued at least this many seconds ago.
+            file_refs: only rows of these files.
+
+        Returns:
+            The rows, and the database's now (``None`` for an empty page).
+
+        Raises:
+            ValueError: an unknown state, or a limit below 1.
+        """
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        unknown = sorted(set(states or ()) - set(queue_sql.ITEM_STATES))
+        if unknown:
+            raise ValueError(
+                f"unknown state {unknown[0]!r} (expected {', '.join(queue_sql.ITEM_STATES)})"
+            )
+        query = queue_sql.list_items_query(
+            states=states is not None,
+            priorities=priorities is not None,
+            actions=actions is not None,
+            older_than=older_than_s is not None,
+            refs=file_refs is not None,
+        )
+        params = {
+            "after": after,
+            "limit": limit,
+            "states": None if states is None else list(states),
+            "priorities": None if priorities is None else list(priorities),
+            "actions": None if actions is None else list(actions),
+            "older_than": None if older_than_s is None else float(older_than_s),
+            "refs": None if file_refs is None else list(file_refs),
+        }
+
+        def run(conn: Connection) -> tuple[list[QueueItem], datetime.datetime | None]:
+            rows = conn.execute(query, params).fetchall()
+            return [_item(row) for row in rows], (rows[0][-1] if rows else None)
+
+        return await self.call(run, kind="items")
+
+    async def attempts(self, item_id: int) -> list[Attempt]:
+        """The ended claims of row ``item_id``, first first (empty once it completed)."""
+
+        def run(conn: Connection) -> list[Attempt]:
+            return [_attempt(row) for row in conn.execute(queue_sql.ATTEMPTS_OF, (item_id,))]
+
+        return await self.call(run, kind="attempts")
+
+    async def cancel(
+        self, item_id: int, *, note: str = "cancelled by an operator"
+    ) -> CancelledItem | None:
+        """Cancel one new or claimed row (:func:`cancel_in`, on its own)."""
+        return await self.call(lambda conn: cancel_in(conn, item_id, note=note), kind="cancel")
 
     async def item(self, item_id: int) -> QueueItem | None:
         """The row of ``item_id``, or ``None`` once it finished (or never existed)."""

@@ -17,6 +17,8 @@ from typing import Any, Literal
 import attrs
 
 __all__ = [
+    "Attempt",
+    "CancelledItem",
     "ClaimRequest",
     "FailedItem",
     "ItemPosition",
@@ -46,6 +48,12 @@ class QueueItem:
         status: ``new``, ``claimed`` or ``failed``.
         claimed_by: the backend holding the claim, or ``None``.
         last_error: why it was last requeued or failed, or ``None``.
+        waits_because: why a new row waits now (the reason of its last requeue:
+            no slot in time, a service nobody offers, an execserver draining);
+            ``None`` once claimed again, failed, or never requeued.
+        start_after: when it may be claimed (``None`` where not read).
+        created_at: when it was enqueued (``None`` where not read).
+        claimed_at: when its claim began (``None`` unless claimed).
     """
 
     id: int
@@ -57,6 +65,10 @@ class QueueItem:
     status: str = "new"
     claimed_by: str | None = None
     last_error: str | None = None
+    waits_because: str | None = None
+    start_after: datetime.datetime | None = None
+    created_at: datetime.datetime | None = None
+    claimed_at: datetime.datetime | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -96,7 +108,12 @@ class Outcome:
         kind: ``complete`` (the row is deleted), ``requeue`` (new again after
             ``delay`` seconds) or ``fail`` (status ``failed``).
         delay: seconds before a requeued item may be claimed again.
-        error: stored in ``last_error`` (``fail``; ``requeue`` when given).
+        error: stored in ``last_error`` (``fail``; ``requeue`` when given), and
+            for ``requeue`` in ``waits_because``.
+        outcome: the outcome's name kept with the attempt (the dispatch core's:
+            ``no_slot``, ``failed`` ...; ``None``: the ``kind``).
+        instance_id: the execserver instance that ran the job, when known.
+        line: the receipt's decisive line, when a job ended badly.
     """
 
     item_id: int
@@ -104,6 +121,9 @@ class Outcome:
     kind: Literal["complete", "requeue", "fail"]
     delay: float = 0.0
     error: str | None = None
+    outcome: str | None = None
+    instance_id: str | None = None
+    line: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -214,3 +234,53 @@ class StoreStatistics:
     pool_size: int
     calls: Mapping[str, int]
     unavailable: int
+
+
+@attrs.frozen(kw_only=True)
+class Attempt:
+    """One ended claim of a queue row (:meth:`~trio_broker.trio.store.Store.attempts`).
+
+    Attributes:
+        item_id: the row.
+        attempt: the claim's number (the row's ``attempts`` at that claim).
+        backend_id: the backend that held the claim.
+        instance_id: the execserver instance whose receipt came back, if any.
+        started_at: when the claim began.
+        ended_at: when its end was written.
+        outcome: ``no_slot``, ``stopped``, ``unknown_service``, ``failed``,
+            ``cancelled`` … (the dispatch core's outcome names).
+        reason: why (the requeue's or the failure's text).
+        decisive_line: the receipt's decisive line, for a job that ended badly.
+    """
+
+    item_id: int
+    attempt: int
+    backend_id: str
+    instance_id: str | None
+    started_at: datetime.datetime
+    ended_at: datetime.datetime
+    outcome: str
+    reason: str | None
+    decisive_line: str | None
+
+    @property
+    def duration_s(self) -> float:
+        """Seconds from the claim to its end."""
+        return (self.ended_at - self.started_at).total_seconds()
+
+
+@attrs.frozen(kw_only=True)
+class CancelledItem:
+    """A row an operator cancelled (:func:`~trio_broker.trio.store.cancel_in`), as it was.
+
+    Attributes:
+        id, file_ref, action: the row.
+        status: ``new`` or ``claimed`` before the cancel.
+        claimed_by: the backend that held it (a running job to cancel there).
+    """
+
+    id: int
+    file_ref: str
+    action: str
+    status: str
+    claimed_by: str | None

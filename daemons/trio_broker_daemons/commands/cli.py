@@ -35,7 +35,7 @@ SERVER_VARIABLE: Final = "TRIO_BROKER_SERVER"
 """The environment variable ``upload --server`` defaults to."""
 TOKEN_VARIABLE: Final = "TRIO_BROKER_FYLR_TOKEN"
 """The environment variable the client commands take the fylr's token from."""
-CLIENT_COMMANDS: Final = ("upload", "position", "top", "storage")
+CLIENT_COMMANDS: Final = ("upload", "position", "top", "storage", "work")
 """The commands that talk to a fylr (``--server`` and its token)."""
 
 
@@ -245,8 +245,66 @@ def build_parser() -> argparse.ArgumentParser:
     _global_options(position, top=False)
     _global_options(top, top=False)
     _storage_command(commands)
+    _work_command(commands)
     _simulate_parser(commands)
     return parser
+
+
+def _seconds_at_least_0(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def _work_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``trio-broker work files|steps|step|cancel|retry|delete|queues``."""
+    work = commands.add_parser(
+        "work",
+        help="list, cancel, retry and delete a fylr's files and steps",
+        description=(
+            "The work an operator acts on, on a fylr's operator routes (the operator "
+            "token): list files and steps with filters, show a step's attempts, cancel "
+            "a queued or running step, retry failed steps, delete a file with its "
+            "versions and stored bytes, show the admission and the queue by band."
+        ),
+    )
+    subcommands = work.add_subparsers(dest="work_command", metavar="SUBCOMMAND", required=True)
+    files = subcommands.add_parser("files", help="files, newest first")
+    files.add_argument("--kind", choices=("original", "version"), action="append")
+    files.add_argument("--state", action="append", metavar="STATE", help="new, sync, done, error …")
+    files.add_argument("--class", dest="class_", action="append", metavar="CLASS")
+    steps = subcommands.add_parser("steps", help="queued, running and failed steps, oldest first")
+    steps.add_argument(
+        "--state", action="append", metavar="STATE", help="ready, delayed, claimed, failed"
+    )
+    steps.add_argument("--action", action="append", metavar="ACTION")
+    steps.add_argument("--service", action="append", metavar="SERVICE")
+    steps.add_argument("--file", type=int, metavar="ID", help="an original with its versions")
+    for listing in (files, steps):
+        listing.add_argument("--priority", type=_priority, action="append", metavar="BAND")
+        listing.add_argument(
+            "--older-than", type=_seconds_at_least_0, metavar="SECONDS", help="enqueued before"
+        )
+        listing.add_argument("--limit", type=int, metavar="N", help="rows per page (default 100)")
+        listing.add_argument("--cursor", metavar="C", help="the page after the one that named C")
+    step = subcommands.add_parser("step", help="one step and its attempts")
+    step.add_argument("id", type=int, metavar="STEP")
+    cancel = subcommands.add_parser("cancel", help="cancel a queued or running step")
+    cancel.add_argument("id", type=int, metavar="STEP")
+    retry = subcommands.add_parser("retry", help="put failed steps back into the queue")
+    which = retry.add_mutually_exclusive_group(required=True)
+    which.add_argument("--step", type=int, metavar="STEP", help="one failed step")
+    which.add_argument("--file", type=int, metavar="ID", help="every failed step of a file")
+    delete = subcommands.add_parser("delete", help="delete an original, its versions and bytes")
+    delete.add_argument("id", type=int, metavar="FILE")
+    subcommands.add_parser("queues", help="the admission and its parts, the queue by band")
+    for each in subcommands.choices.values():
+        _client_options(each, "operator")
+        _global_options(each, top=False)
 
 
 def _storage_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -417,7 +475,7 @@ def _simulate(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from trio_broker_daemons.runtime.logfmt import configure_logging
 
-    if args.command in ("position", "top", "storage"):
+    if args.command in ("position", "top", "storage", "work"):
         from trio_broker_daemons.commands.upload import server_url
 
         configure_logging(args.log_level or "warning", args.log_format)
@@ -430,6 +488,11 @@ def _run(args: argparse.Namespace) -> int:
             from trio_broker_daemons.commands.position import main as position_main
 
             return position_main(server, args.file_id, token=args.fylr_token)
+        if args.command == "work":
+            from trio_broker_daemons.commands.work import main as work_main
+
+            values = {**vars(args), "class": getattr(args, "class_", None)}
+            return work_main(server, args.work_command, values, token=args.fylr_token)
         if args.command == "storage":
             from trio_broker_daemons.commands.storage import main as storage_main
 

@@ -10,6 +10,13 @@ users read, shared by ``trio-broker position`` and the progress display of
 
     sunset.jpg #12 metadata: 3 running, 7 waiting, you are number 11, roughly 4 minutes
 
+A step requeued for a reason says it first, from the moment it was requeued:
+
+.. code-block:: text
+
+    sunset.jpg #12 small: waits: no connected execserver offers service 'thumbnial'
+    (did you mean 'thumbnail'?) (tried again in roughly 55 seconds), 0 running, ...
+
 The position is the hard number; the time is only ever written as "roughly",
 since it is the execserver's mean runtime times the rounds ahead. A fylr that
 cannot be reached (it restarts) or answers 503 is asked again with a back-off,
@@ -31,7 +38,7 @@ import trio
 from trio_broker_daemons.commands.credentials import auth_headers, refusal_hint
 from trio_broker_daemons.commands.retry import get_retrying
 
-__all__ = ["eta_text", "main", "queue_text", "waiting_steps"]
+__all__ = ["eta_text", "main", "queue_text", "retry_text", "waiting_steps"]
 
 REQUEST_TIMEOUT: Final = 30.0
 RETRIES: Final = 6
@@ -52,16 +59,33 @@ def eta_text(seconds: float | None) -> str | None:
     return f"roughly {count} {unit}{'' if count == 1 else 's'}"
 
 
+def retry_text(seconds: float | None) -> str | None:
+    """``tried again in roughly 40 seconds`` (None when not known)."""
+    if seconds is None:
+        return None
+    if seconds < 1:
+        return "tried again now"
+    return f"tried again in {eta_text(seconds)}"
+
+
 def queue_text(queue: Mapping[str, Any]) -> str:
-    """One step's ``queue`` member in words: running, waiting, the number, the estimate."""
-    parts = [f"{queue['running']} running"]
-    if queue.get("waiting") is not None:
-        parts.append(f"{queue['waiting']} waiting")
-    parts.append(f"you are number {queue['position']}")
-    eta = eta_text(queue.get("eta_s"))
-    if eta is not None:
-        parts.append(eta)
-    return ", ".join(parts)
+    """One step's ``queue`` member in words: why it waits (a requeued step), then running,
+    waiting, the number and the estimate."""
+    parts = []
+    if queue.get("waits_because"):
+        reason = " ".join(str(queue["waits_because"]).split())
+        retry = retry_text(queue.get("retry_in_s"))
+        parts.append(f"waits: {reason}" + (f" ({retry})" if retry else ""))
+    if queue.get("position") is not None:
+        if queue.get("running") is not None:
+            parts.append(f"{queue['running']} running")
+        if queue.get("waiting") is not None:
+            parts.append(f"{queue['waiting']} waiting")
+        parts.append(f"you are number {queue['position']}")
+        eta = eta_text(queue.get("eta_s"))
+        if eta is not None:
+            parts.append(eta)
+    return ", ".join(parts) or "waiting"
 
 
 def waiting_steps(document: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:

@@ -71,7 +71,8 @@ Routes (role in brackets):
     the probes (:mod:`trio_broker_daemons.fylr.probes`).
 
 The application also carries the inspection routes [operator]
-(:func:`trio_broker_daemons.fylr.metrics.routes`,
+(:func:`trio_broker_daemons.fylr.metrics.routes`, the work an operator acts on:
+:func:`trio_broker_daemons.fylr.work.routes`,
 :func:`trio_broker_daemons.fylr.topology.routes`) and the broker client's
 one-time pipes and ``/whoami`` [pipe].
 
@@ -111,7 +112,7 @@ from starlette.types import Receive, Scope, Send
 
 from trio_broker.trio import tracing
 from trio_broker.trio.store import StoreUnavailable
-from trio_broker_daemons.fylr import metrics, probes, renditions, topology
+from trio_broker_daemons.fylr import metrics, probes, renditions, topology, work
 from trio_broker_daemons.fylr.access import Access, Role
 from trio_broker_daemons.fylr.config import FileClass, is_version_name
 from trio_broker_daemons.fylr.derived import priority_of
@@ -650,6 +651,7 @@ def build_app(state: FylrState, access: Access | None = None) -> Starlette:
         route("/healthz", api.healthz, role=Role.PUBLIC),
         *probes.routes(state),
         *metrics.routes(state),
+        *work.routes(state),
         *topology.routes(state, access),
         *guarded(state.pipes.routes(), role=Role.PIPE),
     ]

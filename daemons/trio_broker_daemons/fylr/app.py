@@ -271,6 +271,10 @@ async def serve_fylr(
         a manual version; a modified original.
     ``POST /inspect/system/fylr/checksum|copy_move|sync_check[?file=ID]``
         queue a local action for one file or all.
+    ``GET /inspect/system/fylr/files``, ``GET /inspect/system/fylr/steps[/ID]``,
+    ``POST …/steps/ID/cancel|retry``, ``POST …/files/ID/retry``, ``DELETE …/files/ID``,
+    ``GET /inspect/system/queues``
+        the work an operator acts on (:mod:`trio_broker_daemons.fylr.work`).
 
     While the database is unavailable every route that needs it answers 503
     with ``Retry-After``.

@@ -49,7 +49,14 @@ from psycopg.rows import TupleRow
 from psycopg.types.json import Jsonb
 
 from trio_broker.trio.schema import Migration, load_migrations
-from trio_broker.trio.store import NewItem, Store, delete_unclaimed_in, enqueue_in
+from trio_broker.trio.store import (
+    CancelledItem,
+    NewItem,
+    Store,
+    delete_items_in,
+    delete_unclaimed_in,
+    enqueue_in,
+)
 from trio_broker_daemons.fylr.produce import (
     FINISHED_STATES,
     FileKind,
@@ -64,6 +71,7 @@ __all__ = [
     "FYLR_SCOPE",
     "FileRow",
     "FileStore",
+    "FilesDeleted",
     "ProduceStart",
     "SyncResult",
     "VersionEnd",
@@ -145,6 +153,25 @@ class FileRow:
     def finished(self) -> bool:
         """Whether the row is ``done`` or ``error``."""
         return self.status in FINISHED_STATES
+
+
+@attrs.frozen(kw_only=True)
+class FilesDeleted:
+    """What :meth:`FileStore.delete_original` removed.
+
+    Attributes:
+        rows: the original and its versions, as they were.
+        queue: the queue rows of those files that were deleted with them
+            (claimed ones included: their backends cancel their jobs).
+    """
+
+    rows: tuple[FileRow, ...]
+    queue: tuple[CancelledItem, ...]
+
+    @property
+    def storage_keys(self) -> list[str]:
+        """The stored files the rows referenced."""
+        return [row.storage_key for row in self.rows if row.storage_key is not None]
 
 
 @attrs.frozen(kw_only=True)
@@ -318,6 +345,17 @@ class FileStore:
 
         return await self.store.call(run, kind="files_get")
 
+    async def get_many(self, file_ids: Sequence[int]) -> dict[int, FileRow]:
+        """The rows of ``file_ids`` that exist, by id (one statement)."""
+
+        def run(conn: Connection) -> dict[int, FileRow]:
+            found = conn.execute(
+                f"SELECT {_COLUMNS} FROM files WHERE id = ANY(%s::bigint[])", (list(file_ids),)
+            ).fetchall()
+            return {row.id: row for row in map(_row, found)}
+
+        return await self.store.call(run, kind="files_get_many")
+
     async def with_versions(self, file_id: int) -> tuple[FileRow, list[FileRow]] | None:
         """A row and, for an original, its versions by id; ``None`` for an unknown id."""
 
@@ -346,6 +384,56 @@ class FileStore:
             )
 
         return await self.store.call(run, kind="files_get")
+
+    async def page(
+        self,
+        *,
+        before: int | None = None,
+        limit: int = 100,
+        kinds: Sequence[str] | None = None,
+        states: Sequence[str] | None = None,
+        priorities: Sequence[int] | None = None,
+        classes: Sequence[str] | None = None,
+        older_than_s: float | None = None,
+    ) -> list[FileRow]:
+        """A page of rows, newest first: the ones below the cursor ``before`` that match.
+
+        Args:
+            before: only rows with a smaller id (``None``: from the newest).
+            limit: at most this many.
+            kinds: only ``original`` or ``version`` rows.
+            states: only rows in these internal states.
+            priorities: only rows of these priorities.
+            classes: only rows of these classes.
+            older_than_s: only rows created at least this many seconds ago.
+        """
+        conditions = ["true"]
+        params: dict[str, Any] = {"limit": limit}
+        filters: list[tuple[str, str, Any]] = [
+            ("before", "id < %(before)s", before),
+            ("kinds", "kind = ANY(%(kinds)s::text[])", kinds),
+            ("states", "status = ANY(%(states)s::text[])", states),
+            ("priorities", "priority = ANY(%(priorities)s::integer[])", priorities),
+            ("classes", "class = ANY(%(classes)s::text[])", classes),
+            (
+                "older_than",
+                "created_at <= now() - %(older_than)s::float8 * interval '1 second'",
+                older_than_s,
+            ),
+        ]
+        for name, condition, value in filters:
+            if value is not None:
+                conditions.append(condition)
+                params[name] = list(value) if isinstance(value, (list, tuple)) else value
+        query = (
+            f"SELECT {_COLUMNS} FROM files WHERE {' AND '.join(conditions)}"
+            " ORDER BY id DESC LIMIT %(limit)s"
+        )
+
+        def run(conn: Connection) -> list[FileRow]:
+            return [_row(row) for row in conn.execute(query.encode(), params).fetchall()]
+
+        return await self.store.call(run, kind="files_page")
 
     async def counts(self) -> dict[tuple[str, str], int]:
         """How many rows there are per ``(kind, status)``."""
@@ -503,6 +591,38 @@ class FileStore:
             return cur.rowcount == 1
 
         return await self.store.call(run, kind="files_fail")
+
+    async def delete_original(self, file_id: int) -> FilesDeleted | FileRow | None:
+        """Delete an original, its versions and their queue rows, in one transaction.
+
+        The stored bytes are the caller's to delete afterwards
+        (:attr:`FilesDeleted.storage_keys`; the storage sweep removes whatever is
+        left once unreferenced). Claimed queue rows go too: their backends cancel
+        the jobs at their next re-check. A modified original made from it keeps
+        its own row (``derived_from`` becomes null).
+
+        Returns:
+            What was deleted; the row itself when ``file_id`` is a version (nothing
+            is deleted: a version goes with its original); ``None`` for an unknown id.
+        """
+
+        def run(conn: Connection) -> FilesDeleted | FileRow | None:
+            with conn.transaction():
+                found = conn.execute(
+                    f"SELECT {_COLUMNS} FROM files WHERE id = %s OR parent_id = %s"
+                    " ORDER BY id FOR UPDATE",
+                    (file_id, file_id),
+                ).fetchall()
+                rows = [_row(row) for row in found]
+                if not rows or rows[0].id != file_id:
+                    return None
+                if rows[0].kind != "original":
+                    return rows[0]
+                queue = delete_items_in(conn, [str(row.id) for row in rows])
+                conn.execute("DELETE FROM files WHERE id = %s", (file_id,))  # versions cascade
+                return FilesDeleted(rows=tuple(rows), queue=tuple(queue))
+
+        return await self.store.call(run, kind="files_delete")
 
     async def request_sync(self, file_id: int) -> tuple[FileRow | None, bool]:
         """Queue a sync of an original that has passed its metadata step.

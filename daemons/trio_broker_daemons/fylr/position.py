@@ -33,6 +33,15 @@ top. ``running`` and ``capacity`` add up over the execservers that answered, and
 ``position`` is the hard number; ``eta_s`` is a hint, marked as such by every
 client that shows it ("roughly").
 
+Why a step waits. A step the dispatcher requeued (no slot within
+``connect_timeout``, no connected execserver offering its service, an
+execserver that drained under its job) carries the reason from that moment on:
+its row's ``waits_because`` (:class:`~trio_broker.trio.store.QueueItem`),
+written with the requeue. Its ``queue`` member then has ``waits_because``,
+``retry_at`` and ``retry_in_s`` (when it is tried again) beside the position,
+or alone when no position can be had; ``trio-broker position`` and
+``upload --wait`` print them at once.
+
 Asking keeps the execservers' figures coming for :data:`POSITION_LEASE`
 seconds (the topology's subscription, :meth:`Topology.lease
 <trio_broker_daemons.fylr.topology.Topology.lease>`), so a client following
@@ -41,6 +50,7 @@ its upload keeps them fresh, and nobody asking costs nothing.
 
 from __future__ import annotations
 
+import datetime
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
@@ -82,7 +92,7 @@ def _may_wait(row: FileRow) -> bool:
     return row.status in ("new", "produce")
 
 
-def _service_of(state: FylrState, row: FileRow) -> str | None:
+def service_of(state: FylrState, row: FileRow) -> str | None:
     """The service a file's exec-bound step runs (None: its class has none any more)."""
     if row.kind == "original" and row.status == "pending_produce":  # its own produce step
         own = own_produce(state.config, filename=row.filename, derivation=row.derivation)
@@ -185,6 +195,38 @@ async def add_queue_positions(
     await topology.wait_for_figures()
     for step in steps:
         file_row = rows.get(int(step.item.file_ref))
-        service = None if file_row is None else _service_of(state, file_row)
+        service = None if file_row is None else service_of(state, file_row)
         if file_row is not None and service is not None:
-            targets[file_row.id]["queue"] = await _position(state, step, service)
+            found = await _position(state, step, service)
+            targets[file_row.id]["queue"] = _with_reason(found, step.item)
+
+
+def _with_reason(position: dict[str, Any] | None, item: QueueItem) -> dict[str, Any] | None:
+    """Say why a requeued step waits (its row's ``waits_because``) and when it is tried
+    again, beside its position (or alone, when no position could be had)."""
+    if item.status != "new" or not item.waits_because:
+        return position
+    document = position or {
+        "action": item.action,
+        "item": item.id,
+        "priority": item.priority,
+        "basis": None,
+        "running": None,
+        "waiting": None,
+        "position": None,
+        "capacity": None,
+        "eta_s": None,
+        "rows_ahead": None,
+        "held_ahead": None,
+        "instance_id": None,
+    }
+    retry_in = None
+    if item.start_after is not None:
+        now = datetime.datetime.now(datetime.UTC)
+        retry_in = max(0.0, (item.start_after - now).total_seconds())
+    return {
+        **document,
+        "waits_because": item.waits_because,
+        "retry_at": None if item.start_after is None else item.start_after.isoformat(),
+        "retry_in_s": retry_in,
+    }
