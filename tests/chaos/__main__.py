@@ -3,6 +3,7 @@
     python -m tests.chaos                    # the short version (make test's)
     python -m tests.chaos --long --seed 7    # the long one (make soak's), seed 7
     python -m tests.chaos --files 120 --kills 10 --workdir /tmp/chaos
+    python -m tests.chaos --fylrs 3 --mixed --cuts 1 --escapes 10   # the short one, widened
 
 The work folder (samples, configurations, each daemon's log) is kept when the
 run found a violation, or with ``--keep``.
@@ -11,6 +12,7 @@ run found a violation, or with ``--keep``.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -24,6 +26,10 @@ from tests.chaos.run import LONG, SHORT, run_chaos
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if os.geteuid() == 0:
+        # as under pytest (tests/conftest.py): run as root, the execservers' default job
+        # user is nobody, and this interpreter may live where nobody cannot reach it
+        os.environ.setdefault("TRIO_BROKER_JOB_USER", "root")
     parser = argparse.ArgumentParser(prog="python -m tests.chaos", description=__doc__)
     parser.add_argument("--long", action="store_true", help="the long version (make soak)")
     parser.add_argument("--seed", type=int, help="the seed (default 1)")
@@ -31,6 +37,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kills", type=int, help="how many kill -9 of a daemon")
     parser.add_argument("--database-restarts", type=int, help="how many database restarts")
     parser.add_argument("--drains", type=int, help="how many drains of an execserver")
+    parser.add_argument("--fylrs", type=int, help="how many fylrs")
+    parser.add_argument(
+        "--mixed", action=argparse.BooleanOptionalAction, default=None, help="a mixed fleet"
+    )
+    parser.add_argument("--cuts", type=int, help="how many cuts of the last fylr's pipe path")
+    parser.add_argument("--escapes", type=int, help="how many renditions by the escape preset")
     parser.add_argument("--workdir", type=Path, help="the work folder (default: a new one)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
     args = parser.parse_args(argv)
@@ -43,6 +55,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("kills", args.kills),
             ("database_restarts", args.database_restarts),
             ("drains", args.drains),
+            ("fylrs", args.fylrs),
+            ("mixed", args.mixed),
+            ("cuts", args.cuts),
+            ("escapes", args.escapes),
         )
         if value is not None
     }

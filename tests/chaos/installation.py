@@ -5,10 +5,20 @@
 - a private PostgreSQL cluster (its own folder, like the test session's);
 - three execservers (``exec-a`` dialled directly, ``exec-b`` and ``exec-c``
   behind a real HAProxy), running the example converter and coreutils as
-  ``examples/execserver.yml`` configures them;
-- two fylrs on one database and one storage folder (one ``state_dir``), with the
-  classes and versions of ``examples/fylr.yml`` (its ``rput`` with ``127.0.0.1``
-  let through the blocklist, for the run's remote file server).
+  ``examples/execserver.yml`` configures them, plus a service ``escape`` whose
+  command leaves a ``setsid sleep 600`` behind (a job that tries to outlive
+  itself), each with a ``temp_dir`` of its own in the work folder;
+- two or more fylrs on one database and one storage folder (one ``state_dir``),
+  with the classes and versions of ``examples/fylr.yml`` (its ``rput`` with
+  ``127.0.0.1`` let through the blocklist, for the run's remote file server) and
+  a preset ``escape`` (an on-demand rendition by the ``escape`` service).
+
+On a **mixed** fleet (``mixed=True``) the balancer's first replica, ``exec-b``,
+offers ``image_metadata`` alone, and every fylr but the first knows only the
+balancer (the first also dials ``exec-a``): several clients behind one
+balancer whose pods offer different services. With ``cut_fylr`` that fylr's
+callback base is a relay of this process (:mod:`tests.chaos.pipepath`), so its
+pipe path from the execservers can be cut alone.
 
 Every daemon listens on a port fixed for the whole run, so a restarted one is
 found at the same address (the fylrs dial ``exec-a`` and the balancer by
@@ -18,7 +28,8 @@ every start appending to it.
 
 Every job's environment carries ``TRIO_BROKER_CHAOS_RUN=<token>`` (the
 execservers' ``env``), so the jobs of this run, orphans of a killed execserver
-included, can be told from any other process on the machine.
+included, can be told from any other process on the machine, and
+``TRIO_BROKER_CHAOS_EXEC=<name>``, the execserver that started it.
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -40,10 +51,13 @@ import trio
 import yaml
 from trio_broker_daemons.fylr.pgcluster import PgCluster, free_port
 
+from tests.chaos.pipepath import PipePath, open_pipe_path
 from tests.support.haproxy import HAProxy, open_haproxy
 
 __all__ = [
+    "ESCAPE",
     "EXAMPLES",
+    "EXEC_MARKER",
     "JOB_MARKER",
     "ChaosInstallation",
     "Daemon",
@@ -57,6 +71,18 @@ __all__ = [
 EXAMPLES: Final = Path(__file__).resolve().parents[2] / "examples"
 JOB_MARKER: Final = "TRIO_BROKER_CHAOS_RUN"
 """The environment variable every job of a run carries (its value: the run's token)."""
+EXEC_MARKER: Final = "TRIO_BROKER_CHAOS_EXEC"
+"""The environment variable naming the execserver that started a job."""
+ESCAPE: Final = "escape"
+"""The service (and the fylrs' preset) whose job leaves a ``setsid sleep 600`` behind it and
+copies its input to its output a little slowly, so that some run when an execserver dies."""
+ESCAPE_ARGV: Final = [
+    "sh",
+    "-c",
+    "setsid sleep 600 </dev/null >/dev/null 2>&1 & cat; sleep 2",
+]
+METADATA_ONLY: Final = "image_metadata"
+"""The one service of ``exec-b`` on a mixed fleet."""
 READY_WITHIN: Final = 120.0
 STOP_WITHIN: Final = 60.0
 DATABASE_SETTINGS: Final = {"max_connections": "200"}
@@ -189,28 +215,54 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
-def execserver_mapping(name: str, port: int, token: str) -> dict[str, Any]:
-    """``examples/execserver.yml`` made runnable here: this interpreter, absolute paths."""
+def execserver_mapping(
+    name: str,
+    port: int,
+    token: str,
+    *,
+    temp_dir: Path | None = None,
+    services: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """``examples/execserver.yml`` made runnable here: this interpreter, absolute paths.
+
+    Args:
+        temp_dir: the execserver's ``temp_dir`` (None: the example's default).
+        services: offer only these (None: every service of the example, and ``escape``).
+    """
     document: dict[str, Any] = yaml.safe_load((EXAMPLES / "execserver.yml").read_text())
+    document["services"][ESCAPE] = {"argv": list(ESCAPE_ARGV), "timeout": "1m"}
     for service in document["services"].values():
         argv = service["argv"]
         if argv[0] == "python3":
             argv[0] = sys.executable
         service["argv"] = [a.replace("{config_dir}", str(EXAMPLES)) for a in argv]
+    if services is not None:
+        document["services"] = {k: v for k, v in document["services"].items() if k in services}
     document.update(
         listen=f"127.0.0.1:{port}",
         name=name,
         slots=2,
         drain_timeout=f"{DRAIN_TIMEOUT:g}s",
-        env={JOB_MARKER: token},
+        env={JOB_MARKER: token, EXEC_MARKER: name},
     )
+    if temp_dir is not None:
+        document["temp_dir"] = str(temp_dir)
     return document
 
 
 def fylr_mapping(
-    name: str, port: int, state_dir: Path, dsn: str, execservers: list[str]
+    name: str,
+    port: int,
+    state_dir: Path,
+    dsn: str,
+    execservers: list[str],
+    *,
+    callback_url: str | None = None,
 ) -> dict[str, Any]:
-    """``examples/fylr.yml`` on the shared database and storage, with short heartbeats."""
+    """``examples/fylr.yml`` on the shared database and storage, with short heartbeats.
+
+    ``callback_url``: the callback base put into its jobs (None: its own listener).
+    """
     document: dict[str, Any] = yaml.safe_load((EXAMPLES / "fylr.yml").read_text())
     # written elsewhere: the example's secret files stay the ones beside it
     tokens = document.get("tokens") or {}
@@ -231,6 +283,11 @@ def fylr_mapping(
     )
     # the run's remote file server is on loopback: open the blocklist for it alone
     document["rput"] = {**document.get("rput", {}), "allowed_hosts": ["127.0.0.1"]}
+    presets = dict(document.get("custom_version_presets") or {})
+    presets[ESCAPE] = {"service": ESCAPE, "mimetype": "application/octet-stream"}
+    document["custom_version_presets"] = presets
+    if callback_url is not None:
+        document["callback_own_url"] = callback_url
     return document
 
 
@@ -241,11 +298,14 @@ class ChaosInstallation:
     Attributes:
         cluster: the database server.
         dsn: the fylrs' database.
-        fylrs: ``fylr-1``, ``fylr-2``.
+        fylrs: ``fylr-1``, ``fylr-2`` ….
         execservers: ``exec-a`` (direct), ``exec-b``, ``exec-c`` (balanced).
         balancer: the HAProxy in front of ``exec-b`` and ``exec-c``.
         state_dir: the fylrs' one state folder (``files/`` is the shared storage).
         token: this run's job marker value.
+        temp_dirs: each execserver's ``temp_dir``.
+        pipe_path: the relayed callback path of ``cut_fylr``, if one was asked for.
+        cut_fylr: the fylr whose pipe path can be cut, or None.
     """
 
     cluster: PgCluster
@@ -255,6 +315,9 @@ class ChaosInstallation:
     balancer: HAProxy
     state_dir: Path
     token: str
+    temp_dirs: dict[str, Path] = attrs.Factory(dict)
+    pipe_path: PipePath | None = None
+    cut_fylr: str | None = None
 
     @property
     def daemons(self) -> dict[str, Daemon]:
@@ -266,14 +329,20 @@ async def restart_database(cluster: PgCluster) -> None:
     await trio.to_thread.run_sync(lambda: cluster.restart(mode="immediate"))
 
 
-def job_processes(token: str) -> list[psutil.Process]:
-    """The live processes whose environment carries this run's job marker."""
+def job_processes(token: str, execserver: str | None = None) -> list[psutil.Process]:
+    """The live processes whose environment carries this run's job marker.
+
+    ``execserver``: only those of the jobs that execserver started.
+    """
     found = []
     for process in psutil.process_iter():
         with contextlib.suppress(psutil.Error, OSError):
             if process.status() == psutil.STATUS_ZOMBIE:
                 continue
-            if process.environ().get(JOB_MARKER) == token:
+            environ = process.environ()
+            if environ.get(JOB_MARKER) != token:
+                continue
+            if execserver is None or environ.get(EXEC_MARKER) == execserver:
                 found.append(process)
     return found
 
@@ -284,8 +353,20 @@ def _write(path: Path, mapping: Mapping[str, Any]) -> Path:
 
 
 @contextlib.asynccontextmanager
-async def open_chaos_installation(workdir: Path, token: str) -> AsyncIterator[ChaosInstallation]:
+async def open_chaos_installation(
+    workdir: Path,
+    token: str,
+    *,
+    fylrs: int = 2,
+    mixed: bool = False,
+    cut_fylr: str | None = None,
+) -> AsyncIterator[ChaosInstallation]:
     """Start the installation of the module docstring in ``workdir``; stop it at the end.
+
+    Args:
+        fylrs: how many fylrs (``fylr-1`` … ``fylr-N``).
+        mixed: the mixed fleet of the module docstring.
+        cut_fylr: the fylr whose callback base is a relay that can be cut.
 
     Leaving the block stops every daemon still running with SIGTERM (killing one
     that hangs), then the balancer and the database; the database's folder (a
@@ -297,40 +378,65 @@ async def open_chaos_installation(workdir: Path, token: str) -> AsyncIterator[Ch
     configs.mkdir(exist_ok=True)
     pg_folder = tempfile.mkdtemp(prefix="trio-broker-chaos-pg-")
     cluster = PgCluster(pg_folder, settings=DATABASE_SETTINGS)
+    # outside the work folder (private to this user): the jobs run as another user
+    temp_root = Path(tempfile.mkdtemp(prefix="trio-broker-chaos-tmp-"))
+    os.chmod(temp_root, 0o755)
     daemons: list[Daemon] = []
     try:
         await trio.to_thread.run_sync(cluster.start)
         dsn = await trio.to_thread.run_sync(cluster.ensure_database, "fylr")
         execservers = []
+        temp_dirs: dict[str, Path] = {}
         for name in ("exec-a", "exec-b", "exec-c"):
             port = free_port()
-            config = _write(configs / f"{name}.yml", execserver_mapping(name, port, token))
+            temp_dirs[name] = temp_root / name
+            temp_dirs[name].mkdir()
+            temp_dirs[name].chmod(0o755)
+            services = [METADATA_ONLY] if mixed and name == "exec-b" else None
+            mapping = execserver_mapping(
+                name, port, token, temp_dir=temp_dirs[name], services=services
+            )
+            config = _write(configs / f"{name}.yml", mapping)
             execservers.append(Daemon(name, "execserver", config, port, logs / f"{name}.log"))
         daemons.extend(execservers)
         for daemon in execservers:
             await daemon.start()
-        async with open_haproxy(
-            [("127.0.0.1", d.port) for d in execservers[1:]], workdir=workdir / "haproxy"
-        ) as balancer:
+        names = [f"fylr-{n}" for n in range(1, fylrs + 1)]
+        ports = {name: free_port() for name in names}
+        async with contextlib.AsyncExitStack() as stack:
+            balancer = await stack.enter_async_context(
+                open_haproxy(
+                    [("127.0.0.1", d.port) for d in execservers[1:]], workdir=workdir / "haproxy"
+                )
+            )
+            pipe_path = None
+            if cut_fylr is not None:
+                pipe_path = await stack.enter_async_context(open_pipe_path(ports[cut_fylr]))
             state_dir = workdir / "state"
-            addresses = [execservers[0].address, balancer.address]
-            fylrs = []
-            for name in ("fylr-1", "fylr-2"):
-                port = free_port()
-                mapping = fylr_mapping(name, port, state_dir, dsn, addresses)
+            every = [execservers[0].address, balancer.address]
+            started = []
+            for number, name in enumerate(names):
+                addresses = every if number == 0 or not mixed else [balancer.address]
+                callback = pipe_path.url if pipe_path is not None and name == cut_fylr else None
+                mapping = fylr_mapping(
+                    name, ports[name], state_dir, dsn, addresses, callback_url=callback
+                )
                 config = _write(configs / f"{name}.yml", mapping)
-                fylrs.append(Daemon(name, "fylr", config, port, logs / f"{name}.log"))
-            daemons.extend(fylrs)
-            for daemon in fylrs:
+                started.append(Daemon(name, "fylr", config, ports[name], logs / f"{name}.log"))
+            daemons.extend(started)
+            for daemon in started:
                 await daemon.start()
             yield ChaosInstallation(
                 cluster=cluster,
                 dsn=dsn,
-                fylrs=tuple(fylrs),
+                fylrs=tuple(started),
                 execservers=tuple(execservers),
                 balancer=balancer,
                 state_dir=state_dir,
                 token=token,
+                temp_dirs=temp_dirs,
+                pipe_path=pipe_path,
+                cut_fylr=cut_fylr,
             )
     finally:
         with trio.CancelScope(shield=True):
@@ -339,3 +445,4 @@ async def open_chaos_installation(workdir: Path, token: str) -> AsyncIterator[Ch
                     await daemon.terminate()
             await trio.to_thread.run_sync(cluster.stop)
             shutil.rmtree(pg_folder, ignore_errors=True)
+            shutil.rmtree(temp_root, ignore_errors=True)

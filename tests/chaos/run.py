@@ -6,25 +6,32 @@ Theory of operation
 :func:`run_chaos` starts the installation of :mod:`tests.chaos.installation`,
 writes the workload of :mod:`tests.chaos.samples` and runs, in one nursery:
 
-- **two uploaders**, each sending its half of the samples (at its own pace,
-  decided by the seed) to its own fylr through the upload API, and to the other
-  fylr when that one does not answer; a share of the samples (``remote``) is
+- **one uploader per fylr**, each sending its share of the samples (at its own
+  pace, decided by the seed) to its own fylr through the upload API, and to the
+  next fylr when that one does not answer; a share of the samples (``remote``) is
   registered by URL instead (``PUT /eas/rput``: copied in, or left on its
   remote), served by a file server on loopback that answers 503 and drops or
   cuts connections on purpose (:mod:`tests.chaos.remote`);
-- **two followers**, each following its uploader's files through
+- **one follower per uploader**, each following its uploader's files through
   ``GET /api/v1/eas/<id>?wait=S`` on the fylrs in turn (as a client would);
+- **the escaper** (``escapes``): on-demand renditions by the preset ``escape``
+  of files that ended, whose job leaves a ``setsid sleep 600`` behind it (its
+  output must be the original's bytes);
 - **the chaos schedule** (:func:`schedule`): ``kill -9`` of a fylr or an
   execserver and its restart after a while, ``pg_ctl restart -m immediate``, a
-  drain (SIGTERM) of an execserver and its restart, and ``checksum`` runs over
-  every stored file (asked of a fylr while the rest goes on). Each event waits until the
+  drain (SIGTERM) of an execserver and its restart, ``checksum`` runs over
+  every stored file (asked of a fylr while the rest goes on), and cuts of the
+  pipe path from the execservers to one fylr (an nftables drop for 5–10 s,
+  :mod:`tests.chaos.pipepath`). Each event waits until the
   run's *progress* (files uploaded plus originals ended, out of twice the
   files) has reached its threshold and until its gap after the previous event
   has passed. The seed decides every event's kind, target, threshold, gap and
   down time, the workload and the uploaders' pace; the machine decides only
   how fast the daemons go.
 
-During each database restart both fylrs are asked for a file over and over
+When an execserver is killed or drained, every process its jobs started (a
+``setsid`` one included) must be gone within :data:`OUTLIVE_WITHIN` of its end.
+During each database restart every fylr is asked for a file over and over
 until each has answered 200 after it: a 500 there (or anywhere else) is a
 violation, a 503 is not. Once the uploads and the schedule are through, the run
 waits (bounded) until every file has ended and the queue has nothing ready or
@@ -35,7 +42,13 @@ damaged, since nothing changed a stored byte), the queue left empty but for the
 corrupt image fails (the converter's refusal in their ``last_error``), every
 execserver idle (no running job, offer
 or parked want, its pool free; waited for, bounded), every daemon stopping
-cleanly on SIGTERM, and no job process of the run left on the machine.
+cleanly on SIGTERM, no work folder left in any execserver's ``temp_dir`` and no
+job process of the run left on the machine.
+
+The long plan runs three fylrs on a **mixed fleet**
+(:func:`~tests.chaos.installation.open_chaos_installation`): the balancer's
+first replica offers ``image_metadata`` alone and the second and third fylrs
+know only the balancer.
 """
 
 from __future__ import annotations
@@ -59,6 +72,7 @@ from trio_broker_daemons.fylr.config import FylrConfig
 from tests.chaos.checks import CONVERTER_ERROR, FileRecord, check_file, check_rows
 from tests.chaos.installation import (
     DRAIN_TIMEOUT,
+    ESCAPE,
     ChaosInstallation,
     Daemon,
     DaemonError,
@@ -68,10 +82,12 @@ from tests.chaos.installation import (
 )
 from tests.chaos.remote import RemoteFiles, open_remote_files
 from tests.chaos.samples import Sample, make_workload
+from trio_broker.trio.workdir import PREFIX as WORK_PREFIX
 
-__all__ = ["ChaosPlan", "ChaosReport", "Event", "run_chaos", "schedule"]
+__all__ = ["ChaosPlan", "ChaosReport", "Event", "fylr_names", "run_chaos", "schedule"]
 
 FYLRS: Final = ("fylr-1", "fylr-2")
+"""The fylrs of a plan with two (the default)."""
 EXECSERVERS: Final = ("exec-a", "exec-b", "exec-c")
 PROBE_INTERVAL: Final = 0.25
 """Seconds between two looks at the run's progress, at a restarting database, at an execserver."""
@@ -82,6 +98,10 @@ IDLE_WITHIN: Final = 30.0
 EVENT_WAIT: Final = 300.0
 """The longest an event waits for its progress threshold (it fires anyway after that)."""
 UPLOAD_ATTEMPTS: Final = 40
+OUTLIVE_WITHIN: Final = 1.0
+"""Seconds a job's process may outlive its execserver (a work folder, the run's end)."""
+ESCAPE_PACE: Final = (0.5, 4.0)
+"""The range of seconds the escaper waits between two renditions."""
 
 
 @attrs.frozen(kw_only=True)
@@ -103,6 +123,11 @@ class ChaosPlan:
             and event.
         remote: the share of samples registered by URL (a third of them left
             on their remote).
+        fylrs: how many fylrs (and uploaders).
+        mixed: the mixed fleet (see the module docstring).
+        cuts: how many cuts of the last fylr's pipe path.
+        cut: the range of seconds a cut lasts.
+        escapes: how many renditions by the preset ``escape``.
     """
 
     seed: int
@@ -117,6 +142,11 @@ class ChaosPlan:
     down: tuple[float, float] = (0.3, 3.0)
     end_within: float = 300.0
     remote: float = 0.2
+    fylrs: int = 2
+    mixed: bool = False
+    cuts: int = 0
+    cut: tuple[float, float] = (5.0, 10.0)
+    escapes: int = 0
 
 
 SHORT: Final = ChaosPlan(
@@ -124,7 +154,17 @@ SHORT: Final = ChaosPlan(
 )
 """The version ``make test`` runs: about a minute (the uploads spread over the schedule)."""
 LONG: Final = ChaosPlan(
-    seed=1, files=300, kills=24, max_side=1600, pace=2.6, gap=(1.5, 4.0), end_within=600.0
+    seed=1,
+    files=300,
+    kills=24,
+    max_side=1600,
+    pace=2.6,
+    gap=(1.5, 4.0),
+    end_within=600.0,
+    fylrs=3,
+    mixed=True,
+    cuts=3,
+    escapes=40,
 )
 """The version ``make soak`` runs: several minutes."""
 
@@ -143,7 +183,7 @@ class Event:
         down: for a kill, the seconds the daemon stays down.
     """
 
-    action: Literal["kill", "database", "drain", "checksum"]
+    action: Literal["kill", "database", "drain", "checksum", "cut"]
     target: str | None
     progress: float
     gap: float
@@ -156,20 +196,28 @@ class Event:
             return f"drain {self.target} and restart it"
         if self.action == "checksum":
             return f"a checksum run of every stored file, asked of {self.target}"
+        if self.action == "cut":
+            return f"cut the pipe path to {self.target} for {self.down:.1f} s"
         return f"kill -9 {self.target}, restart it after {self.down:.1f} s"
+
+
+def fylr_names(plan: ChaosPlan) -> tuple[str, ...]:
+    """``fylr-1`` … ``fylr-N``; the last is the one whose pipe path is cut."""
+    return tuple(f"fylr-{n}" for n in range(1, plan.fylrs + 1))
 
 
 def schedule(plan: ChaosPlan) -> list[Event]:
     """The chaos events of a plan, in order (the same for the same plan).
 
-    With three kills or more, both fylrs and at least one execserver are killed.
-    Thresholds are spread over 5 % to 85 % of the progress.
+    With more kills than fylrs, every fylr and at least one execserver are
+    killed. Thresholds are spread over 5 % to 85 % of the progress.
     """
+    fylrs = fylr_names(plan)
     rng = random.Random(f"chaos-schedule-{plan.seed}")
     targets: list[str] = []
-    if plan.kills >= 3:
-        targets = [*FYLRS, rng.choice(EXECSERVERS)]
-    daemons = FYLRS + EXECSERVERS
+    if plan.kills >= len(fylrs) + 1:
+        targets = [*fylrs, rng.choice(EXECSERVERS)]
+    daemons = fylrs + EXECSERVERS
     targets += [rng.choice(daemons) for _ in range(plan.kills - len(targets))]
     actions: list[tuple[Literal["kill", "database", "drain"], str | None]] = [
         *(("kill", t) for t in targets),
@@ -193,12 +241,24 @@ def schedule(plan: ChaosPlan) -> list[Event]:
     events += [
         Event(
             action="checksum",
-            target=sums.choice(FYLRS),
+            target=sums.choice(fylrs),
             progress=round(sums.uniform(0.05, 0.85), 3),
             gap=round(sums.uniform(*plan.gap), 2),
             down=round(sums.uniform(*plan.down), 2),  # unused: nothing goes down
         )
         for _ in range(plan.checksums)
+    ]
+    # cuts too: the plans without them keep their events
+    cuts = random.Random(f"chaos-cuts-{plan.seed}")
+    events += [
+        Event(
+            action="cut",
+            target=fylrs[-1],
+            progress=round(cuts.uniform(0.05, 0.85), 3),
+            gap=round(cuts.uniform(*plan.gap), 2),
+            down=round(cuts.uniform(*plan.cut), 2),
+        )
+        for _ in range(plan.cuts)
     ]
     return sorted(events, key=lambda event: event.progress)
 
@@ -220,6 +280,12 @@ class ChaosReport:
     database_restarts: int = 0
     drains: int = 0
     checksums: int = 0
+    cuts: int = 0
+    cut_seconds: float = 0.0
+    dropped: int = 0
+    escapes: collections.Counter[str] = attrs.Factory(collections.Counter)
+    killed_jobs: int = 0
+    killed_escapes: int = 0
     violations: list[str] = attrs.Factory(list)
     notes: list[str] = attrs.Factory(list)
     duration: float = 0.0
@@ -233,8 +299,14 @@ class ChaosReport:
             f" 1 duplicate, {self.uploads_retried} uploads retried),"
             f" {len(self.kills)} kills ({kills}), {self.restarts} restarts,"
             f" {self.database_restarts} database restarts, {self.drains} drains,"
-            f" {self.checksums} checksum runs,"
+            f" {self.checksums} checksum runs, {self.cuts} pipe-path cuts"
+            f" ({self.cut_seconds:.1f} s, {self.dropped} packets dropped),"
             f" {len(self.violations)} violations, {self.duration:.1f} s",
+            f"  {self.plan.fylrs} fylrs, {'a mixed' if self.plan.mixed else 'an even'} fleet;"
+            f" escape renditions: "
+            + (", ".join(f"{k} ×{n}" for k, n in sorted(self.escapes.items())) or "none")
+            + f"; {self.killed_jobs} job processes on killed or drained execservers"
+            f" ({self.killed_escapes} setsid ones)",
             f"  by URL: {self.copied} copied in, {self.referenced} left on the remote;"
             f" the remote: {self.remote_answers or 'not asked'}",
         ]
@@ -261,7 +333,13 @@ async def run_chaos(plan: ChaosPlan, workdir: Path) -> ChaosReport:
     try:
         async with (
             open_remote_files(samples, plan.seed) as remote,
-            open_chaos_installation(workdir, token) as inst,
+            open_chaos_installation(
+                workdir,
+                token,
+                fylrs=plan.fylrs,
+                mixed=plan.mixed,
+                cut_fylr=fylr_names(plan)[-1] if plan.cuts else None,
+            ) as inst,
             httpx.AsyncClient(timeout=60.0) as http,
         ):
             run = _Run(plan, inst, http, samples, folder, report, remote)
@@ -269,6 +347,7 @@ async def run_chaos(plan: ChaosPlan, workdir: Path) -> ChaosReport:
                 await run.workload()
                 await run.check()
                 await run.stop()
+                await run.check_work_folders()
             finally:
                 report.remote_answers = remote.figures.describe()
         leftovers = job_processes(token)
@@ -324,6 +403,7 @@ class _Run:
         self.uploads_done = trio.Event()
         self.ids_changed = trio.Event()  # set, and replaced, when an upload gets its id
         self.settled = trio.Event()
+        self.done: list[str] = []  # samples seen done by a follower, in that order
         self.started = time.monotonic()
         self.config = FylrConfig.from_yaml(inst.fylrs[0].config)
 
@@ -353,13 +433,16 @@ class _Run:
 
     async def workload(self) -> None:
         rng = random.Random(f"chaos-uploaders-{self.plan.seed}")
-        halves = [list(self.samples[0::2]), list(self.samples[1::2])]
+        count = len(self.inst.fylrs)
+        shares = [list(self.samples[n::count]) for n in range(count)]
         async with trio.open_nursery() as nursery:
             async with trio.open_nursery() as uploads:
-                for index, half in enumerate(halves):
-                    uploads.start_soon(self._uploader, index, half, rng.random())
-                    nursery.start_soon(self._follower, index, half)
+                for index, share in enumerate(shares):
+                    uploads.start_soon(self._uploader, index, share, rng.random())
+                    nursery.start_soon(self._follower, index, share)
                 uploads.start_soon(self._chaos)
+                if self.plan.escapes:
+                    nursery.start_soon(self._escaper)
             self.uploads_done.set()
             self._ids_changed()
             self.phase = "end"
@@ -384,7 +467,7 @@ class _Run:
     async def _upload(self, sample: Sample, prefer: int) -> None:
         last = ""
         for attempt in range(UPLOAD_ATTEMPTS):
-            fylr = self.inst.fylrs[(prefer + attempt) % 2]
+            fylr = self.inst.fylrs[(prefer + attempt) % len(self.inst.fylrs)]
             if not fylr.running:
                 await trio.sleep(0.2)  # both may be down for a moment: try the other next
                 continue
@@ -445,7 +528,7 @@ class _Run:
                 continue
             for name in waiting:
                 turn += 1
-                fylr = self.inst.fylrs[turn % 2]
+                fylr = self.inst.fylrs[turn % len(self.inst.fylrs)]
                 if self.settled.is_set():
                     return
                 if not fylr.running:
@@ -459,6 +542,8 @@ class _Run:
                 self._note_answer(fylr, response.status_code)
                 if response.status_code == 200 and response.json()["status"] in ("done", "failed"):
                     ended.add(name)
+                    if response.json()["status"] == "done":
+                        self.done.append(name)
 
     # -- the chaos -----------------------------------------------------------------------
 
@@ -501,9 +586,13 @@ class _Run:
         if event.action == "checksum":
             await self._checksum(event.target, f"event {number}")
             return
+        if event.action == "cut":
+            await self._cut(event, number)
+            return
         assert event.target is not None
         daemon = self.inst.daemons[event.target]
         status: int | None
+        jobs = self._count_jobs(daemon)
         if event.action == "kill":
             status = await daemon.kill()
             self.report.kills.append(daemon.name)
@@ -511,6 +600,7 @@ class _Run:
                 self.report.violations.append(
                     f"event {number}: {daemon.name} had exited ({status}) before its kill"
                 )
+            await self._check_outlived(daemon, jobs, number)
             await trio.sleep(event.down)  # the time it stays down: part of the schedule
         else:
             status = await daemon.terminate(within=DRAIN_TIMEOUT + 30.0)
@@ -520,7 +610,106 @@ class _Run:
                     f"event {number}: the drain of {daemon.name} ended with status {status}"
                     " (0 expected)"
                 )
+            await self._check_outlived(daemon, jobs, number)
         await self._restart(daemon, number)
+
+    def _count_jobs(self, daemon: Daemon) -> int:
+        """Note how many job processes of an execserver run (before its kill or drain)."""
+        if daemon.command != "execserver":
+            return 0
+        found = job_processes(self.inst.token, daemon.name)
+        self.report.killed_jobs += len(found)
+        self.report.killed_escapes += sum(_cmdline(p)[:2] == ["sleep", "600"] for p in found)
+        return len(found)
+
+    async def _check_outlived(self, daemon: Daemon, jobs: int, number: int) -> None:
+        """No process of an execserver's jobs may outlive it by more than OUTLIVE_WITHIN."""
+        if daemon.command != "execserver":
+            return
+        left: list[Any] = []
+
+        async def gone() -> bool:
+            nonlocal left
+            left = job_processes(self.inst.token, daemon.name)
+            return not left
+
+        with trio.move_on_after(OUTLIVE_WITHIN):
+            await _poll(gone)
+        if left:
+            await gone()  # one last look, at the bound
+        self.report.violations += [
+            f"event {number}: job process {p.pid} ({' '.join(_cmdline(p))[:80]}) outlived"
+            f" {daemon.name} by more than {OUTLIVE_WITHIN:g} s ({jobs} were running)"
+            for p in left
+        ]
+
+    async def _cut(self, event: Event, number: int) -> None:
+        """Cut the execservers' path to a fylr's pipes for ``event.down`` seconds."""
+        path = self.inst.pipe_path
+        assert path is not None, "a cut needs the installation's pipe path"
+        before = path.relay.connections
+        await trio.to_thread.run_sync(path.cut)
+        try:
+            await trio.sleep(event.down)  # the cut's length: part of the schedule
+        finally:
+            with trio.CancelScope(shield=True):
+                dropped = await trio.to_thread.run_sync(path.heal)
+        self.report.cuts += 1
+        self.report.cut_seconds += event.down
+        self.report.dropped += dropped
+        self.report.notes.append(
+            f"event {number}: {dropped} packets dropped; the relay had carried"
+            f" {before} connections before it, {path.relay.connections} after"
+        )
+
+    async def _escaper(self) -> None:
+        """Ask for renditions whose job leaves a ``setsid sleep 600`` (``escapes`` of them)."""
+        rng = random.Random(f"chaos-escaper-{self.plan.seed}")
+        by_name = {s.name: s for s in self.samples}
+        asked = 0
+        while asked < self.plan.escapes and not self.settled.is_set():
+            await trio.sleep(rng.uniform(*ESCAPE_PACE))  # the escaper's pace
+            candidates = [n for n in self.done if by_name[n].way != "reference"]
+            running = [f for f in self.inst.fylrs if f.running]
+            if not candidates or not running:
+                continue
+            sample = by_name[rng.choice(candidates)]
+            fylr = rng.choice(running)
+            asked += 1
+            url = f"{fylr.url}/api/v1/eas/download/{self.ids[sample.name]}/custom"
+            try:
+                response = await self.http.get(url, params={"preset": ESCAPE})
+            except httpx.HTTPError as exc:
+                self.report.escapes[type(exc).__name__] += 1
+                continue
+            self._note_answer(fylr, response.status_code)
+            self.report.escapes[str(response.status_code)] += 1
+            if response.status_code == 200 and response.content != sample.data:
+                self.report.violations.append(
+                    f"{sample.name}: its escape rendition through {fylr.name} is"
+                    f" {len(response.content)} bytes, not the original's {len(sample.data)}"
+                )
+
+    async def check_work_folders(self) -> None:
+        """Once every daemon stopped, no job's work folder may be left (within OUTLIVE_WITHIN)."""
+        left: list[Path] = []
+
+        async def removed() -> bool:
+            nonlocal left
+            left = [
+                folder
+                for temp_dir in self.inst.temp_dirs.values()
+                for folder in temp_dir.glob(f"{WORK_PREFIX}*")
+            ]
+            return not left
+
+        with trio.move_on_after(OUTLIVE_WITHIN):
+            await _poll(removed)
+        if left:
+            await removed()  # one last look, at the bound
+        self.report.violations += [
+            f"work folder {folder} is left after every execserver stopped" for folder in left
+        ]
 
     async def _checksum(self, target: str | None, what: str) -> None:
         """Ask a fylr (``target``, or any that runs) to checksum every stored file."""

@@ -29,9 +29,20 @@ from tests.chaos.checks import (
     _reference_problems,
     check_rows,
 )
-from tests.chaos.installation import EXAMPLES
-from tests.chaos.run import EXECSERVERS, FYLRS, LONG, SHORT, ChaosPlan, run_chaos, schedule
+from tests.chaos.installation import ESCAPE, EXAMPLES, execserver_mapping, fylr_mapping
+from tests.chaos.pipepath import open_pipe_path
+from tests.chaos.run import (
+    EXECSERVERS,
+    FYLRS,
+    LONG,
+    SHORT,
+    ChaosPlan,
+    fylr_names,
+    run_chaos,
+    schedule,
+)
 from tests.chaos.samples import Sample, make_workload
+from tests.support.netns import require_namespaces, until
 
 RUN_WITHIN = 1200.0
 
@@ -64,6 +75,86 @@ def test_the_schedule_follows_the_seed() -> None:
     assert thresholds == sorted(thresholds)
     assert all(0.05 <= t <= 0.85 for t in thresholds)
     assert all(e.gap >= plan.gap[0] and plan.down[0] <= e.down <= plan.down[1] for e in events)
+
+
+def test_cuts_and_a_third_fylr_join_the_schedule_and_leave_the_rest_alone() -> None:
+    """With three fylrs every one is killed and checksums go to all three; cuts are events of
+    their own (5 to 10 s of the last fylr's pipe path) that leave the other events as they
+    were; the short plan has no cut, the long one has them on a mixed fleet of three fylrs."""
+    plan = ChaosPlan(seed=5, files=40, kills=6)
+    three = attrs.evolve(plan, fylrs=3)
+    assert fylr_names(three) == ("fylr-1", "fylr-2", "fylr-3")
+    kills = {e.target for e in schedule(three) if e.action == "kill"}
+    assert set(fylr_names(three)) <= kills
+    cut = attrs.evolve(plan, cuts=2)
+    cuts = [e for e in schedule(cut) if e.action == "cut"]
+    assert len(cuts) == 2
+    assert all(e.target == "fylr-2" and 5.0 <= e.down <= 10.0 for e in cuts)
+    assert [e for e in schedule(cut) if e.action != "cut"] == schedule(plan)
+    assert (SHORT.cuts, SHORT.fylrs, SHORT.mixed) == (0, 2, False)
+    assert (LONG.fylrs, LONG.mixed) == (3, True)
+    assert LONG.cuts > 0
+    assert LONG.escapes > 0
+
+
+def test_the_mixed_fleet_and_the_escape_service_are_configured() -> None:
+    """exec-b of a mixed fleet offers image_metadata alone; every other execserver offers the
+    escape service, whose command leaves a setsid sleep behind; every fylr has its preset and
+    the cut one its relayed callback base."""
+    metadata_only = execserver_mapping("exec-b", 1, "t", services=["image_metadata"])
+    assert list(metadata_only["services"]) == ["image_metadata"]
+    full = execserver_mapping("exec-a", 1, "t", temp_dir=Path("/tmp/x"))
+    assert "setsid sleep 600" in " ".join(full["services"][ESCAPE]["argv"])
+    assert full["temp_dir"] == "/tmp/x"
+    assert full["env"]["TRIO_BROKER_CHAOS_EXEC"] == "exec-a"
+    fylr = fylr_mapping("fylr-3", 1, Path("/tmp/s"), "dsn", ["a"], callback_url="http://x:2")
+    assert fylr["callback_own_url"] == "http://x:2"
+    assert fylr["custom_version_presets"][ESCAPE]["service"] == ESCAPE
+
+
+async def _echo(stream: trio.SocketStream) -> None:
+    async with stream:
+        while data := await stream.receive_some(4096):
+            await stream.send_all(data)
+
+
+async def _round_trip(port: int) -> bytes:
+    async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+        await stream.send_all(b"ping")
+        return await stream.receive_some(4096)
+
+
+async def test_a_cut_of_the_pipe_path_drops_its_port_alone_and_heals(
+    nursery: trio.Nursery,
+) -> None:
+    """Cut, the relayed path loses its packets silently (a connection waits, the drop counter
+    grows) while the target's own port still answers; healed, the waiting connection goes
+    through and the table is gone."""
+    require_namespaces()  # root and nftables, as the namespaces need
+    [listener] = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    target = listener.socket.getsockname()[1]
+    nursery.start_soon(trio.serve_listeners, _echo, [listener])
+    with trio.fail_after(60):
+        async with open_pipe_path(target) as path:
+            assert await _round_trip(path.port) == b"ping"
+            path.cut()
+            done = trio.Event()
+            answers: list[bytes] = []
+
+            async def through_the_cut() -> None:
+                answers.append(await _round_trip(path.port))
+                done.set()
+
+            nursery.start_soon(through_the_cut)
+            assert await _round_trip(target) == b"ping"  # the target itself: untouched
+            await until(
+                lambda: trio.to_thread.run_sync(path.dropped), lambda n: n > 0, interval=0.1
+            )
+            assert not done.is_set()
+            assert path.heal() > 0
+            await done.wait()
+            assert answers == [b"ping"]
+            assert not path.cut_now
 
 
 def test_the_workload_follows_the_seed() -> None:
