@@ -368,6 +368,38 @@ async def _poll(check: Callable[[], Awaitable[bool]]) -> None:
         await trio.sleep(PROBE_INTERVAL)
 
 
+async def outliving(token: str, execserver: str, within: float) -> list[Any]:
+    """The job processes of ``execserver`` still alive ``within`` seconds from now (or [])."""
+    left: list[Any] = []
+
+    async def gone() -> bool:
+        nonlocal left
+        left = job_processes(token, execserver)
+        return not left
+
+    with trio.move_on_after(within):
+        await _poll(gone)
+    if left:
+        await gone()  # one last look, at the bound
+    return left
+
+
+async def work_folders_left(temp_dirs: Sequence[Path], within: float) -> list[Path]:
+    """The jobs' work folders in ``temp_dirs`` still there ``within`` seconds from now (or [])."""
+    left: list[Path] = []
+
+    async def removed() -> bool:
+        nonlocal left
+        left = [folder for temp_dir in temp_dirs for folder in temp_dir.glob(f"{WORK_PREFIX}*")]
+        return not left
+
+    with trio.move_on_after(within):
+        await _poll(removed)
+    if left:
+        await removed()  # one last look, at the bound
+    return left
+
+
 def _cmdline(process: Any) -> list[str]:
     try:
         return list(process.cmdline())
@@ -626,17 +658,7 @@ class _Run:
         """No process of an execserver's jobs may outlive it by more than OUTLIVE_WITHIN."""
         if daemon.command != "execserver":
             return
-        left: list[Any] = []
-
-        async def gone() -> bool:
-            nonlocal left
-            left = job_processes(self.inst.token, daemon.name)
-            return not left
-
-        with trio.move_on_after(OUTLIVE_WITHIN):
-            await _poll(gone)
-        if left:
-            await gone()  # one last look, at the bound
+        left = await outliving(self.inst.token, daemon.name, OUTLIVE_WITHIN)
         self.report.violations += [
             f"event {number}: job process {p.pid} ({' '.join(_cmdline(p))[:80]}) outlived"
             f" {daemon.name} by more than {OUTLIVE_WITHIN:g} s ({jobs} were running)"
@@ -692,21 +714,7 @@ class _Run:
 
     async def check_work_folders(self) -> None:
         """Once every daemon stopped, no job's work folder may be left (within OUTLIVE_WITHIN)."""
-        left: list[Path] = []
-
-        async def removed() -> bool:
-            nonlocal left
-            left = [
-                folder
-                for temp_dir in self.inst.temp_dirs.values()
-                for folder in temp_dir.glob(f"{WORK_PREFIX}*")
-            ]
-            return not left
-
-        with trio.move_on_after(OUTLIVE_WITHIN):
-            await _poll(removed)
-        if left:
-            await removed()  # one last look, at the bound
+        left = await work_folders_left(list(self.inst.temp_dirs.values()), OUTLIVE_WITHIN)
         self.report.violations += [
             f"work folder {folder} is left after every execserver stopped" for folder in left
         ]

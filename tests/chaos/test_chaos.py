@@ -12,6 +12,7 @@ import gzip
 import hashlib
 import io
 import os
+import secrets
 from pathlib import Path
 
 import attrs
@@ -29,7 +30,14 @@ from tests.chaos.checks import (
     _reference_problems,
     check_rows,
 )
-from tests.chaos.installation import ESCAPE, EXAMPLES, execserver_mapping, fylr_mapping
+from tests.chaos.installation import (
+    ESCAPE,
+    EXAMPLES,
+    EXEC_MARKER,
+    JOB_MARKER,
+    execserver_mapping,
+    fylr_mapping,
+)
 from tests.chaos.pipepath import open_pipe_path
 from tests.chaos.run import (
     EXECSERVERS,
@@ -38,11 +46,14 @@ from tests.chaos.run import (
     SHORT,
     ChaosPlan,
     fylr_names,
+    outliving,
     run_chaos,
     schedule,
+    work_folders_left,
 )
 from tests.chaos.samples import Sample, make_workload
 from tests.support.netns import require_namespaces, until
+from trio_broker.trio.workdir import PREFIX as WORK_PREFIX
 
 RUN_WITHIN = 1200.0
 
@@ -155,6 +166,32 @@ async def test_a_cut_of_the_pipe_path_drops_its_port_alone_and_heals(
             await done.wait()
             assert answers == [b"ping"]
             assert not path.cut_now
+
+
+async def test_a_job_process_that_outlives_its_execserver_is_found(tmp_path: Path) -> None:
+    """A process marked as a job of an execserver is reported while it lives past the bound
+    and not once it is gone; so is a work folder left in a temp_dir, and not once removed."""
+    token = secrets.token_hex(8)
+    env = {**os.environ, JOB_MARKER: token, EXEC_MARKER: "exec-x"}
+    process = await trio.lowlevel.open_process(["sleep", "600"], env=env)
+    try:
+        with trio.fail_after(60):
+            [left] = await outliving(token, "exec-x", 0.5)
+            assert left.pid == process.pid
+            assert await outliving(token, "exec-y", 0.5) == []
+            process.kill()
+            await process.wait()
+            assert await outliving(token, "exec-x", 0.5) == []
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    folder = tmp_path / f"{WORK_PREFIX}abc"
+    folder.mkdir()
+    with trio.fail_after(60):
+        assert await work_folders_left([tmp_path], 0.5) == [folder]
+        folder.rmdir()
+        assert await work_folders_left([tmp_path], 0.5) == []
 
 
 def test_the_workload_follows_the_seed() -> None:
