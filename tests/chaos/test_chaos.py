@@ -1,9 +1,9 @@
 """The chaos soak: the short seeded run (``make test``), the long one (``make soak``), and the
 harness's own decisions and checks.
 
-The runs start real processes (two fylrs on one PostgreSQL and one storage
-folder, three execservers, two behind a real HAProxy) and kill them; see
-:mod:`tests.chaos.run`. ``python -m tests.chaos`` runs the same outside pytest.
+The runs start real processes (two fylrs, three in the long run, on one PostgreSQL
+and one storage folder, three execservers, two behind a real HAProxy) and kill them;
+see :mod:`tests.chaos.run`. ``python -m tests.chaos`` runs the same outside pytest.
 """
 
 from __future__ import annotations
