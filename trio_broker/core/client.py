@@ -314,7 +314,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
                 "a job with pipes needs callback_url or callback_port in the ClientConfig"
             )
         self._enter(now)
-        refusal = self._pool.refusal(service)
+        refusal = self._pool.refusal(service, now)
         if refusal is not None:
             self._effects.append(Failed(job_id=job_id, reason=refusal[0], detail=refusal[1]))
             self._leave()
@@ -325,7 +325,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         self._start_waiting(record)
         self._park_everywhere(record)
         if not record.parked_on:
-            self._jobs.probing[job_id] = record
+            self._probe(record)
         self._leave()
 
     def cancel(self, job_id: str, *, now: float) -> None:
@@ -516,7 +516,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
             if self._duplicate(conn, hello):
                 return
             conn.state = "ready"
-            self._pool.addresses[conn.address].reached(hello, conn, self.config.reconnect_min)
+            self._pool.addresses[conn.address].reached(hello, conn, self.config)
             self._ask_stats(conn)
         elif (
             before is not None
@@ -531,6 +531,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
                 self._jobs[job_id].parked_on.discard(conn.id)
             conn.parked.clear()
             return
+        self._pool.found(hello.services)
         for service in hello.services:
             for job in self._jobs.waiting_for(service):
                 self._park(job, conn)
@@ -548,7 +549,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         if other is None:
             return False
         address = self._pool.addresses[conn.address]
-        address.covered = True
+        address.circled_back(self.config)
         self._push_timer(self._now + self.config.pool_reprobe_interval, "reprobe", address.address)
         self._effects.append(Close(conn=conn.id, code=p.CLOSE_NORMAL, reason="duplicate instance"))
         self._lose(conn.id, redial=False)
@@ -638,22 +639,37 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
 
     def _settle(self) -> None:
         """After a connection came, went or changed: fail the waiting jobs that can
-        no longer get a slot (every execserver gone, or growth reached no execserver
-        offering the service). O(connections) unless jobs fail."""
+        no longer get a slot (every execserver gone, or no address can grow to look
+        for their service), and make the jobs whose service no connection announces
+        any longer probe. O(connections x services waited for) unless jobs fail."""
         jobs = self._jobs
+        pool = self._pool
         if not jobs.waiting_count:
             return
-        if not self._pool.live():
+        if not pool.live():
             self._fail_waiting(jobs.waiting(), "no_execserver", "every execserver disappeared")
             return
-        if jobs.probing and not self._pool.can_probe():
+        if not pool.can_probe():
             for job in list(jobs.probing.values()):
-                self._fail_waiting(
-                    [job],
-                    "unknown_service",
-                    f"no execserver reached offers {job.service!r} (the pool circled back "
-                    "to known execservers)",
-                )
+                pool.search(job.service, self._now, fresh=False)
+                reason, detail = pool.verdict(job.service, self._now)
+                self._fail_waiting([job], reason, detail)
+            return
+        for service in jobs.services():
+            if not pool.offered(service):
+                for job in list(jobs.waiting_for(service)):
+                    if job.job_id not in jobs.probing:
+                        self._probe(job)
+
+    def _probe(self, job: JobRecord) -> None:
+        """The job waits for a service no ready connection announced: the pool looks
+        for it, and the job waits at least until the search ends (its verdict)."""
+        end = self._pool.search(job.service, self._now, fresh=True)
+        self._jobs.probing[job.job_id] = job
+        if job.deadline < end:
+            job.deadline = end
+            self._disarm(job)
+            job.timer = self._push_timer(end, "deadline", job.job_id)
 
     def _park(self, job: JobRecord, conn: ConnRecord) -> None:
         if (
@@ -722,15 +738,15 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
             job = self._jobs.get(key)
             if job is not None and job.state == "waiting" and job.deadline <= now:
                 job.timer = None  # it fired
+                probing = job.job_id in self._jobs.probing
                 self._unpark(job)
                 self._forget(job)
-                self._effects.append(
-                    Failed(
-                        job_id=key,
-                        reason="no_slot",
-                        detail=f"no slot within connect_timeout ({config.connect_timeout:g}s)",
-                    )
-                )
+                if probing:  # its search ended with it: not found
+                    reason, detail = self._pool.verdict(job.service, now)
+                else:
+                    reason = "no_slot"
+                    detail = f"no slot within connect_timeout ({config.connect_timeout:g}s)"
+                self._effects.append(Failed(job_id=key, reason=reason, detail=detail))
         elif kind == "redial":
             address = self._pool.addresses[key]
             if not address.conns or len(address.conns) < config.pool_max:
@@ -763,7 +779,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         if due > now:
             self._arm_growth(due)
             return
-        chosen, wake = self._pool.grow(now)
+        chosen, wake = self._pool.grow(now, probing=bool(self._jobs.probing))
         for address in chosen:
             self._dial(address)
         self._arm_growth(wake)
