@@ -13,8 +13,10 @@ connection, at most one every ``pool_grow_interval``, at most ``pool_max`` in
 all. While a job *probes* (waits for a service no connection announced), a
 covered address grows too, after its back-off (:attr:`AddressRecord.gap`): it
 doubles from ``pool_grow_interval`` with each connection that lands on a known
-instance, up to :func:`probe_gap_max`, and is ``pool_grow_interval`` again once
-a connection reaches a new one. An address that grew at ``t`` may grow again from ``t +
+instance, up to :func:`probe_gap_max`, each wait jittered between half and all
+of it (two clients looking through one round-robin balancer in lockstep would
+keep landing on the pods they know), and is ``pool_grow_interval`` again once a
+connection reaches a new one. An address that grew at ``t`` may grow again from ``t +
 pool_grow_interval`` on, that sum being both the growth timer's instant and
 what ``now`` is compared with (``now - t < pool_grow_interval`` can be true at
 that very instant in floating point, and the timer would fire for ever without
@@ -144,13 +146,16 @@ class AddressRecord:
         "gap",
         "last_grow",
         "shadowed_by",
+        "wait",
     )
 
     def __init__(self, address: str, backoff: float, gap: float) -> None:
         self.address = address
         self.gap = gap
-        """The wait between two growths: ``pool_grow_interval``, doubled (up to
+        """The back-off between two growths: ``pool_grow_interval``, doubled (up to
         :func:`probe_gap_max`) by each connection that lands on a known instance."""
+        self.wait = gap
+        """The wait before the next growth: the gap, jittered once it backs off."""
         self.conns: set[ConnId] = set()
         self.covered = False
         self.balanced = False  # some HELLO.addr differed from the socket's peer address
@@ -170,16 +175,17 @@ class AddressRecord:
         """A connection through this address became ready with its first ``HELLO``
         (an instance no other ready connection reaches)."""
         self.backoff = config.reconnect_min
-        self.gap = config.pool_grow_interval
+        self.gap = self.wait = config.pool_grow_interval
         self.shadowed_by = None
         if bare(hello.addr) != bare(conn.peer_addr or conn.address):
             self.balanced = True
 
-    def circled_back(self, config: ClientConfig) -> None:
+    def circled_back(self, config: ClientConfig, jitter: random.Random) -> None:
         """A connection through this address landed on a known instance: it is
-        covered, and its next probing growth waits twice as long."""
+        covered, and its next probing growth waits twice as long (jittered)."""
         self.covered = True
         self.gap = min(self.gap * 2, probe_gap_max(config))
+        self.wait = self.gap * (0.5 + 0.5 * jitter.random())
 
     def redial_delay(self, jitter: random.Random, reconnect_max: float) -> float:
         """The wait before dialling again after a loss; the next one doubles.
@@ -337,7 +343,7 @@ class ConnectionPool:
                 continue
             if any(self.conns[c].state != "ready" for c in address.conns):
                 continue  # a dial is in progress: let it land first
-            later = address.last_grow + address.gap
+            later = address.last_grow + address.wait
             if now < later:  # the instant the timer asks for, compared as that sum
                 wake = later if wake is None else min(wake, later)
                 continue

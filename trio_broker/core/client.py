@@ -325,7 +325,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         self._start_waiting(record)
         self._park_everywhere(record)
         if not record.parked_on:
-            self._probe(record)
+            self._probe(record, extend=True)
         self._leave()
 
     def cancel(self, job_id: str, *, now: float) -> None:
@@ -549,7 +549,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         if other is None:
             return False
         address = self._pool.addresses[conn.address]
-        address.circled_back(self.config)
+        address.circled_back(self.config, self._random)
         self._push_timer(self._now + self.config.pool_reprobe_interval, "reprobe", address.address)
         self._effects.append(Close(conn=conn.id, code=p.CLOSE_NORMAL, reason="duplicate instance"))
         self._lose(conn.id, redial=False)
@@ -659,14 +659,16 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
             if not pool.offered(service):
                 for job in list(jobs.waiting_for(service)):
                     if job.job_id not in jobs.probing:
-                        self._probe(job)
+                        self._probe(job, extend=False)
 
-    def _probe(self, job: JobRecord) -> None:
+    def _probe(self, job: JobRecord, *, extend: bool) -> None:
         """The job waits for a service no ready connection announced: the pool looks
-        for it, and the job waits at least until the search ends (its verdict)."""
+        for it. A job submitted so (``extend``) waits at least until the search ends,
+        for its verdict; one that lost the connections it was parked on keeps its
+        deadline (and the verdict then)."""
         end = self._pool.search(job.service, self._now, fresh=True)
         self._jobs.probing[job.job_id] = job
-        if job.deadline < end:
+        if extend and job.deadline < end:
             job.deadline = end
             self._disarm(job)
             job.timer = self._push_timer(end, "deadline", job.job_id)

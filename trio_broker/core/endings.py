@@ -91,7 +91,7 @@ waits for its request; ``active``: a request is being served; ``done``: the whol
 stream went through; ``aborted``: the transfer started but did not complete;
 ``closed``: closed before any request came."""
 
-RUN_FAILURES: Final[Mapping[FailReason, type[BrokerError] | None]] = {
+RUN_FAILURES: Final[Mapping[FailReason, type[BrokerError | ServiceNotOffered] | None]] = {
     "no_slot": NoSlot,
     "no_execserver": NoExecserver,
     "unknown_service": UnknownService,
@@ -116,7 +116,7 @@ def _legacy_unreachable(receipt: Receipt) -> bool:
     )
 
 
-def run_failure(failed: Failed) -> BrokerError | None:
+def run_failure(failed: Failed) -> BrokerError | ServiceNotOffered | None:
     """The exception the caller of a job gets for its ``Failed`` effect (:data:`RUN_FAILURES`).
 
     Returns:

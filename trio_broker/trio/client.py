@@ -62,7 +62,7 @@ from trio_broker.core.client import (
     PositionReport,
 )
 from trio_broker.core.endings import run_failure
-from trio_broker.core.errors import BrokerError, ClientClosed
+from trio_broker.core.errors import BrokerError, ClientClosed, ServiceNotOffered
 from trio_broker.trio.driver import CLOSE_TIMEOUT, MAX_FRAME_BYTES, CoreDriver
 from trio_broker.trio.pipes import InPipe, OutPipe, PipeRegistry, Sink, serve_pipes
 from trio_broker.trio.websocket import HandshakeRefused
@@ -165,7 +165,7 @@ class _Waiter:
     def __init__(self) -> None:
         self.done = trio.Event()
         self.receipt: p.Receipt | None = None
-        self.error: BrokerError | None = None
+        self.error: BrokerError | ServiceNotOffered | None = None
 
 
 def _split_address(address: str) -> tuple[str, int]:
@@ -285,7 +285,10 @@ class BrokerClient:
             NoSlot: no slot within ``connect_timeout``.
             NoExecserver: no execserver is connected (or all drain).
             ClientClosed: the client was closed before the job ended.
-            UnknownService: no connected execserver offers ``service``.
+            UnknownService: no connected execserver offers ``service`` (yet: try
+                again later).
+            ServiceNotOffered: the pool looked for ``service`` a whole
+                ``pool_reprobe_interval`` and found no execserver offering it.
             JobLost: the connection holding the job's slot closed before its end.
             trio.TooSlowError: ``timeout`` expired.
         """
