@@ -27,16 +27,38 @@ Balancers and mixed fleets. An address is *balanced* (it fronts a fleet) once a
 connection's ``HELLO.addr`` differed from the socket's peer address given to
 :meth:`~ClientCore.connected` (a host name that leads straight to one execserver
 is not balanced). A job whose service no ready connection announced *probes*:
-while some balanced address is not covered and below ``pool_max``, it waits and
-makes the pool grow at once; the first connection that announces the service
-gets its ``WANT``. Once no such address is left (the pool circled back to known
-execservers, or is full), probing jobs fail with ``unknown_service``. Without a
-balanced address, :meth:`~ClientCore.submit` answers ``unknown_service`` at once.
+while some balanced address is below ``pool_max``, it waits and makes the pool
+grow at once; the first connection that announces the service gets its
+``WANT``. Without such an address (none is balanced, or all are full),
+:meth:`~ClientCore.submit` answers at once, and probing jobs fail so.
+
+Several clients behind one balancer (the rule; ``docs/PROTOCOL.md``, "Several
+clients behind one balancer"). Other clients' dials move where ours land, so a
+pool that circled back to a replica it knows has not seen the fleet, and a
+count of attempts says nothing of how long it looked. Hence:
+
+* *keep looking*: while a job probes, a covered balanced address keeps
+  growing, after a back-off that doubles from ``pool_grow_interval`` with each
+  connection that lands on a known instance up to a quarter of
+  ``pool_reprobe_interval``, jittered, and resets on a new instance;
+* *searches*: the pool remembers per service since when it looks for it (from
+  the first job that found no connection announcing it to the first ready
+  connection that announces it). A submitted job that probes waits at least
+  until its search is ``pool_reprobe_interval`` old (its deadline moves there
+  if ``connect_timeout`` is shorter); a waiting job whose connections to its
+  service went probes again with its own deadline;
+* *the verdict, by time*: a probing job at its deadline, or one answered at
+  once, fails ``unknown_service`` (try again later) while its search is younger
+  than ``pool_reprobe_interval``, ``service_not_offered`` (for good) once it is
+  as old. A job that probes after its search ended starts a new one. So
+  ``unknown_service`` never becomes permanent before one full re-probe, whatever
+  a caller counts; callers follow the verdict (the fylr counts nothing).
 
 Give-ups. A job with no slot after ``connect_timeout`` is unwanted everywhere
 and fails with ``no_slot``. The deadline is ``connect_timeout`` after
-:meth:`~ClientCore.submit` and never moves: a refused ``JOB`` (the job waits
-again) keeps it, so a job refused past its deadline fails at once.
+:meth:`~ClientCore.submit` and moves only later, to the end of the search of a
+job submitted while it probes: a refused ``JOB`` (the job waits again) keeps
+it, so a job refused past its deadline fails at once.
 :meth:`~ClientCore.submit` fails at once with ``no_execserver`` when no
 connection is ready (or all drain), and every waiting job fails so at once
 when the last ready, non-draining connection goes: its
@@ -50,9 +72,9 @@ address that is not *covered* opens one more connection, at most one every
 ``pool_grow_interval``, at most ``pool_max`` in all. A new connection whose
 ``HELLO.instance_id`` a ready connection already reaches, through this address
 or another, is closed at once and marks its address covered, which stops growth
-until a re-probe ``pool_reprobe_interval`` later clears the mark (and dials an
-address left with no connection). So one execserver configured under two
-addresses counts this client once.
+(while no job probes) until a re-probe ``pool_reprobe_interval`` later clears
+the mark (and dials an address left with no connection). So one execserver
+configured under two addresses counts this client once.
 
 Cost. Every input is O(1) or O(log n) in the jobs in flight, apart from the
 work it does for the jobs it concerns (a new connection gets the ``WANT`` of
@@ -299,9 +321,10 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         listener (``{"stdin_url": "/pipe/<id>"}``); the URLs are completed with
         the callback base of the connection whose offer wins, when ``JOB`` goes
         out. It fails at once with ``no_execserver`` when no connection is ready
-        (or every ready one drains), and with ``unknown_service`` when no ready
-        execserver announced the service and no balanced address can grow to
-        find one that does (see the module docstring).
+        (or every ready one drains), and with ``unknown_service`` (or, once the
+        service was looked for ``pool_reprobe_interval``, ``service_not_offered``)
+        when no ready execserver announced the service and no balanced address
+        can grow to find one that does (see the module docstring).
 
         Raises:
             ClientUsageError: the job id is already in use by this client, or the
