@@ -391,13 +391,30 @@ def test_reconnect_back_off_doubles_with_jitter_and_resets_on_hello() -> None:
 # -- a mixed fleet behind one balancer -----------------------------------------------------
 
 
+def _until_failed(net: Net) -> list[float]:
+    """Run the timers until a job fails, dialling every growth at once; the growth times."""
+    grown = []
+    while not net.of(Failed):
+        due = net.client.next_deadline()
+        assert due is not None
+        net.at(due)
+        if net.dials:
+            grown.append(due)
+            net.dial_all()
+            net.flush()
+    return grown
+
+
 def test_a_mixed_fleet_behind_one_balancer_routes_every_service() -> None:
     """The balancer's first replica offers only metadata: a job of another service waits
-    (no unknown_service), the pool grows at once and the second replica runs it; a job of a
-    service nobody offers fails only once growth circled back to a known replica."""
+    (no unknown_service), the pool grows at once and the second replica runs it. A job of
+    a service nobody offers keeps the pool looking after growth circled back to a known
+    replica (covered), with a back-off, and fails service_not_offered only when a whole
+    pool_reprobe_interval of looking (and its connect_timeout) has passed."""
     meta = broker("meta", services=("metadata",))
     full = broker("full", services=("metadata", "s"))
-    net = Net(config("LB", pool_grow_interval=2.0, connect_timeout=300.0), {"LB": [meta, full]})
+    cfg = config("LB", pool_grow_interval=2.0, connect_timeout=100.0, pool_reprobe_interval=60.0)
+    net = Net(cfg, {"LB": [meta, full]})
     net.dial_all()
     net.flush()
     assert net.client.balanced("LB")
@@ -420,40 +437,95 @@ def test_a_mixed_fleet_behind_one_balancer_routes_every_service() -> None:
     net.flush()
     assert net.client.covered("LB")
     assert len(net.client.pool("LB")) == 2
-    assert [(f.job_id, f.reason) for f in net.of(Failed)] == [("nobody", "unknown_service")]
-    net.submit("again", service="nothing")  # covered: today's immediate answer
-    assert [(f.job_id, f.reason) for f in net.of(Failed)][-1] == ("again", "unknown_service")
-    net.at(10.0)
-    assert not net.dials  # covered: the pool stops growing
+    assert not net.of(Failed)  # covered, and still looking
+    net.submit("again", service="nothing")  # joins the search under way
+    assert not net.of(Failed)
+    grown = _until_failed(net)
+    gaps = [b - a for a, b in zip([2.0, *grown], grown, strict=False)]
+    backoffs = [4.0, 8.0] + [15.0] * (len(gaps) - 2)  # doubled from pool_grow_interval
+    assert len(gaps) > 5  # to a quarter of pool_reprobe_interval, while the job waits
+    for gap, backoff in zip(gaps, backoffs, strict=True):
+        assert backoff / 2 <= gap <= backoff  # jittered
+    assert len(set(gaps)) == len(gaps)
+    assert [(f.job_id, f.reason) for f in net.of(Failed)] == [("nobody", "service_not_offered")]
+    assert net.now == 100.0  # its connect_timeout, beyond its search's 60 s
+    assert "'nothing'" in net.of(Failed)[0].detail
+    net.at(102.0)  # the second one's (submitted at 2 s)
+    assert [(f.job_id, f.reason) for f in net.of(Failed)][-1] == ("again", "service_not_offered")
+    net.at(200.0)
+    assert not net.dials  # nobody waits: covered stops growth again
 
 
-def test_a_single_pod_behind_a_balancer_answers_unknown_service_after_one_probe() -> None:
-    """Behind a balancer with one pod, a job of a service it lacks waits for one more
-    connection, which lands on the same pod; then unknown_service."""
-    net = Net(config("LB"), {"LB": [broker("a")]}, balancers={"LB"})
+def test_a_single_pod_behind_a_balancer_answers_service_not_offered_after_a_reprobe() -> None:
+    """Behind a balancer with one pod, a job of a service it lacks waits while the pool
+    dials again and again (landing on the same pod) for a whole pool_reprobe_interval;
+    then service_not_offered, for good. A job submitted then starts a new search."""
+    net = Net(config("LB", pool_reprobe_interval=40.0), {"LB": [broker("a")]}, balancers={"LB"})
     net.dial_all()
     net.flush()
     net.submit("j", service="nothing")
     assert not net.of(Failed)
     net.dial_all()
     net.flush()
-    assert [(f.job_id, f.reason) for f in net.of(Failed)] == [("j", "unknown_service")]
-    assert net.now == 0.0
+    assert not net.of(Failed)
+    assert net.client.covered("LB")
+    grown = _until_failed(net)
+    assert len(grown) >= 3  # several looks within the search
+    assert [(f.job_id, f.reason) for f in net.of(Failed)] == [("j", "service_not_offered")]
+    assert net.now == 60.0  # its connect_timeout: later than the search's end (40 s)
+    net.submit("k", service="nothing")
+    assert [f.job_id for f in net.of(Failed)] == ["j"]  # waits: a new search
+
+
+def test_a_service_announced_ends_its_search() -> None:
+    """A job waits for a service the fleet lacks; an execserver restarted with it is
+    found by growth and runs the job: no failure, however long the search took."""
+    a = broker("a", services=("metadata",))
+    net = Net(config("LB", pool_reprobe_interval=40.0), {"LB": [a]}, balancers={"LB"})
+    net.dial_all()
+    net.flush()
+    net.submit("j", service="s")
+    net.dial_all()
+    net.flush()
+    net.at(30.0)
+    new = broker("a2", services=("metadata", "s"))
+    net.brokers.append(new)
+    net._fleets["LB"] = [len(net.brokers) - 1]
+    while not net.started:
+        due = net.client.next_deadline()
+        assert due is not None
+        assert due < 60.0
+        net.at(due)
+        net.dial_all()
+        net.flush()
+    assert not net.of(Failed)
 
 
 def test_a_literal_address_answers_unknown_service_at_once() -> None:
-    """A connection whose HELLO.addr is the socket's peer address is direct: no waiting."""
-    net = Net(config("A"), {"A": [broker("a")]})
+    """A connection whose HELLO.addr is the socket's peer address is direct: no waiting.
+    The answer is unknown_service (try again) until the service has been missed for a
+    whole pool_reprobe_interval, then service_not_offered (for good)."""
+    net = Net(config("A", pool_reprobe_interval=30.0), {"A": [broker("a")]})
     net.dial_all()
     net.flush()
     assert not net.client.balanced("A")
     net.submit("j", service="nothing")
     assert [(f.job_id, f.reason) for f in net.of(Failed)] == [("j", "unknown_service")]
     assert not net.dials
+    net.at(29.9)
+    net.submit("k", service="nothing")
+    assert [f.reason for f in net.of(Failed)][-1] == "unknown_service"
+    net.at(30.0)
+    net.submit("l", service="nothing")
+    assert [f.reason for f in net.of(Failed)][-1] == "service_not_offered"
+    net.submit("m", service="s")
+    net.flush()
+    assert len(net.started) == 1  # an offered service is not touched
 
 
 def test_growth_for_an_unoffered_service_stops_at_pool_max() -> None:
-    """Replicas that all lack the service: the pool grows to pool_max, then unknown_service."""
+    """Replicas that all lack the service: the pool grows to pool_max, then unknown_service
+    (the pool cannot look further; the search is young: try again later)."""
     replicas = [broker(f"r{i}") for i in range(4)]
     net = Net(config("LB", pool_max=3, pool_grow_interval=1.0), {"LB": replicas})
     net.dial_all()
@@ -470,7 +542,9 @@ def test_growth_for_an_unoffered_service_stops_at_pool_max() -> None:
     assert net.now == 1.0  # grown at 0 (on submit) and at 1; the third connection settles it
 
 
-def test_a_probing_job_still_fails_after_connect_timeout() -> None:
+def test_a_probing_job_waits_for_its_search_beyond_connect_timeout() -> None:
+    """A job that probes waits past its (shorter) connect_timeout while the pool grows:
+    no no_slot; once the pool is full it fails unknown_service (its search is young)."""
     net = Net(
         config("LB", connect_timeout=5.0, pool_grow_interval=10.0, pool_max=4),
         {"LB": [broker(f"r{i}") for i in range(4)]},
@@ -481,7 +555,9 @@ def test_a_probing_job_still_fails_after_connect_timeout() -> None:
     net.dial_all()
     net.flush()
     net.at(5.0)
-    assert [(f.job_id, f.reason) for f in net.of(Failed)] == [("j", "no_slot")]
+    assert not net.of(Failed)
+    _until_failed(net)
+    assert [(f.job_id, f.reason) for f in net.of(Failed)] == [("j", "unknown_service")]
 
 
 # -- balancers and duplicates -------------------------------------------------------------

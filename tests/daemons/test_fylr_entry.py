@@ -278,7 +278,6 @@ async def test_a_source_without_stored_bytes_is_refused(pg_dsn: str, tmp_path: P
         tmp_path,
         {"raw": waiting, "text": {"extensions": ["txt"]}},
         modify={"service": "modify"},
-        unknown_service_attempts=1000,  # it waits for its service
     ) as (_, http):
         created = await put(http, "scan.raw", b"raw bytes")
         response = await http.post("/eas/produce", params={"source": created["id"], "rotate": 90})

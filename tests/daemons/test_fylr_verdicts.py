@@ -265,20 +265,26 @@ async def test_a_metadata_failure_settled_by_a_killed_fylr_keeps_its_failed_row(
     pg_dsn: str, tmp_path: Path
 ) -> None:
     """The same for a metadata step that failed for good (no execserver offers its service,
-    ``unknown_service_attempts: 1``): the original ended ``error`` before the kill; the next
-    fylr fails the row with the recorded reason, and ``requeue --failed`` runs it again."""
+    and the broker client looked for it a whole ``pool_reprobe_interval``): the original
+    ended ``error`` before the kill; the next fylr fails the row with the recorded reason,
+    and ``requeue --failed`` runs it again."""
     classes = {"data": {"extensions": ["bin"], "metadata": {"service": "probe"}}}
     async with open_execserver_process(execserver_text(0, {"convert": converter(tmp_path)})) as ex:
         config = tmp_path / "fylr.yml"
         mapping = fylr_mapping(
-            pg_dsn, tmp_path / "state", f"127.0.0.1:{ex.port}", classes, unknown_service_attempts=1
+            pg_dsn,
+            tmp_path / "state",
+            f"127.0.0.1:{ex.port}",
+            classes,
+            pool_reprobe_interval="0.2s",
+            retry_delay="0.5s",  # the second claim comes after the search ended
         )
         config.write_text(yaml.safe_dump(mapping))
         await killed_after_settling(config, ("a.bin", b"data\n"))
         ((status, recorded),) = rows(pg_dsn, "SELECT status, error FROM files")
         assert status == "error"
         assert recorded.startswith("metadata: ServiceNotOffered: ")
-        assert rows(pg_dsn, "SELECT status, attempts FROM broker_queue") == [("claimed", 1)]
+        assert rows(pg_dsn, "SELECT status, attempts FROM broker_queue") == [("claimed", 2)]
 
         async def queue() -> list[tuple[Any, ...]]:
             return rows(pg_dsn, "SELECT status, attempts, last_error FROM broker_queue")
@@ -286,10 +292,10 @@ async def test_a_metadata_failure_settled_by_a_killed_fylr_keeps_its_failed_row(
         async with open_fylr_process(config):
             with trio.fail_after(WAIT):
                 found = await until(queue, lambda q: [r[0] for r in q] in ([], ["failed"]))
-            assert found == [("failed", 2, "FailedEarlier: " + recorded.removeprefix("metadata: "))]
+            assert found == [("failed", 3, "FailedEarlier: " + recorded.removeprefix("metadata: "))]
             await requeue_failed(config)
-            with trio.fail_after(WAIT):  # run again: still nobody offers the service
-                found = await until(queue, lambda q: q[0][:2] == ("failed", 3))
+            with trio.fail_after(WAIT):  # run again: not yet, then not offered (a new search)
+                found = await until(queue, lambda q: q[0][:2] == ("failed", 5))
             assert (found[0][2] or "").startswith("ServiceNotOffered: ")
 
 

@@ -1,18 +1,17 @@
-"""Defects the fleet simulator found on the tree it was built on (main at be16737).
+"""Defects the fleet simulator found, each kept as a test once fixed.
 
 Each is kept twice: the simulator's shrunk trace (``traces/*.json``, replayed
-exactly) and the same thing said directly to the core it lives in. They are
-strict expected failures until the core is fixed: then they pass, fail the run
-as XPASS, and are made plain tests. :data:`KNOWN_DEFECTS` tells the other
-simulator tests which violations are these, so that they look for others.
+exactly) and the same thing said directly to the core it lives in. A defect not
+fixed yet is a strict expected failure (it fails the run as XPASS once fixed,
+and is then made a plain test), and :data:`KNOWN_DEFECTS` tells the other
+simulator tests how its violations look, so that they look for others. None is
+open now.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-
-import pytest
 
 from trio_broker.core import protocol as p
 from trio_broker.core.broker import Broker, StartJob
@@ -27,20 +26,8 @@ from trio_broker.testing.values import receipt
 
 TRACES = Path(__file__).parent / "traces"
 
-MIXED_FLEET = (
-    "issue 24: two clients behind one balancer whose first pod offers only image_metadata; "
-    "one client's pool is marked covered with one of the two pods (the other client's dial "
-    "took the other pod), its preview steps fail unknown_service at every claim and fail for "
-    "good after unknown_service_attempts claims, long before the re-probe (core/client.py)"
-)
-
-KNOWN_DEFECTS: dict[str, Callable[[Violation], bool]] = {
-    MIXED_FLEET: lambda v: (
-        (v.kind == "liveness" and "offers 'preview'" in v.message and "after" in v.message)
-        or (v.kind == "pool" and "'preview'" in v.message)
-    ),
-}
-"""Each known defect, and how its violations look."""
+KNOWN_DEFECTS: dict[str, Callable[[Violation], bool]] = {}
+"""Each known defect not fixed yet, and how its violations look (none now)."""
 
 
 def known(violation: Violation) -> bool:
@@ -52,10 +39,17 @@ def trace(name: str) -> Trace:
     return Trace.from_json((TRACES / f"{name}.json").read_text(encoding="utf-8"))
 
 
-# -- issue 24: two fylrs on a mixed fleet --------------------------------------------------
+# -- two fylrs on a mixed fleet (fixed) -------------------------------------------------------
+#
+# Two clients behind one balancer whose first pod offers only image_metadata: one client's
+# pool was marked covered with one of the two pods (the other client's dial took the other
+# pod), its preview steps failed unknown_service at every claim and failed for good after
+# unknown_service_attempts claims, long before the re-probe. The pool keeps looking while a
+# job waits for a service no connection announced (a covered address backs off instead of
+# stopping), and only a search of a whole pool_reprobe_interval makes the service "not
+# offered" (core/client.py, core/_client_pool.py); the fylr follows that verdict.
 
 
-@pytest.mark.xfail(strict=True, reason=MIXED_FLEET)
 def test_two_fylrs_on_a_mixed_fleet_do_every_step_shrunk_trace() -> None:
     """One preview step, two fylrs behind a balancer whose first pod lacks preview: the
     step is done (the shrunk trace of seed 0 of mixed-fleet-2)."""
@@ -63,7 +57,6 @@ def test_two_fylrs_on_a_mixed_fleet_do_every_step_shrunk_trace() -> None:
     assert result.violations == ()
 
 
-@pytest.mark.xfail(strict=True, reason=MIXED_FLEET)
 def test_two_fylrs_on_a_mixed_fleet_do_every_step_seed_0() -> None:
     """Seed 0 of the shipped mixed-fleet-2 scenario keeps every check (it found the defect)."""
     result = simulate(SCENARIOS["mixed-fleet-2"](), 0, record=False)

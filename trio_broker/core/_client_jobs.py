@@ -162,6 +162,10 @@ class JobTable:
         """The waiting jobs of one service (a live view: do not add or remove meanwhile)."""
         return self._waiting.get(service, {}).values()
 
+    def services(self) -> list[str]:
+        """The services some job waits for. O(those services)."""
+        return list(self._waiting)
+
     def waiting(self) -> list[JobRecord]:
         """Every waiting job. O(waiting jobs)."""
         return [job for jobs in self._waiting.values() for job in jobs.values()]

@@ -10,7 +10,13 @@ what its rules say:
 Growth (:meth:`ConnectionPool.grow`). While jobs see no offer at all, each
 address that is not *covered* and has no dial in progress opens one more
 connection, at most one every ``pool_grow_interval``, at most ``pool_max`` in
-all. An address that grew at ``t`` may grow again from ``t +
+all. While a job *probes* (waits for a service no connection announced), a
+covered address grows too, after its back-off (:attr:`AddressRecord.gap`): it
+doubles from ``pool_grow_interval`` with each connection that lands on a known
+instance, up to :func:`probe_gap_max`, each wait jittered between half and all
+of it (two clients looking through one round-robin balancer in lockstep would
+keep landing on the pods they know), and is ``pool_grow_interval`` again once a
+connection reaches a new one. An address that grew at ``t`` may grow again from ``t +
 pool_grow_interval`` on, that sum being both the growth timer's instant and
 what ``now`` is compared with (``now - t < pool_grow_interval`` can be true at
 that very instant in floating point, and the timer would fire for ever without
@@ -26,6 +32,12 @@ Balanced and covered. An address is *balanced* (it fronts a fleet) once a
 through it landed on an instance another ready connection already reaches
 (:meth:`ConnectionPool.reaching`), until a re-probe clears the mark.
 
+Searches (:meth:`ConnectionPool.search`, :meth:`ConnectionPool.verdict`). The
+pool remembers, per service, since when it has been looking for a service no
+ready connection announced; the record goes when a connection announces it. A
+service looked for ``pool_reprobe_interval`` without being found is *not
+offered*; before that it is only *unknown* (try again later).
+
 Back-off (:meth:`AddressRecord.redial_delay`). A lost connection is dialled
 again after a wait that doubles from ``reconnect_min`` to ``reconnect_max``,
 each wait jittered between half and all of it, and resets on the next ``HELLO``.
@@ -34,11 +46,19 @@ each wait jittered between half and all of it, and resets on the next ``HELLO``.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from typing import Literal
 
 from trio_broker.core import protocol as p
 from trio_broker.core.client_values import ClientConfig, ConnId, FailReason
 from trio_broker.core.errors import ClientUsageError
+
+
+def probe_gap_max(config: ClientConfig) -> float:
+    """The longest back-off between two probing dials of one address: a quarter of
+    ``pool_reprobe_interval`` (never less than ``pool_grow_interval``), so a search
+    of ``pool_reprobe_interval`` dials every balanced address several times."""
+    return max(config.pool_grow_interval, config.pool_reprobe_interval / 4)
 
 
 def bare(address: str) -> str:
@@ -117,10 +137,25 @@ class ConnRecord:
 class AddressRecord:
     """One configured address: its connections and what the pool learnt through it."""
 
-    __slots__ = ("address", "backoff", "balanced", "conns", "covered", "last_grow", "shadowed_by")
+    __slots__ = (
+        "address",
+        "backoff",
+        "balanced",
+        "conns",
+        "covered",
+        "gap",
+        "last_grow",
+        "shadowed_by",
+        "wait",
+    )
 
-    def __init__(self, address: str, backoff: float) -> None:
+    def __init__(self, address: str, backoff: float, gap: float) -> None:
         self.address = address
+        self.gap = gap
+        """The back-off between two growths: ``pool_grow_interval``, doubled (up to
+        :func:`probe_gap_max`) by each connection that lands on a known instance."""
+        self.wait = gap
+        """The wait before the next growth: the gap, jittered once it backs off."""
         self.conns: set[ConnId] = set()
         self.covered = False
         self.balanced = False  # some HELLO.addr differed from the socket's peer address
@@ -136,12 +171,21 @@ class AddressRecord:
             f"covered={self.covered!r}, balanced={self.balanced!r})"
         )
 
-    def reached(self, hello: p.Hello, conn: ConnRecord, reconnect_min: float) -> None:
-        """A connection through this address became ready with its first ``HELLO``."""
-        self.backoff = reconnect_min
+    def reached(self, hello: p.Hello, conn: ConnRecord, config: ClientConfig) -> None:
+        """A connection through this address became ready with its first ``HELLO``
+        (an instance no other ready connection reaches)."""
+        self.backoff = config.reconnect_min
+        self.gap = self.wait = config.pool_grow_interval
         self.shadowed_by = None
         if bare(hello.addr) != bare(conn.peer_addr or conn.address):
             self.balanced = True
+
+    def circled_back(self, config: ClientConfig, jitter: random.Random) -> None:
+        """A connection through this address landed on a known instance: it is
+        covered, and its next probing growth waits twice as long (jittered)."""
+        self.covered = True
+        self.gap = min(self.gap * 2, probe_gap_max(config))
+        self.wait = self.gap * (0.5 + 0.5 * jitter.random())
 
     def redial_delay(self, jitter: random.Random, reconnect_max: float) -> float:
         """The wait before dialling again after a loss; the next one doubles.
@@ -161,13 +205,18 @@ class ConnectionPool:
     issued and has since forgotten tells a late report from a caller's mistake.
     """
 
-    __slots__ = ("_issued", "addresses", "config", "conns")
+    __slots__ = ("_issued", "addresses", "config", "conns", "searches")
 
     def __init__(self, config: ClientConfig) -> None:
         self.config = config
         self.conns: dict[ConnId, ConnRecord] = {}
-        self.addresses = {a: AddressRecord(a, config.reconnect_min) for a in config.addresses}
+        self.addresses = {
+            a: AddressRecord(a, config.reconnect_min, config.pool_grow_interval)
+            for a in config.addresses
+        }
         self._issued: ConnId = 0  # ids 1..this were issued
+        self.searches: dict[str, float] = {}
+        """Service -> since when the pool looks for it (no ready connection announced it)."""
 
     def add(self, address: AddressRecord, now: float) -> ConnRecord:
         """A new connection to dial through ``address``, with a fresh id."""
@@ -207,25 +256,56 @@ class ConnectionPool:
         """Whether some connection is ready and not draining."""
         return any(conn.live() for conn in self.conns.values())
 
-    def refusal(self, service: str) -> tuple[FailReason, str] | None:
+    def refusal(self, service: str, now: float) -> tuple[FailReason, str] | None:
         """Why a job of this service cannot wait now, or None. O(connections)."""
         ready = [c for c in self.conns.values() if c.state == "ready"]
         if not ready:
             return ("no_execserver", "no execserver is connected")
         if not any(c.live() for c in ready):
             return ("no_execserver", "every connected execserver is draining")
-        if not any(c.offers(service) for c in ready) and not self.can_probe():
-            return ("unknown_service", f"no connected execserver offers {service!r}")
+        if not self.offered(service) and not self.can_probe():
+            self.search(service, now, fresh=False)
+            return self.verdict(service, now)
         return None
+
+    def offered(self, service: str) -> bool:
+        """Whether some ready, not draining connection announced ``service``."""
+        return any(c.offers(service) for c in self.conns.values())
 
     def can_probe(self) -> bool:
         """Whether growth may still reach an execserver not seen yet: some address is
-        balanced, uncovered and below ``pool_max``."""
+        balanced and below ``pool_max`` (covered or not: a covered one backs off)."""
         pool_max = self.config.pool_max
-        return any(
-            a.balanced and not a.covered and len(a.conns) < pool_max
-            for a in self.addresses.values()
-        )
+        return any(a.balanced and len(a.conns) < pool_max for a in self.addresses.values())
+
+    def search(self, service: str, now: float, *, fresh: bool) -> float:
+        """Look for ``service`` (no ready connection announced it): when the search
+        ends, ``pool_reprobe_interval`` after it began.
+
+        A search under way goes on. One that ended goes on too, unless ``fresh``
+        (the pool can grow: a job that probes gets a whole search of its own).
+        """
+        since = self.searches.get(service)
+        window = self.config.pool_reprobe_interval
+        if since is None or (fresh and since + window <= now):
+            since = self.searches[service] = now
+        return since + window
+
+    def found(self, services: Iterable[str]) -> None:
+        """A ready connection announced these services: their searches end."""
+        for service in services:
+            self.searches.pop(service, None)
+
+    def verdict(self, service: str, now: float) -> tuple[FailReason, str]:
+        """Why a job of ``service`` fails when no connection offers it: ``unknown_service``
+        (try again later) while the search is younger than ``pool_reprobe_interval``,
+        then ``service_not_offered`` (the pool looked a whole re-probe: for good)."""
+        window = self.config.pool_reprobe_interval
+        since = self.searches.get(service, now)
+        detail = f"no connected execserver offers {service!r}"
+        if since + window <= now:
+            return ("service_not_offered", f"{detail} (the pool looked for {now - since:g}s)")
+        return ("unknown_service", detail)
 
     def reaching(self, conn: ConnRecord, instance_id: str) -> ConnRecord | None:
         """Another ready connection that reaches the execserver ``instance_id``, if any."""
@@ -240,26 +320,30 @@ class ConnectionPool:
                 return other
         return None
 
-    def grow(self, now: float) -> tuple[list[AddressRecord], float | None]:
+    def grow(self, now: float, *, probing: bool) -> tuple[list[AddressRecord], float | None]:
         """The addresses that open one more connection now, and when one next may.
 
         Asked once growth is due (jobs see no offer). An address grows when it is
-        not covered, below ``pool_max``, has no dial in progress, and grew last at
-        least ``pool_grow_interval`` ago; those chosen count as grown ``now``.
+        below ``pool_max``, has no dial in progress, grew last at least its
+        :attr:`~AddressRecord.gap` ago, and is not covered, or is balanced while a
+        job ``probing`` waits for a service nobody announced; those chosen count
+        as grown ``now``.
 
         Returns:
             The addresses to dial, and the earliest time one held back only by
-            ``pool_grow_interval`` may grow (None: none is).
+            its gap may grow (None: none is).
         """
         config = self.config
         chosen: list[AddressRecord] = []
         wake: float | None = None
         for address in self.addresses.values():
-            if address.covered or len(address.conns) >= config.pool_max:
+            if len(address.conns) >= config.pool_max:
+                continue
+            if address.covered and not (probing and address.balanced):
                 continue
             if any(self.conns[c].state != "ready" for c in address.conns):
                 continue  # a dial is in progress: let it land first
-            later = address.last_grow + config.pool_grow_interval
+            later = address.last_grow + address.wait
             if now < later:  # the instant the timer asks for, compared as that sum
                 wake = later if wake is None else min(wake, later)
                 continue

@@ -29,16 +29,38 @@ Balancers and mixed fleets. An address is *balanced* (it fronts a fleet) once a
 connection's ``HELLO.addr`` differed from the socket's peer address given to
 :meth:`~ClientCore.connected` (a host name that leads straight to one execserver
 is not balanced). A job whose service no ready connection announced *probes*:
-while some balanced address is not covered and below ``pool_max``, it waits and
-makes the pool grow at once; the first connection that announces the service
-gets its ``WANT``. Once no such address is left (the pool circled back to known
-execservers, or is full), probing jobs fail with ``unknown_service``. Without a
-balanced address, :meth:`~ClientCore.submit` answers ``unknown_service`` at once.
+while some balanced address is below ``pool_max``, it waits and makes the pool
+grow at once; the first connection that announces the service gets its
+``WANT``. Without such an address (none is balanced, or all are full),
+:meth:`~ClientCore.submit` answers at once, and probing jobs fail so.
+
+Several clients behind one balancer (the rule; ``docs/PROTOCOL.md``, "Several
+clients behind one balancer"). Other clients' dials move where ours land, so a
+pool that circled back to a replica it knows has not seen the fleet, and a
+count of attempts says nothing of how long it looked. Hence:
+
+* *keep looking*: while a job probes, a covered balanced address keeps
+  growing, after a back-off that doubles from ``pool_grow_interval`` with each
+  connection that lands on a known instance up to a quarter of
+  ``pool_reprobe_interval``, jittered, and resets on a new instance;
+* *searches*: the pool remembers per service since when it looks for it (from
+  the first job that found no connection announcing it to the first ready
+  connection that announces it). A submitted job that probes waits at least
+  until its search is ``pool_reprobe_interval`` old (its deadline moves there
+  if ``connect_timeout`` is shorter); a waiting job whose connections to its
+  service went probes again with its own deadline;
+* *the verdict, by time*: a probing job at its deadline, or one answered at
+  once, fails ``unknown_service`` (try again later) while its search is younger
+  than ``pool_reprobe_interval``, ``service_not_offered`` (for good) once it is
+  as old. A job that probes after its search ended starts a new one. So
+  ``unknown_service`` never becomes permanent before one full re-probe, whatever
+  a caller counts; callers follow the verdict (the fylr counts nothing).
 
 Give-ups. A job with no slot after ``connect_timeout`` is unwanted everywhere
 and fails with ``no_slot``. The deadline is ``connect_timeout`` after
-:meth:`~ClientCore.submit` and never moves: a refused ``JOB`` (the job waits
-again) keeps it, so a job refused past its deadline fails at once.
+:meth:`~ClientCore.submit` and moves only later, to the end of the search of a
+job submitted while it probes: a refused ``JOB`` (the job waits again) keeps
+it, so a job refused past its deadline fails at once.
 :meth:`~ClientCore.submit` fails at once with ``no_execserver`` when no
 connection is ready (or all drain), and every waiting job fails so at once
 when the last ready, non-draining connection goes: its
@@ -52,9 +74,9 @@ address that is not *covered* opens one more connection, at most one every
 ``pool_grow_interval``, at most ``pool_max`` in all. A new connection whose
 ``HELLO.instance_id`` a ready connection already reaches, through this address
 or another, is closed at once and marks its address covered, which stops growth
-until a re-probe ``pool_reprobe_interval`` later clears the mark (and dials an
-address left with no connection). So one execserver configured under two
-addresses counts this client once.
+(while no job probes) until a re-probe ``pool_reprobe_interval`` later clears
+the mark (and dials an address left with no connection). So one execserver
+configured under two addresses counts this client once.
 
 Cost. Every input is O(1) or O(log n) in the jobs in flight, apart from the
 work it does for the jobs it concerns (a new connection gets the ``WANT`` of
@@ -304,9 +326,10 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         listener (``{"stdin_url": "/pipe/<id>"}``); the URLs are completed with
         the callback base of the connection whose offer wins, when ``JOB`` goes
         out. It fails at once with ``no_execserver`` when no connection is ready
-        (or every ready one drains), and with ``unknown_service`` when no ready
-        execserver announced the service and no balanced address can grow to
-        find one that does (see the module docstring).
+        (or every ready one drains), and with ``unknown_service`` (or, once the
+        service was looked for ``pool_reprobe_interval``, ``service_not_offered``)
+        when no ready execserver announced the service and no balanced address
+        can grow to find one that does (see the module docstring).
 
         Raises:
             ClientUsageError: the job id is already in use by this client, or the
@@ -319,7 +342,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
                 "a job with pipes needs callback_url or callback_port in the ClientConfig"
             )
         self._enter(now)
-        refusal = self._pool.refusal(service)
+        refusal = self._pool.refusal(service, now)
         if refusal is not None:
             self._effects.append(Failed(job_id=job_id, reason=refusal[0], detail=refusal[1]))
             self._leave()
@@ -331,7 +354,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         self._start_waiting(record)
         self._park_everywhere(record)
         if not record.parked_on:
-            self._jobs.probing[job_id] = record
+            self._probe(record, extend=True)
         self._leave()
 
     def cancel(self, job_id: str, *, now: float) -> None:
@@ -522,7 +545,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
             if self._duplicate(conn, hello):
                 return
             conn.state = "ready"
-            self._pool.addresses[conn.address].reached(hello, conn, self.config.reconnect_min)
+            self._pool.addresses[conn.address].reached(hello, conn, self.config)
             self._ask_stats(conn)
         elif (
             before is not None
@@ -537,6 +560,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
                 self._jobs[job_id].parked_on.discard(conn.id)
             conn.parked.clear()
             return
+        self._pool.found(hello.services)
         for service in hello.services:
             for job in self._jobs.waiting_for(service):
                 self._park(job, conn)
@@ -554,7 +578,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         if other is None:
             return False
         address = self._pool.addresses[conn.address]
-        address.covered = True
+        address.circled_back(self.config, self._random)
         self._push_timer(self._now + self.config.pool_reprobe_interval, "reprobe", address.address)
         self._effects.append(Close(conn=conn.id, code=p.CLOSE_NORMAL, reason="duplicate instance"))
         self._lose(conn.id, redial=False)
@@ -649,22 +673,39 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
 
     def _settle(self) -> None:
         """After a connection came, went or changed: fail the waiting jobs that can
-        no longer get a slot (every execserver gone, or growth reached no execserver
-        offering the service). O(connections) unless jobs fail."""
+        no longer get a slot (every execserver gone, or no address can grow to look
+        for their service), and make the jobs whose service no connection announces
+        any longer probe. O(connections x services waited for) unless jobs fail."""
         jobs = self._jobs
+        pool = self._pool
         if not jobs.waiting_count:
             return
-        if not self._pool.live():
+        if not pool.live():
             self._fail_waiting(jobs.waiting(), "no_execserver", "every execserver disappeared")
             return
-        if jobs.probing and not self._pool.can_probe():
+        if not pool.can_probe():
             for job in list(jobs.probing.values()):
-                self._fail_waiting(
-                    [job],
-                    "unknown_service",
-                    f"no execserver reached offers {job.service!r} (the pool circled back "
-                    "to known execservers)",
-                )
+                pool.search(job.service, self._now, fresh=False)
+                reason, detail = pool.verdict(job.service, self._now)
+                self._fail_waiting([job], reason, detail)
+            return
+        for service in jobs.services():
+            if not pool.offered(service):
+                for job in list(jobs.waiting_for(service)):
+                    if job.job_id not in jobs.probing:
+                        self._probe(job, extend=False)
+
+    def _probe(self, job: JobRecord, *, extend: bool) -> None:
+        """The job waits for a service no ready connection announced: the pool looks
+        for it. A job submitted so (``extend``) waits at least until the search ends,
+        for its verdict; one that lost the connections it was parked on keeps its
+        deadline (and the verdict then)."""
+        end = self._pool.search(job.service, self._now, fresh=True)
+        self._jobs.probing[job.job_id] = job
+        if extend and job.deadline < end:
+            job.deadline = end
+            self._disarm(job)
+            job.timer = self._push_timer(end, "deadline", job.job_id)
 
     def _park(self, job: JobRecord, conn: ConnRecord) -> None:
         if (
@@ -733,15 +774,15 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
             job = self._jobs.get(key)
             if job is not None and job.state == "waiting" and job.deadline <= now:
                 job.timer = None  # it fired
+                probing = job.job_id in self._jobs.probing
                 self._unpark(job)
                 self._forget(job)
-                self._effects.append(
-                    Failed(
-                        job_id=key,
-                        reason="no_slot",
-                        detail=f"no slot within connect_timeout ({config.connect_timeout:g}s)",
-                    )
-                )
+                if probing:  # its search ended with it: not found
+                    reason, detail = self._pool.verdict(job.service, now)
+                else:
+                    reason = "no_slot"
+                    detail = f"no slot within connect_timeout ({config.connect_timeout:g}s)"
+                self._effects.append(Failed(job_id=key, reason=reason, detail=detail))
         elif kind == "redial":
             address = self._pool.addresses[key]
             if not address.conns or len(address.conns) < config.pool_max:
@@ -780,7 +821,7 @@ class ClientCore(SansIOCore[ClientEffect, _TimerKind]):
         if due > now:
             self._arm_growth(due)
             return
-        chosen, wake = self._pool.grow(now)
+        chosen, wake = self._pool.grow(now, probing=bool(self._jobs.probing))
         for address in chosen:
             self._dial(address)
         self._arm_growth(wake)

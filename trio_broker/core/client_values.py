@@ -32,7 +32,9 @@ __all__ = [
 ConnId: TypeAlias = int
 """A connection of the client core (the id its :class:`Dial` carried)."""
 
-FailReason: TypeAlias = Literal["no_slot", "no_execserver", "unknown_service", "lost", "cancelled"]
+FailReason: TypeAlias = Literal[
+    "no_slot", "no_execserver", "unknown_service", "service_not_offered", "lost", "cancelled"
+]
 
 
 DEFAULT_CONNECT_TIMEOUT = 60.0
@@ -65,7 +67,10 @@ class ClientConfig:
         retry_tick: how long a job waits without any offer before the pool grows.
         pool_grow_interval: at most one new connection per address this often.
         pool_max: at most this many connections per address.
-        pool_reprobe_interval: how long "covered" stops growth.
+        pool_reprobe_interval: how long "covered" stops growth while no job
+            probes, and how long the pool looks for a service no connection
+            announced before a job of it fails ``service_not_offered`` (a full
+            re-probe; before that it is ``unknown_service``, to try again).
         ping_interval, ping_timeout: liveness, as on the execserver.
         reconnect_min, reconnect_max: the back-off range for dialling again.
     """

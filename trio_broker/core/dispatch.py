@@ -56,14 +56,19 @@ line) is one of these.
 
 *Bounded.* A service nobody offers may be a fleet being redeployed, or a recipe
 naming a service that does not exist (a misspelling), which would wait for ever.
-So ``unknown_service`` is bounded per action
-(:attr:`DispatchConfig.unknown_service_attempts`): from the claim that reaches
-the bound on, an ``UnknownService`` is judged as the
-:class:`~trio_broker.core.errors.ServiceNotOffered` it has become
-(``ServiceNotOffered: <its text>, after <attempts> attempts``), which fails the
-item (``service_not_offered``). The bound is the core's alone: whatever rule
-decides that a service will not come (today the count of claims) changes here,
-and the application only learns the decision.
+The client core bounds it, by time: its pool looks for the service a whole
+``pool_reprobe_interval`` (behind a balancer it keeps dialling replicas while a
+job waits), answering ``UnknownService`` meanwhile and
+:class:`~trio_broker.core.errors.ServiceNotOffered` after, which fails the item
+(``service_not_offered``); this table only follows that verdict. An action may
+still bound ``UnknownService`` by claims
+(:attr:`DispatchConfig.unknown_service_attempts`, none by default) for a client
+that gives no verdict of its own: from the claim that reaches the bound on, an
+``UnknownService`` is judged as the ``ServiceNotOffered`` it has become
+(``ServiceNotOffered: <its text>, after <attempts> attempts``). Counting claims
+is no substitute for the client's verdict: claims come every ``retry_delay``
+whatever the pool did meanwhile, so a count can end the search before the pool
+had a full re-probe (the reference fylr sets no bound).
 
 Exception groups are judged by the same table: the group is split by each
 row's exception types in turn (:meth:`BaseExceptionGroup.split`), what no row
@@ -416,7 +421,8 @@ class DispatchConfig:
         unknown_service_attempts: the bound of ``unknown_service`` per action
             (see the module docstring): from its item's this-many-th claim on, an
             ``UnknownService`` fails the item as ``ServiceNotOffered``; an action
-            not named here waits for its service as long as it takes.
+            not named here follows its client's verdict (the client core's
+            ``ServiceNotOffered``).
     """
 
     exec_actions: frozenset[str] = frozenset()

@@ -17,7 +17,10 @@ table of its reasons, and :func:`run_failure` the exception a caller gets:
 - ``no_execserver`` raises :class:`~trio_broker.core.errors.NoExecserver` (none
   reachable, or all drain);
 - ``unknown_service`` raises :class:`~trio_broker.core.errors.UnknownService` (no
-  reachable execserver offers the service);
+  reachable execserver offers the service yet: try again later);
+- ``service_not_offered`` raises :class:`~trio_broker.core.errors.ServiceNotOffered`
+  (the pool looked for the service a whole ``pool_reprobe_interval`` and found
+  no execserver offering it: for good);
 - ``lost`` raises :class:`~trio_broker.core.errors.JobLost` (the connection holding
   the job's slot closed before its end);
 - ``cancelled`` raises nothing: the caller withdrew the job (its own cancellation).
@@ -64,6 +67,7 @@ from trio_broker.core.errors import (
     JobStopped,
     NoExecserver,
     NoSlot,
+    ServiceNotOffered,
     UnknownService,
     WorkFailed,
 )
@@ -87,10 +91,11 @@ waits for its request; ``active``: a request is being served; ``done``: the whol
 stream went through; ``aborted``: the transfer started but did not complete;
 ``closed``: closed before any request came."""
 
-RUN_FAILURES: Final[Mapping[FailReason, type[BrokerError] | None]] = {
+RUN_FAILURES: Final[Mapping[FailReason, type[BrokerError | ServiceNotOffered] | None]] = {
     "no_slot": NoSlot,
     "no_execserver": NoExecserver,
     "unknown_service": UnknownService,
+    "service_not_offered": ServiceNotOffered,
     "lost": JobLost,
     "cancelled": None,
 }
@@ -111,7 +116,7 @@ def _legacy_unreachable(receipt: Receipt) -> bool:
     )
 
 
-def run_failure(failed: Failed) -> BrokerError | None:
+def run_failure(failed: Failed) -> BrokerError | ServiceNotOffered | None:
     """The exception the caller of a job gets for its ``Failed`` effect (:data:`RUN_FAILURES`).
 
     Returns:

@@ -236,12 +236,16 @@ class WorkFailed(Exception):
 
 
 class ServiceNotOffered(WorkFailed):
-    """No execserver offered the service, however often the item came back.
+    """No execserver offered the service, though the client looked for it long enough.
 
-    The dispatch core decides it, from an item's ``UnknownService`` once the item
-    has been claimed as often as its action allows
-    (:class:`~trio_broker.core.dispatch.DispatchConfig`): a recipe that names a
-    service nobody offers (a misspelling) fails instead of waiting for ever.
+    The client core decides it (:mod:`trio_broker.core.client`): a job whose
+    service no connection announced fails so once its pool has looked for the
+    service a whole ``pool_reprobe_interval`` (time, not attempts), so a recipe
+    that names a service nobody offers (a misspelling) fails instead of waiting
+    for ever, and a service a replica behind a balancer offers is found first.
+    A dispatch core may also bound an item's ``UnknownService`` by its claims
+    (:class:`~trio_broker.core.dispatch.DispatchConfig`), for clients that give
+    no such verdict.
     """
 
 

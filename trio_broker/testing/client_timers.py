@@ -86,7 +86,8 @@ class ClientTimersMachine(RuleBasedStateMachine):
                 retry_tick=self.retry_tick,
                 pool_grow_interval=self.grow_interval,
                 pool_max=4,
-                pool_reprobe_interval=1e6,
+                # a job that probes waits for its search, at most its connect_timeout
+                pool_reprobe_interval=self.connect_timeout,
                 ping_interval=1e6,
                 ping_timeout=2e6,
                 reconnect_min=1e6,

@@ -67,6 +67,7 @@ from trio_broker.core.errors import (
     ClientClosed,
     NoExecserver,
     NoSlot,
+    ServiceNotOffered,
     UnknownService,
 )
 from trio_broker.trio import tracing
@@ -179,16 +180,17 @@ class _Waiter:
     def __init__(self, service: str) -> None:
         self.done = trio.Event()
         self.receipt: p.Receipt | None = None
-        self.error: BrokerError | None = None
+        self.error: BrokerError | ServiceNotOffered | None = None
         self.service = service
         self.asked: float | None = trio.current_time()  # None once the slot wait is counted
         self.slot_span: tracing.Span = None  # trio_broker.slot_wait, until an offer is taken
 
 
-_WAIT_OUTCOMES: Final[dict[type[BrokerError], str]] = {
+_WAIT_OUTCOMES: Final[dict[type[BrokerError | ServiceNotOffered], str]] = {
     NoSlot: "no_slot",
     NoExecserver: "no_execserver",
     UnknownService: "unknown_service",
+    ServiceNotOffered: "service_not_offered",
     ClientClosed: "closed",
 }
 
@@ -311,7 +313,10 @@ class BrokerClient:
             NoSlot: no slot within ``connect_timeout``.
             NoExecserver: no execserver is connected (or all drain).
             ClientClosed: the client was closed before the job ended.
-            UnknownService: no connected execserver offers ``service``.
+            UnknownService: no connected execserver offers ``service`` (yet: try
+                again later).
+            ServiceNotOffered: the pool looked for ``service`` a whole
+                ``pool_reprobe_interval`` and found no execserver offering it.
             JobLost: the connection holding the job's slot closed before its end.
             trio.TooSlowError: ``timeout`` expired.
         """

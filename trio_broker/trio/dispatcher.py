@@ -174,7 +174,9 @@ class Action:
             *Settling* in the module docstring); ``None``: nothing to settle.
         unknown_service_attempts: from an item's this-many-th claim on, an
             ``UnknownService`` fails it (``ServiceNotOffered``) instead of
-            requeueing it; ``None``: it waits for its service as long as it takes.
+            requeueing it; ``None``: it follows the broker client's verdict (a
+            ``BrokerClient`` raises ``ServiceNotOffered`` once its pool looked for
+            the service a whole ``pool_reprobe_interval``).
     """
 
     name: str

@@ -98,6 +98,8 @@ Top-level keys (:class:`FylrConfig`):
     Largest websocket frame accepted from an execserver.
 ``pool_grow_interval`` (2s, > 0), ``pool_max`` (16, >= 1), ``pool_reprobe_interval`` (60s, > 0)
     The client-side connection pool per address (PROTOCOL.md).
+    ``pool_reprobe_interval`` is also how long the pool looks for a service no
+    connection announced before a step of it fails for good.
 ``max_in_flight`` (0, >= 0)
     Cap on queue items in flight; 0 = automatic
     (:func:`~trio_broker.core.admission.auto_max_in_flight` of the database pool).
@@ -115,13 +117,15 @@ Top-level keys (:class:`FylrConfig`):
 ``retry_delay`` (1m, >= 0)
     How long a requeued item waits (no slot in time, a draining execserver, a
     storage error): the dispatcher's one ``retry_delay``.
-``unknown_service_attempts`` (5, >= 1)
-    A step whose service no connected execserver offers (a misspelled recipe)
-    is requeued after ``retry_delay`` with the reason and the closest offered
-    name in its file's ``error`` (one warning), and fails on the claim that meets
-    this count (the queue row's ``attempts``: every claim of the step counts);
-    the dispatcher's decision (the bound of its ``metadata`` and ``produce``
-    actions).
+``unknown_service_attempts`` (5, >= 1; ignored)
+    Accepted so that older files load; it has no effect. A step whose service
+    no connected execserver offers (a misspelled recipe) is requeued after
+    ``retry_delay`` with the reason and the closest offered name in its file's
+    ``error`` (one warning) while the broker client looks for the service,
+    and fails once the client looked a whole ``pool_reprobe_interval`` without
+    finding it (time, not claims: behind a balancer the pool keeps dialling the
+    replicas it has not reached, PROTOCOL.md "Several clients behind one
+    balancer").
 ``counts_interval`` (1m, >= 0)
     The files by kind and state that ``/metrics`` and ``/inspect/system/fylr``
     show are counted again at most this often (a full count reads every row);
@@ -999,7 +1003,7 @@ class FylrConfig:
     local_workers: _Count = 0
     claim_interval: _Positive = 1.0
     retry_delay: _Delay = 60.0
-    unknown_service_attempts: _AtLeastOne = 5
+    unknown_service_attempts: _AtLeastOne = 5  # ignored: the broker client decides
     counts_interval: _Delay = 60.0
     heartbeat_interval: _Positive = 10.0
     stale_after: _Positive = 45.0

@@ -48,8 +48,9 @@ stopped, or whose output did not arrive whole, raises
 :class:`~trio_broker.core.errors.JobStopped`; a job that ran and failed
 (``failed``, ``timed_out``, ``stalled``, ``out_of_memory``, ``error``) raises
 :class:`~trio_broker.core.endings.JobFailed`. Besides those a step raises the
-broker client's ``NoSlot``, ``NoExecserver``, ``UnknownService`` (described with
-the closest offered name, :func:`service_notice`), ``JobLost`` (a killed
+broker client's ``NoSlot``, ``NoExecserver``, ``UnknownService`` and
+``ServiceNotOffered`` (described with the closest offered name,
+:func:`service_notice`), ``JobLost`` (a killed
 execserver) or ``ClientClosed``, the store's ``StoreUnavailable``, a
 ``FileNotFoundError`` for a stored input that is missing while the storage folder
 is there, and a :class:`~trio_broker.core.errors.RetryLater` after the queue's
@@ -58,16 +59,18 @@ temporary file that vanished under its writer, an I/O error of a shared folder,
 a full disk, an input that could not be read, an unreachable folder).
 
 The dispatcher decides once, by the outcome table of
-:mod:`trio_broker.core.dispatch` (``unknown_service`` bounded at
-``unknown_service_attempts`` claims of the step), and hands its decision to
+:mod:`trio_broker.core.dispatch` (``UnknownService`` is requeued; the broker
+client's ``ServiceNotOffered``, once its pool looked for the service a whole
+``pool_reprobe_interval``, fails the step), and hands its decision to
 :meth:`FileWorker.settle`, which moves the step's file by it and never changes it:
 
 - **requeued** (the reason is temporary): the file goes back to the state the
   step started from (the original or the version to ``new``), a service nobody
   offers with its notice in the file's ``error`` (one warning, then debug);
 - **failed** (the input or the recipe is at fault: the job failed, the stored
-  input is missing, no execserver offered the service for
-  ``unknown_service_attempts`` claims, or a bug): the version ends ``error`` with
+  input is missing, the broker client looked for the service a whole
+  ``pool_reprobe_interval`` and no execserver offers it, or a bug): the version
+  ends ``error`` with
   the reason (for a failed job its receipt's decisive line, and the receipt in
   its metadata), and so do the versions made from it; for a metadata step the
   original ends ``error`` (``metadata: <reason>``); a failed ``sync`` leaves its
@@ -282,26 +285,13 @@ class FileWorker:
         self._noticed: dict[int, set[str]] = {}
 
     def actions(self) -> list[Action]:
-        """The dispatcher's actions: ``metadata`` and ``produce`` exec-bound (their
-        ``UnknownService`` bounded at ``unknown_service_attempts``), ``sync`` local;
-        each settled by :meth:`settle`."""
-        attempts = self.state.config.unknown_service_attempts
+        """The dispatcher's actions: ``metadata`` and ``produce`` exec-bound, ``sync``
+        local; each settled by :meth:`settle`. No action counts ``UnknownService``:
+        the broker client's verdict (``ServiceNotOffered``) decides."""
         return [
-            Action(
-                ACTION_METADATA,
-                exec_bound=True,
-                handler=self.metadata,
-                settle=self.settle,
-                unknown_service_attempts=attempts,
-            ),
+            Action(ACTION_METADATA, exec_bound=True, handler=self.metadata, settle=self.settle),
             Action(ACTION_SYNC, exec_bound=False, handler=self.sync, settle=self.settle),
-            Action(
-                ACTION_PRODUCE,
-                exec_bound=True,
-                handler=self.produce,
-                settle=self.settle,
-                unknown_service_attempts=attempts,
-            ),
+            Action(ACTION_PRODUCE, exec_bound=True, handler=self.produce, settle=self.settle),
         ]
 
     # -- configuration lookups -------------------------------------------------------------
@@ -365,8 +355,10 @@ class FileWorker:
                 input failed during the job (the job's result is dropped); or
                 the remote answered with a temporary failure.
             RemoteSourceFailed: the remote input failed for good.
-            UnknownService: no connected execserver offers ``service``; its text
-                is :func:`service_notice` (the closest offered name).
+            UnknownService: no connected execserver offers ``service`` yet; its
+                text is :func:`service_notice` (the closest offered name).
+            ServiceNotOffered: the broker client looked for ``service`` a whole
+                ``pool_reprobe_interval`` without finding it (the same text).
             NoExecserver, NoSlot, JobLost, ClientClosed: see :meth:`BrokerClient.run`.
         """
         step_service(service)
@@ -392,6 +384,9 @@ class FileWorker:
             )
         except UnknownService as exc:
             raise UnknownService(service_notice(service, self.offered_services())) from exc
+        except ServiceNotOffered as exc:
+            notice = service_notice(service, self.offered_services())
+            raise ServiceNotOffered(f"{notice}, after a whole re-probe of looking") from exc
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(_CLEANUP_TIMEOUT):
                 await source.aclose()
