@@ -395,6 +395,20 @@ class FleetMachine(RuleBasedStateMachine):
             self._move_to(min(due))
         raise AssertionError(f"the fleet did not settle: {sorted(self.tries)} in flight")
 
+    def _reconnect(self) -> None:
+        """Time passes until every client has a connection again (a cut one dials back
+        after its wait), so that the check of each client alone starts connected."""
+        for _ in range(_SETTLE_STEPS):
+            while self.dials:
+                self._land(min(self.dials))
+            self._flush()
+            if all(any(c == client for c, _ in self.links) for client in range(self.clients)):
+                return
+            due = self._deadlines()
+            assert due, "a client without a connection, and no core asks to be woken"
+            self._move_to(min(due))
+        raise AssertionError("a client never dialled back")
+
     def teardown(self) -> None:
         """Leave the fleet alone to settle, then hold every job to the reference."""
         self._settle()
@@ -405,6 +419,7 @@ class FleetMachine(RuleBasedStateMachine):
                 assert job.outcome == "service_not_offered", job
         for broker in self.brokers:
             assert not broker.running(), "a slot is held after every job ended"
+        self._reconnect()
         for client in range(self.clients):
             for service in self.services:
                 job = _Job(f"last{next(self.names)}", client, service)
