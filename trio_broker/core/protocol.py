@@ -482,20 +482,17 @@ def _bounded_str(value: Any, _: Any) -> str:
     return value
 
 
-def _label(value: Any, _: Any) -> str:
-    if type(value) is not str:
-        raise _FieldError(f"expected a string, got {_show(value)}")
-    if len(value) > MAX_LABEL_CHARS:
-        raise _FieldError(f"expected at most {MAX_LABEL_CHARS} characters, got {len(value)}")
-    return value
+def _at_most(limit: int) -> Callable[[Any, Any], str]:
+    """The structure hook of a string of at most ``limit`` code points."""
 
+    def check(value: Any, _: Any) -> str:
+        if type(value) is not str:
+            raise _FieldError(f"expected a string, got {_show(value)}")
+        if len(value) > limit:
+            raise _FieldError(f"expected at most {limit} characters, got {len(value)}")
+        return value
 
-def _url(value: Any, _: Any) -> str:
-    if type(value) is not str:
-        raise _FieldError(f"expected a string, got {_show(value)}")
-    if len(value) > MAX_URL_CHARS:
-        raise _FieldError(f"expected at most {MAX_URL_CHARS} characters, got {len(value)}")
-    return value
+    return check
 
 
 def clip_subject(subject: str | None) -> str | None:
@@ -631,8 +628,8 @@ def _make_converter() -> Any:
     conv.register_structure_hook(float, _number)
     conv.register_structure_hook(bool, _boolean)
     conv.register_structure_hook_func(lambda t: t in (JobId, ServiceName), _bounded_str)
-    conv.register_structure_hook_func(lambda t: t == Label, _label)
-    conv.register_structure_hook_func(lambda t: t == Url, _url)
+    conv.register_structure_hook_func(lambda t: t == Label, _at_most(MAX_LABEL_CHARS))
+    conv.register_structure_hook_func(lambda t: t == Url, _at_most(MAX_URL_CHARS))
     conv.register_structure_hook_func(lambda t: t == Count, _count)
     conv.register_structure_hook_func(lambda t: t == ByteCount, _byte_count)
     conv.register_structure_hook_func(lambda t: t == JsonObject, _json_object)
